@@ -1,0 +1,44 @@
+# kernel_env — the targets the README and CI call.
+#   make serve   install what is needed, then run the server (kernel-env serve)
+#   make test    install what is needed, then run the test suite
+#   make bench   run the benchmarks (prints a table)
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: serve test lint bench install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Stamp files: reinstall when pyproject.toml changes, not on every run.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(BIN)/kernel-env serve --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check kernel_env tests benchmarks
+	$(BIN)/mypy kernel_env
+
+bench: $(VENV)/.installed-dev
+	$(BIN)/python benchmarks/bench_server.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -1,0 +1,78 @@
+"""kernel_env: a REPL environment for language-model agents, in real IPython kernels.
+
+Importing the package does nothing but define names; the heavier modules load on first use, so
+a kernel that loads the ``kernel_env`` extension starts as fast as a plain one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "AsyncKernelEnv": "kernel_env.client",
+    "CodeBlockResult": "kernel_env.models",
+    "EnvConfig": "kernel_env.environment",
+    "EpisodeError": "kernel_env.errors",
+    "EpisodeFinished": "kernel_env.errors",
+    "ExactMatch": "kernel_env.rubric",
+    "FuzzyMatch": "kernel_env.rubric",
+    "KernelEnv": "kernel_env.client",
+    "KernelEnvError": "kernel_env.errors",
+    "KernelEnvironment": "kernel_env.environment",
+    "KernelError": "kernel_env.errors",
+    "LocalKernel": "kernel_env.kernel",
+    "REPLAction": "kernel_env.models",
+    "REPLObservation": "kernel_env.models",
+    "REPLState": "kernel_env.models",
+    "RemoteError": "kernel_env.errors",
+    "ResetNeeded": "kernel_env.errors",
+    "Rewards": "kernel_env.rubric",
+    "StepResult": "kernel_env.models",
+    "check_env": "kernel_env.checker",
+}
+
+__all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
+
+if TYPE_CHECKING:
+    from kernel_env.checker import check_env
+    from kernel_env.client import AsyncKernelEnv, KernelEnv
+    from kernel_env.environment import EnvConfig, KernelEnvironment
+    from kernel_env.errors import (
+        EpisodeError,
+        EpisodeFinished,
+        KernelEnvError,
+        KernelError,
+        RemoteError,
+        ResetNeeded,
+    )
+    from kernel_env.kernel import LocalKernel
+    from kernel_env.models import (
+        CodeBlockResult,
+        REPLAction,
+        REPLObservation,
+        REPLState,
+        StepResult,
+    )
+    from kernel_env.rubric import ExactMatch, FuzzyMatch, Rewards
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernel_env' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_ipython_extension(shell: Any) -> None:
+    """``%load_ext kernel_env``: the agent helpers in your own notebook."""
+    from kernel_env import kernel_side
+
+    kernel_side.load_ipython_extension(shell)
+
+
+def unload_ipython_extension(shell: Any) -> None:
+    """Nothing to undo: the helpers stay defined until the kernel restarts."""

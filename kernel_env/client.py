@@ -1,0 +1,311 @@
+"""``KernelEnv`` and ``AsyncKernelEnv``: the client interface of OpenEnv's ``REPLEnv``.
+
+With no ``base_url`` an episode runs locally, in a kernel this process starts (no server);
+with one, it runs on a ``kernel-env serve`` server over its ``/ws`` WebSocket. Both give the
+same results. ``AsyncKernelEnv`` is the implementation; ``KernelEnv`` is a thin synchronous
+facade that runs it on one background event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
+
+from kernel_env.environment import EnvConfig, KernelEnvironment
+from kernel_env.errors import ResetNeeded
+from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
+from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
+from kernel_env.rubric import Rewards
+
+__all__ = ["AsyncKernelEnv", "KernelEnv"]
+
+T = TypeVar("T")
+
+
+class _Session(Protocol):
+    """Where episodes run: in this process, or on a server."""
+
+    async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]: ...
+    async def step(self, action: REPLAction) -> StepResult[REPLObservation]: ...
+    async def state(self) -> REPLState: ...
+    async def close(self) -> None: ...
+
+
+class _LocalSession:
+    """Episodes in a kernel started by this process."""
+
+    def __init__(self, env: KernelEnvironment) -> None:
+        self.env = env
+
+    async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
+        return _wrap(await self.env.reset(**kwargs))
+
+    async def step(self, action: REPLAction) -> StepResult[REPLObservation]:
+        return _wrap(await self.env.step(action))
+
+    async def state(self) -> REPLState:
+        return self.env.state
+
+    async def close(self) -> None:
+        await self.env.close()
+
+
+def _wrap(obs: REPLObservation) -> StepResult[REPLObservation]:
+    return StepResult(observation=obs, reward=obs.reward, done=obs.done)
+
+
+class AsyncKernelEnv:
+    """An episode client: local when ``base_url`` is None, else remote (``kernel-env serve``).
+
+    Example::
+
+        async with AsyncKernelEnv() as env:
+            await env.reset(context="Hello World", task_prompt="Count chars")
+            result = await env.execute("len(context)")
+            print(result.observation.result.stdout)   # 11
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        llm_query_fn: LLMQueryFn | None = None,
+        llm_batch_fn: LLMBatchFn | None = None,
+        max_output_length: int = 8192,
+        context_preview_length: int = 500,
+        reward_on_success: float = 1.0,
+        reward_on_iteration: float = 0.0,
+        reward_on_failure: float = -0.1,
+        reward_on_error: float = -0.05,
+        step_timeout: float = 30.0,
+        config: EnvConfig | None = None,
+        connect_timeout_s: float = 10.0,
+        message_timeout_s: float = 60.0,
+        token: str | None = None,
+    ) -> None:
+        """Local-only options: ``llm_query_fn``, ``llm_batch_fn``, output and reward settings,
+        ``step_timeout``, or a whole ``config`` (which then wins over those keywords).
+        Remote-only: ``connect_timeout_s``, ``message_timeout_s``, ``token``."""
+        self.base_url = base_url
+        self._session: _Session | None = None
+        self._closed = False
+        if base_url is None:
+            config = config or EnvConfig(
+                step_timeout=step_timeout,
+                max_output_length=max_output_length,
+                context_preview_length=context_preview_length,
+                success_reward=reward_on_success,
+                rewards=Rewards(
+                    step_ok=reward_on_iteration,
+                    step_failed=reward_on_error,
+                    budget_exhausted=reward_on_failure,
+                ),
+            )
+            self.environment: KernelEnvironment | None = KernelEnvironment(
+                config, llm_query_fn=llm_query_fn, llm_batch_fn=llm_batch_fn
+            )
+            self._session = _LocalSession(self.environment)
+        else:
+            if llm_query_fn is not None or llm_batch_fn is not None:
+                raise ValueError(
+                    "llm_query_fn/llm_batch_fn run on the host that runs the kernels; with a "
+                    "base_url, configure the LLM on the server"
+                )
+            self.environment = None
+            self._remote = (base_url, connect_timeout_s, message_timeout_s, token)
+
+    async def _connect(self) -> _Session:
+        if self._closed:
+            raise ResetNeeded("this client is closed; create a new one")
+        if self._session is None:
+            from kernel_env.remote import RemoteSession
+
+            base_url, connect_timeout, message_timeout, token = self._remote
+            self._session = await RemoteSession.connect(
+                base_url,
+                connect_timeout_s=connect_timeout,
+                message_timeout_s=message_timeout,
+                token=token,
+            )
+        return self._session
+
+    async def reset(
+        self,
+        *,
+        context: str = "",
+        task_prompt: str = "",
+        max_iterations: int = 30,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        hf_token: str | None = None,
+        llm_model: str | None = None,
+        expected_answer: str | None = None,
+        rlm_max_depth: int | None = None,
+        rlm_max_iterations: int | None = None,
+    ) -> StepResult[REPLObservation]:
+        """Start a new episode in a fresh kernel; ``context`` is loaded as a variable."""
+        kwargs: dict[str, Any] = {
+            "context": context,
+            "task_prompt": task_prompt,
+            "max_iterations": max_iterations,
+            "seed": seed,
+            "episode_id": episode_id,
+            "hf_token": hf_token,
+            "llm_model": llm_model,
+            "expected_answer": expected_answer,
+            "rlm_max_depth": rlm_max_depth,
+            "rlm_max_iterations": rlm_max_iterations,
+        }
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        return await (await self._connect()).reset(**kwargs)
+
+    async def step(self, action: REPLAction) -> StepResult[REPLObservation]:
+        """Run one action."""
+        return await (await self._connect()).step(action)
+
+    async def execute(self, code: str) -> StepResult[REPLObservation]:
+        """Run ``code`` as one step."""
+        return await self.step(REPLAction(code=code))
+
+    async def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
+        """End the episode with ``answer`` (no code runs)."""
+        return await self.step(REPLAction(is_final=True, final_answer=answer))
+
+    async def get_variable(self, name: str) -> StepResult[REPLObservation]:
+        """Print ``repr(name)`` as one step (as OpenEnv's REPLEnv does)."""
+        return await self.execute(f"print(repr({name}))")
+
+    async def state(self) -> REPLState:
+        """The episode's state."""
+        return await (await self._connect()).state()
+
+    async def list_variables(self) -> list[str]:
+        """Names defined in the episode's namespace."""
+        return (await self.state()).namespace_keys
+
+    async def close(self) -> None:
+        """End the episode and release its kernel (or connection); idempotent."""
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def __aenter__(self) -> AsyncKernelEnv:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _LoopThread:
+    """One event loop on a daemon thread; ``run`` submits a coroutine and waits for it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="kernel-env-loop", daemon=True
+        )
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+class KernelEnv:
+    """The synchronous client, with OpenEnv ``REPLEnv``'s interface.
+
+    Example::
+
+        with KernelEnv() as env:
+            env.reset(context="Hello World", task_prompt="Count chars")
+            result = env.execute("len(context)")
+            print(result.observation.result.stdout)   # 11
+
+    Takes the keyword arguments of :class:`AsyncKernelEnv`.
+    """
+
+    def __init__(self, base_url: str | None = None, **kwargs: Any) -> None:
+        self._async = AsyncKernelEnv(base_url, **kwargs)
+        self._loop: _LoopThread | None = _LoopThread()
+        self._provider: Any = None
+
+    @classmethod
+    def from_docker_image(cls, image: str, **kwargs: Any) -> KernelEnv:
+        """Start ``image`` (a ``kernel-env serve`` image) in Docker and connect to it.
+
+        Uses OpenEnv's ``LocalDockerProvider`` (``pip install openenv-core``); ``kwargs`` go to
+        its ``start_container``. ``close()`` stops the container.
+        """
+        # Imported here: openenv-core is needed only for this constructor.
+        from openenv.core.containers.runtime import LocalDockerProvider
+
+        provider = LocalDockerProvider()
+        base_url = provider.start_container(image, **kwargs)
+        try:
+            provider.wait_for_ready(base_url)
+            env = cls(base_url=base_url)
+        except BaseException:
+            provider.stop_container()
+            raise
+        env._provider = provider
+        return env
+
+    @property
+    def environment(self) -> KernelEnvironment | None:
+        """The local episode engine (None for a remote client)."""
+        return self._async.environment
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise ResetNeeded("this client is closed; create a new one")
+        return self._loop.run(coro)
+
+    def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
+        """Start a new episode; keywords as :meth:`AsyncKernelEnv.reset`."""
+        return self._run(self._async.reset(**kwargs))
+
+    def step(self, action: REPLAction) -> StepResult[REPLObservation]:
+        return self._run(self._async.step(action))
+
+    def execute(self, code: str) -> StepResult[REPLObservation]:
+        return self._run(self._async.execute(code))
+
+    def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
+        return self._run(self._async.submit_final_answer(answer))
+
+    def get_variable(self, name: str) -> StepResult[REPLObservation]:
+        return self._run(self._async.get_variable(name))
+
+    def state(self) -> REPLState:
+        return self._run(self._async.state())
+
+    def list_variables(self) -> list[str]:
+        return self._run(self._async.list_variables())
+
+    def close(self) -> None:
+        """Release the kernel (or connection) and the loop thread; idempotent."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            try:
+                loop.run(self._async.close())
+            finally:
+                loop.stop()
+        provider, self._provider = self._provider, None
+        if provider is not None:
+            provider.stop_container()
+
+    def __enter__(self) -> KernelEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

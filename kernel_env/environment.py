@@ -1,0 +1,402 @@
+"""``KernelEnvironment``: an OpenEnv REPL episode whose code runs in a real IPython kernel.
+
+The async core that the local client and the server share. ``reset`` takes a fresh kernel (a
+used kernel never serves another episode), loads ``context`` without pasting it into code, and
+configures the in-kernel helpers; ``step`` runs one action, reads the episode state the kernel
+reports in the same reply, detects a final answer, and scores it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timezone
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernel_env import answers
+from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
+from kernel_env.hostcalls import HostCalls, LLMBatchFn, LLMQueryFn
+from kernel_env.kernel import ExecutionResult, Kernel, LocalKernel
+from kernel_env.kernel_side import DEFAULT_OUTPUT_CAP, MODULE_NAME, STATE_EXPRESSION
+from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
+from kernel_env.outputs import truncate
+from kernel_env.record import EpisodeRecord, StepRecord
+from kernel_env.rubric import Rewards, Rubric, as_rubric, score_final
+
+__all__ = ["EnvConfig", "KernelEnvironment", "KernelSource"]
+
+# Starts (or takes from a pool) a ready kernel for a new episode.
+KernelSource = Callable[[], Awaitable[Kernel]]
+
+_KERNEL = f"__import__('sys').modules[{MODULE_NAME!r}]"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """How episodes run. Defaults follow OpenEnv's repl_env where it has one."""
+
+    step_timeout: float = 30.0  # below the 60 s an OpenEnv client waits for a reply
+    max_output_length: int = 8192  # chars of stdout/stderr each, for the model
+    context_preview_length: int = 500
+    kernel_output_cap: int = DEFAULT_OUTPUT_CAP  # chars per stream per cell leaving the kernel
+    max_code_chars: int = 1024 * 1024
+    max_context_chars: int = 512 * 1024 * 1024
+    inline_context_chars: int = 64 * 1024  # larger contexts travel as a file
+    rewards: Rewards = field(default_factory=Rewards)
+    success_reward: float = 1.0  # scales the rubric's score of a final answer
+    rubric: Rubric | str | None = None
+    llm_concurrency: int = 16
+
+
+@dataclass
+class _Stats:
+    steps: int = 0
+    timeouts: int = 0
+    restarts: int = 0
+    truncations: int = 0
+
+
+async def _start_local_kernel() -> Kernel:
+    kernel = LocalKernel()
+    await kernel.start()
+    return kernel
+
+
+class KernelEnvironment:
+    """One episode at a time in its own kernel. Not safe for concurrent calls: one caller."""
+
+    def __init__(
+        self,
+        config: EnvConfig | None = None,
+        *,
+        kernel_source: KernelSource | None = None,
+        llm_query_fn: LLMQueryFn | None = None,
+        llm_batch_fn: LLMBatchFn | None = None,
+    ) -> None:
+        self.config = config or EnvConfig()
+        self._rubric = as_rubric(self.config.rubric)
+        self._kernel_source = kernel_source or _start_local_kernel
+        self._llm_query_fn = llm_query_fn
+        self._llm_batch_fn = llm_batch_fn
+        self._kernel: Kernel | None = None
+        self._record: EpisodeRecord | None = None
+        self._calls = HostCalls()
+        self._names: list[str] = []
+        self._total_time = 0.0
+        self._llm_calls = 0
+        self.stats = _Stats()
+
+    @property
+    def kernel(self) -> Kernel | None:
+        return self._kernel
+
+    @property
+    def record(self) -> EpisodeRecord | None:
+        """The current (or last) episode's record, for export."""
+        return self._record
+
+    # -- reset ------------------------------------------------------------------------------
+
+    async def reset(self, **kwargs: Any) -> REPLObservation:
+        """Start a new episode in a fresh kernel. Keywords: those of :class:`ResetOptions`."""
+        opts = ResetOptions(**kwargs)
+        if len(opts.context) > self.config.max_context_chars:
+            raise ValueError(
+                f"context of {len(opts.context)} chars exceeds the limit of "
+                f"{self.config.max_context_chars}"
+            )
+        await self._discard_kernel()
+        self._record = EpisodeRecord(
+            episode_id=opts.episode_id or str(uuid.uuid4()),
+            task_prompt=opts.task_prompt,
+            context=opts.context,
+            max_iterations=opts.max_iterations,
+            expected_answer=opts.expected_answer,
+            llm_model=opts.llm_model,
+            seed=opts.seed,
+        )
+        # hf_token is handed to the LLM functions' host side only: never stored or logged.
+        self._calls = HostCalls(
+            llm_query_fn=self._llm_query_fn,
+            llm_batch_fn=self._llm_batch_fn,
+            max_concurrency=self.config.llm_concurrency,
+            default_model=opts.llm_model,
+        )
+        self._total_time = 0.0
+        self._llm_calls = 0
+        self._kernel = await self._kernel_source()
+        await self._setup_kernel()
+        self._names = ["answer", "context"]
+        return self._observation(CodeBlockResult(), reward=None, done=False)
+
+    async def _setup_kernel(self) -> None:
+        record, kernel = self._require()
+        params: dict[str, Any] = {"seed": record.seed, "output_cap": self.config.kernel_output_cap}
+        if len(record.context) <= self.config.inline_context_chars:
+            params["context"] = record.context
+        else:
+            data = record.context.encode("utf-8")
+            params["context_path"] = await kernel.stage_file(".kernel_env_context.txt", data)
+        code = f"{_KERNEL}.setup({json.dumps(json.dumps(params))})"
+        result = await kernel.execute(code, silent=True, timeout=60.0)
+        if not result.success:
+            raise KernelError(
+                f"episode setup failed in the kernel: {result.stderr.strip()[-500:]}",
+                kernel_id=kernel.kernel_id,
+                episode_id=record.episode_id,
+            )
+
+    # -- step -------------------------------------------------------------------------------
+
+    async def step(self, action: REPLAction) -> REPLObservation:
+        """Run one action and return what the agent sees."""
+        record, kernel = self._require()
+        if record.done:
+            raise EpisodeFinished(
+                "the episode is over; call reset() to start another",
+                episode_id=record.episode_id,
+            )
+        if action.is_final:
+            answer = action.final_answer or ""
+            result = CodeBlockResult(stdout="Final answer submitted.")
+            return self._finish_step(action.code, None, result, answer)
+        if len(action.code) > self.config.max_code_chars:
+            raise ValueError(
+                f"code of {len(action.code)} chars exceeds the limit of "
+                f"{self.config.max_code_chars}"
+            )
+        execution = await kernel.execute(
+            action.code,
+            timeout=self.config.step_timeout,
+            stdin=self._calls.handle,
+            user_expressions={"state": STATE_EXPRESSION},
+        )
+        if execution.restarted:
+            await self._setup_kernel()
+        state = _state_from(execution) or await self._query_state()
+        self._names = list(state.get("names") or [])
+        result = self._code_block_result(execution, state)
+        final = await self._detect_final(state, execution)
+        return self._finish_step(action.code, execution, result, final)
+
+    async def _query_state(self) -> dict[str, Any]:
+        _, kernel = self._require()
+        execution = await kernel.execute(
+            "", silent=True, timeout=10.0, user_expressions={"state": STATE_EXPRESSION}
+        )
+        return _state_from(execution) or {}
+
+    def _code_block_result(self, ex: ExecutionResult, state: dict[str, Any]) -> CodeBlockResult:
+        limit = self.config.max_output_length
+        notes = _fault_notes(ex, self.config.step_timeout)
+        stdout, cut_out = truncate(ex.stdout, limit)
+        stderr, cut_err = truncate(ex.stderr + notes, limit)
+        self.stats.truncations += (cut_out > 0) + (cut_err > 0)
+        return CodeBlockResult(
+            stdout=stdout,
+            stderr=stderr,
+            locals_snapshot=dict(state.get("snapshot") or {}),
+            execution_time=ex.duration,
+            success=ex.success,
+            exception=_exception_text(ex),
+            outputs=[dict(o) for o in ex.outputs],
+            execution_count=ex.execution_count,
+            timed_out=ex.status == "timeout",
+            kernel_restarted=ex.restarted,
+            state_lost=ex.restarted,
+        )
+
+    async def _detect_final(self, state: dict[str, Any], ex: ExecutionResult) -> str | None:
+        """The four dialects, in OpenEnv's order: FINAL(...) called or printed, FINAL_VAR,
+        then ``answer["ready"]``."""
+        if state.get("final") is not None:
+            return str(state["final"])
+        printed = "".join(
+            o.get("text", "") for o in ex.outputs
+            if o.get("output_type") == "stream" and o.get("name") == "stdout"
+        )
+        if (value := answers.find_final(printed)) is not None:
+            return value
+        if (name := answers.find_final_var(printed)) is not None:
+            found = await self._lookup(name)
+            if found is not None:
+                return found
+        answer = state.get("answer") or {}
+        return str(answer.get("content", "")) if answer.get("ready") else None
+
+    async def _lookup(self, name: str) -> str | None:
+        _, kernel = self._require()
+        expr = f"{_KERNEL}.lookup({name!r})"
+        ex = await kernel.execute("", silent=True, timeout=10.0, user_expressions={"v": expr})
+        value = _json_expression(ex.user_expressions.get("v"))
+        return str(value["value"]) if value and value.get("found") else None
+
+    def _finish_step(
+        self, code: str, ex: ExecutionResult | None, result: CodeBlockResult, final: str | None
+    ) -> REPLObservation:
+        record, kernel = self._require()
+        self.stats.steps += 1
+        self.stats.timeouts += result.timed_out
+        self.stats.restarts += result.kernel_restarted
+        self._total_time += result.execution_time
+        calls = self._calls.take_calls()
+        self._llm_calls += len(calls)
+        iteration = len(record.steps) + 1
+        rewards = self.config.rewards
+        if final is not None:
+            score = score_final(final, record.expected_answer, self._rubric, rewards)
+            reward = score * self.config.success_reward
+            done = True
+        elif iteration >= record.max_iterations:
+            reward, done = rewards.budget_exhausted, True
+        else:
+            reward, done = (rewards.step_ok if result.success else rewards.step_failed), False
+        record.steps.append(_step_record(iteration, code, ex, result, calls, reward, final))
+        record.done, record.final_answer = done, final
+        if done:
+            record.reward = reward
+        return self._observation(result, reward=reward, done=done)
+
+    # -- state, observation, close ------------------------------------------------------------
+
+    @property
+    def state(self) -> REPLState:
+        record = self._record
+        if record is None:
+            return REPLState()
+        return REPLState(
+            episode_id=record.episode_id,
+            step_count=len(record.steps),
+            context=record.context,
+            task_prompt=record.task_prompt,
+            iteration=len(record.steps),
+            max_iterations=record.max_iterations,
+            namespace_keys=list(self._names),
+            final_answer=record.final_answer,
+            total_execution_time=self._total_time,
+            done=record.done,
+            reward=record.reward,
+            kernel_restarts=self._kernel.restarts if self._kernel else 0,
+            llm_calls=self._llm_calls,
+        )
+
+    def _observation(
+        self, result: CodeBlockResult, *, reward: float | None, done: bool
+    ) -> REPLObservation:
+        record, _ = self._require()
+        if done:
+            metadata: dict[str, Any] = {
+                "final_answer": record.final_answer,
+                "total_execution_time": self._total_time,
+                "total_iterations": len(record.steps),
+            }
+        else:
+            metadata = {
+                "task_prompt": record.task_prompt,
+                "final_answer": record.final_answer,
+                "execution_time": result.execution_time,
+            }
+        metadata["episode_id"] = record.episode_id
+        return REPLObservation(
+            result=result,
+            context_preview=record.context[: self.config.context_preview_length] or None,
+            context_length=len(record.context),
+            available_variables=list(self._names),
+            iteration=len(record.steps),
+            max_iterations=record.max_iterations,
+            done=done,
+            reward=reward,
+            metadata=metadata,
+        )
+
+    async def close(self) -> None:
+        """Shut the episode's kernel down; idempotent. The record stays readable."""
+        await self._discard_kernel()
+
+    async def _discard_kernel(self) -> None:
+        kernel, self._kernel = self._kernel, None
+        if kernel is not None:
+            await kernel.shutdown()
+
+    def _require(self) -> tuple[EpisodeRecord, Kernel]:
+        if self._record is None or self._kernel is None:
+            raise ResetNeeded("no episode is running; call reset() first")
+        return self._record, self._kernel
+
+
+def _json_expression(value: Any) -> dict[str, Any] | None:
+    """A user_expressions entry whose text/plain is JSON (see kernel_side._JSONState)."""
+    if not isinstance(value, dict) or value.get("status") != "ok":
+        return None
+    try:
+        parsed = json.loads(value.get("data", {}).get("text/plain", ""))
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _state_from(ex: ExecutionResult) -> dict[str, Any] | None:
+    return _json_expression(ex.user_expressions.get("state"))
+
+
+def _exception_text(ex: ExecutionResult) -> str | None:
+    if ex.status == "timeout":
+        return "TimeoutError: the cell exceeded the step timeout"
+    if ex.status == "died":
+        return "KernelDied: the kernel process exited while running the cell"
+    if ex.error:
+        return f"{ex.error.get('ename', 'Error')}: {ex.error.get('evalue', '')}"
+    return None
+
+
+def _fault_notes(ex: ExecutionResult, timeout: float) -> str:
+    if ex.status == "timeout" and not ex.restarted:
+        return (
+            f"\n[kernel_env] The cell ran longer than {timeout:g} s and was interrupted. "
+            "The kernel kept its state: variables from earlier steps are still defined.\n"
+        )
+    if ex.status == "timeout":
+        return (
+            f"\n[kernel_env] The cell ran longer than {timeout:g} s and did not stop when "
+            "interrupted, so the kernel was restarted. All variables were lost; `context` and "
+            "the helpers were loaded again.\n"
+        )
+    if ex.status == "died":
+        return (
+            "\n[kernel_env] The kernel process died while running this cell (os._exit, a "
+            "signal, or a crash) and was restarted. All variables were lost; `context` and the "
+            "helpers were loaded again.\n"
+        )
+    return ""
+
+
+def _step_record(
+    index: int,
+    code: str,
+    ex: ExecutionResult | None,
+    result: CodeBlockResult,
+    calls: list[Any],
+    reward: float,
+    final: str | None,
+) -> StepRecord:
+    if ex is None:  # a final answer submitted directly: nothing ran
+        now = datetime.now(timezone.utc)
+        return StepRecord(index, code, [], None, now, now, 0.0, "final", reward=reward,
+                          final_answer=final)
+    return StepRecord(
+        index=index,
+        code=code,
+        outputs=result.outputs,
+        execution_count=ex.execution_count,
+        started=ex.started,
+        finished=ex.finished,
+        duration=ex.duration,
+        status=ex.status,
+        interrupted=ex.interrupted,
+        restarted=ex.restarted,
+        llm_calls=calls,
+        reward=reward,
+        final_answer=final,
+    )

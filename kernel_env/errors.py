@@ -1,0 +1,65 @@
+"""Exceptions kernel_env raises for infrastructure failures.
+
+Errors in the *agent's* code are not exceptions: they are data in the observation
+(``success=False``, ``exception``, the traceback in ``stderr``). These are for everything else::
+
+    KernelEnvError
+    ├── KernelError              a kernel could not be started, reached, or restarted
+    │   └── KernelStartError
+    ├── EpisodeError             misuse of an episode
+    │   ├── ResetNeeded          step() before reset(), or after close()
+    │   └── EpisodeFinished      step() after the episode is done
+    └── RemoteError              the server answered with an error frame
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EpisodeError",
+    "EpisodeFinished",
+    "KernelEnvError",
+    "KernelError",
+    "KernelStartError",
+    "RemoteError",
+    "ResetNeeded",
+]
+
+
+class KernelEnvError(Exception):
+    """Root of kernel_env's exceptions; carries optional context ids."""
+
+    def __init__(
+        self, message: str, *, kernel_id: str | None = None, episode_id: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.kernel_id = kernel_id
+        self.episode_id = episode_id
+
+
+class KernelError(KernelEnvError):
+    """A kernel could not be started, reached, or restarted."""
+
+
+class KernelStartError(KernelError):
+    """A kernel did not become ready."""
+
+
+class EpisodeError(KernelEnvError):
+    """The episode was used in a way its lifecycle does not allow."""
+
+
+class ResetNeeded(EpisodeError):
+    """step() or state before reset(), or after close()."""
+
+
+class EpisodeFinished(EpisodeError):
+    """step() after the episode ended; call reset() to start another."""
+
+
+class RemoteError(KernelEnvError):
+    """The server answered a request with an error frame."""
+
+    def __init__(self, message: str, *, code: str, data: dict | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.data = data or {}

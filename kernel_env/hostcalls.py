@@ -1,0 +1,154 @@
+"""The host side of the kernel's helper calls (``llm_query`` & co. over the stdin channel).
+
+A kernel asks with an ``input_request`` whose prompt is ``REQUEST_TAG + json``; this module
+validates that request as untrusted input (user code can send anything), runs it against the
+episode's LLM functions, records the call for the step record, and returns the JSON text of the
+reply. Batched calls are fanned out concurrently here, not in the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernel_env.kernel_side import REQUEST_TAG
+
+__all__ = ["HostCalls", "LLMCall", "LLMBatchFn", "LLMQueryFn"]
+
+LLMQueryFn = Callable[[str], str] | Callable[[str], Awaitable[str]]
+LLMBatchFn = Callable[[list[str]], list[str]] | Callable[[list[str]], Awaitable[list[str]]]
+
+MAX_REQUEST_CHARS = 16 * 1024 * 1024
+MAX_BATCH = 10_000
+_OPS = ("llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched")
+
+
+@dataclass
+class LLMCall:
+    """One prompt answered for the kernel (for the step record and notebook export)."""
+
+    op: str
+    prompt: str
+    response: str
+    model: str | None
+    duration: float
+    error: bool = False
+
+
+class RequestError(ValueError):
+    """A kernel's request is malformed; the kernel gets the message back as an error."""
+
+
+@dataclass
+class HostCalls:
+    """Answers one episode's helper calls with the given LLM functions."""
+
+    llm_query_fn: LLMQueryFn | None = None
+    llm_batch_fn: LLMBatchFn | None = None
+    max_concurrency: int = 16
+    default_model: str | None = None
+    calls: list[LLMCall] = field(default_factory=list)
+
+    def take_calls(self) -> list[LLMCall]:
+        """The calls recorded since the last take (one step's worth)."""
+        calls, self.calls = self.calls, []
+        return calls
+
+    async def handle(self, prompt: str) -> str:
+        """The input_reply value for an input_request prompt."""
+        if not prompt.startswith(REQUEST_TAG):
+            # Plain input() that slipped past the kernel-side guard: EOF, the kernel raises.
+            return "\x04"
+        try:
+            op, args = _parse(prompt[len(REQUEST_TAG) :])
+            result = await self._dispatch(op, args)
+        except RequestError as exc:
+            return json.dumps({"ok": False, "error": f"bad request: {exc}"})
+        except Exception as exc:
+            return json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return json.dumps({"ok": True, "result": result})
+
+    async def _dispatch(self, op: str, args: dict[str, Any]) -> Any:
+        model = args.get("model") or self.default_model
+        if op in ("llm_query", "rlm_query"):
+            # rlm_query is a plain llm_query until an agent backend drives child episodes.
+            return await self._one(op, args["prompt"], model)
+        return await self._batch(op, args["prompts"], model)
+
+    async def _one(self, op: str, prompt: str, model: str | None) -> str:
+        if self.llm_query_fn is None:
+            raise RuntimeError("no LLM is configured for this episode (pass llm_query_fn)")
+        t0 = time.perf_counter()
+        try:
+            response = str(await _call(self.llm_query_fn, prompt))
+        except Exception as exc:
+            self.calls.append(LLMCall(op, prompt, str(exc), model, time.perf_counter() - t0, True))
+            raise
+        self.calls.append(LLMCall(op, prompt, response, model, time.perf_counter() - t0))
+        return response
+
+    async def _batch(self, op: str, prompts: list[str], model: str | None) -> list[str]:
+        if self.llm_batch_fn is not None:
+            t0 = time.perf_counter()
+            responses = [str(r) for r in await _call(self.llm_batch_fn, prompts)]
+            if len(responses) != len(prompts):
+                raise RuntimeError(
+                    f"llm_batch_fn returned {len(responses)} answers for {len(prompts)} prompts"
+                )
+            each = (time.perf_counter() - t0) / len(prompts)
+            self.calls.extend(LLMCall(op, p, r, model, each) for p, r in zip(prompts, responses))
+            return responses
+        limit = asyncio.Semaphore(self.max_concurrency)
+        single = op.removesuffix("_batched")
+
+        async def one(prompt: str) -> str:
+            async with limit:
+                try:
+                    return await self._one(single, prompt, model)
+                except Exception as exc:
+                    return f"Error: {exc}"
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _parse(text: str) -> tuple[str, dict[str, Any]]:
+    if len(text) > MAX_REQUEST_CHARS:
+        raise RequestError(f"request of {len(text)} chars exceeds {MAX_REQUEST_CHARS}")
+    try:
+        request = json.loads(text)
+    except ValueError as exc:
+        raise RequestError("not JSON") from exc
+    if not isinstance(request, dict) or request.get("op") not in _OPS:
+        raise RequestError(f"op must be one of {', '.join(_OPS)}")
+    args = request.get("args")
+    if not isinstance(args, dict):
+        raise RequestError("args must be an object")
+    model = args.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model must be a string")
+    op = request["op"]
+    if op.endswith("_batched"):
+        prompts = args.get("prompts")
+        if not _strings(prompts) or len(prompts) > MAX_BATCH:
+            raise RequestError(f"prompts must be a list of at most {MAX_BATCH} strings")
+        return op, {"prompts": list(prompts), "model": model}
+    if not isinstance(args.get("prompt"), str):
+        raise RequestError("prompt must be a string")
+    return op, {"prompt": args["prompt"], "model": model}
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+async def _call(fn: Callable[..., Any], arg: str | Sequence[str]) -> Any:
+    """Await an async function; run a sync one in a thread so the event loop stays free."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(arg)
+    result = await asyncio.to_thread(fn, arg)
+    return await result if inspect.isawaitable(result) else result

@@ -1,0 +1,371 @@
+"""The backend-independent driver of one kernel: readiness, execute, the timeout ladder.
+
+A backend (local ZMQ, gateway WebSocket) launches the kernel process, sends messages and
+delivers what arrives, one reader per channel, into the three queues here. Everything that
+interprets messages lives in this module, so every backend behaves the same:
+
+- ready = a ``kernel_info_reply`` AND an iopub message, ``kernel_info`` resent every 50 ms
+  (``wait_for_ready()`` sleeps, and after a restart without this the next cell's iopub was lost);
+- an execute is complete when both the shell ``execute_reply`` and the iopub ``idle`` for its
+  ``msg_id`` arrived; output for another parent (a thread printing late) is kept aside, never
+  put into the next cell;
+- a liveness watcher races each execute, so a dead kernel is reported in ~0.2 s, not after the
+  timeout; the kernel is then restarted and the result says state was lost;
+- on timeout: interrupt, wait ``interrupt_grace`` for the cell to end, else restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from kernel_env.errors import KernelError, KernelStartError
+from kernel_env.outputs import OutputCollector
+
+__all__ = ["ExecutionResult", "Kernel", "StdinHandler"]
+
+log = logging.getLogger(__name__)
+
+# Answers a kernel's input_request prompt with the input_reply value.
+StdinHandler = Callable[[str], Awaitable[str]]
+Status = Literal["ok", "error", "timeout", "died"]
+
+_EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
+_OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
+
+
+class KernelDied(KernelError):
+    """The kernel process exited while a request was in flight."""
+
+
+@dataclass
+class ExecutionResult:
+    """What one execute produced, and what happened to the kernel meanwhile."""
+
+    status: Status
+    outputs: list[Any]
+    stdout: str
+    stderr: str
+    error: dict[str, Any] | None
+    execution_count: int | None
+    user_expressions: dict[str, Any]
+    started: datetime
+    finished: datetime
+    duration: float
+    interrupted: bool = False
+    restarted: bool = False
+
+    @property
+    def success(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class _Run:
+    """The state of one execute_request while it is in flight."""
+
+    msg_id: str
+    collector: OutputCollector = field(default_factory=OutputCollector)
+    reply: dict[str, Any] | None = None
+    idle: bool = False
+    status: Status | None = None
+    interrupted: bool = False
+    restarted: bool = False
+
+
+def _parent_id(msg: dict[str, Any]) -> str | None:
+    return (msg.get("parent_header") or {}).get("msg_id")
+
+
+def _msg_type(msg: dict[str, Any]) -> str | None:
+    return (msg.get("header") or {}).get("msg_type")
+
+
+class Kernel(ABC):
+    """One kernel process and its channels. Subclasses implement the transport hooks."""
+
+    kernel_id: str = ""
+
+    def __init__(
+        self,
+        *,
+        interrupt_grace: float = 2.0,
+        liveness_interval: float = 0.2,
+        ready_timeout: float = 60.0,
+    ) -> None:
+        self.interrupt_grace = interrupt_grace
+        self.liveness_interval = liveness_interval
+        self.ready_timeout = ready_timeout
+        self._queues: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._lock = asyncio.Lock()
+        self.late_outputs: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.late_output_count = 0
+        self.restarts = 0
+        self.started = False
+
+    # -- transport hooks ------------------------------------------------------------------
+
+    @abstractmethod
+    async def _launch(self) -> None:
+        """Start the kernel process and the channel readers."""
+
+    @abstractmethod
+    async def _relaunch(self) -> None:
+        """Restart the kernel process (state is lost) and the channel readers."""
+
+    @abstractmethod
+    async def _terminate(self) -> None:
+        """Stop the readers, kill the kernel, release every resource."""
+
+    @abstractmethod
+    def _send(
+        self, channel: str, msg_type: str, content: dict[str, Any], parent: dict | None = None
+    ) -> str:
+        """Send a message on ``channel`` ("shell" or "stdin"); return its msg_id."""
+
+    @abstractmethod
+    async def is_alive(self) -> bool:
+        """Whether the kernel process is running."""
+
+    @abstractmethod
+    async def interrupt(self) -> None:
+        """Interrupt the running cell (SIGINT, or the backend's equivalent)."""
+
+    @abstractmethod
+    async def stage_file(self, name: str, data: bytes) -> str:
+        """Make ``data`` readable by the kernel; return the path the kernel should open."""
+
+    # -- what backends call ---------------------------------------------------------------
+
+    def _reset_queues(self) -> None:
+        self._queues = {name: asyncio.Queue() for name in ("shell", "iopub", "stdin")}
+        self._failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def _transport_failed(self, exc: BaseException) -> None:
+        """A channel reader died: fail the execute in flight instead of letting it hang."""
+        log.error("kernel %s: channel reader failed: %r", self.kernel_id, exc)
+        if not self._failure.done():
+            self._failure.set_exception(
+                KernelError(f"lost the kernel's channels: {exc!r}", kernel_id=self.kernel_id)
+            )
+
+    def _deliver(self, channel: str, msg: dict[str, Any]) -> None:
+        """Hand a received message to the driver (called by the backend's channel reader)."""
+        queue = self._queues.get(channel)
+        if queue is not None:
+            queue.put_nowait(msg)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Launch the kernel and wait until it is ready."""
+        self._reset_queues()
+        await self._launch()
+        try:
+            await self._wait_ready()
+        except BaseException:
+            await self.shutdown()
+            raise
+        self.started = True
+
+    async def restart(self) -> None:
+        """Restart the kernel process: a fresh namespace, same kernel object."""
+        self._reset_queues()
+        await self._relaunch()
+        await self._wait_ready()
+        self.restarts += 1
+
+    async def shutdown(self) -> None:
+        """Kill the kernel and release its resources; idempotent."""
+        self.started = False
+        await self._terminate()
+
+    async def __aenter__(self) -> Kernel:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def _wait_ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ready_timeout
+        got_reply = got_iopub = False
+        while not (got_reply and got_iopub):
+            if loop.time() > deadline:
+                raise KernelStartError(
+                    f"kernel not ready after {self.ready_timeout:.0f} s", kernel_id=self.kernel_id
+                )
+            if not await self.is_alive():
+                raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
+            if not got_reply:
+                self._send("shell", "kernel_info_request", {})
+            tick_end = loop.time() + 0.05
+            while not (got_reply and got_iopub) and (left := tick_end - loop.time()) > 0:
+                msg = await _get(self._queues["shell"], left)
+                got_reply = got_reply or (msg is not None and _msg_type(msg) == "kernel_info_reply")
+                got_iopub = got_iopub or not self._queues["iopub"].empty()
+        # What arrived so far (kernel_info replies, their status messages) is noise now.
+        for queue in self._queues.values():
+            while not queue.empty():
+                queue.get_nowait()
+
+    # -- execute --------------------------------------------------------------------------
+
+    async def execute(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        stdin: StdinHandler | None = None,
+        user_expressions: dict[str, str] | None = None,
+        silent: bool = False,
+        store_history: bool = True,
+    ) -> ExecutionResult:
+        """Run ``code``; never raises for errors in the code itself (they are in the result).
+
+        Raises :class:`KernelError` only when the kernel cannot be brought back.
+        """
+        async with self._lock:
+            started, t0 = datetime.now(timezone.utc), time.perf_counter()
+            msg_id = self._send(
+                "shell",
+                "execute_request",
+                {
+                    "code": code,
+                    "silent": silent,
+                    "store_history": store_history and not silent,
+                    "user_expressions": user_expressions or {},
+                    "allow_stdin": True,
+                    "stop_on_error": False,
+                },
+            )
+            run = _Run(msg_id)
+            try:
+                await asyncio.wait_for(self._drive(run, stdin), timeout)
+            except TimeoutError:
+                await self._on_timeout(run, stdin)
+            except KernelDied:
+                log.warning("kernel %s died during a cell; restarting", self.kernel_id)
+                run.status = "died"
+                await self._restart_for(run)
+            return _result(run, started, time.perf_counter() - t0)
+
+    async def _drive(self, run: _Run, stdin: StdinHandler | None) -> None:
+        """Until reply and idle both arrived; raises KernelDied if the process exits first."""
+        tasks = [
+            asyncio.create_task(self._until_complete(run)),
+            asyncio.create_task(self._serve_stdin(run, stdin)),
+            asyncio.create_task(self._watch_liveness()),
+            asyncio.ensure_future(asyncio.shield(self._failure)),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _until_complete(self, run: _Run) -> None:
+        await asyncio.gather(self._read_iopub(run), self._read_shell(run))
+
+    async def _read_iopub(self, run: _Run) -> None:
+        queue = self._queues["iopub"]
+        while not run.idle:
+            msg = await queue.get()
+            msg_type = _msg_type(msg)
+            if _parent_id(msg) != run.msg_id:
+                self._stray(msg, msg_type)
+            elif msg_type == "status":
+                run.idle = msg.get("content", {}).get("execution_state") == "idle"
+            else:
+                run.collector.feed(msg)
+
+    def _stray(self, msg: dict[str, Any], msg_type: str | None) -> None:
+        if msg_type in _OUTPUT_TYPES:
+            # Printed by a thread after its cell went idle: logged, never shown in this cell.
+            self.late_outputs.append(msg)
+            self.late_output_count += 1
+
+    async def _read_shell(self, run: _Run) -> None:
+        queue = self._queues["shell"]
+        while run.reply is None:
+            msg = await queue.get()
+            if _parent_id(msg) == run.msg_id and _msg_type(msg) == "execute_reply":
+                run.reply = msg.get("content") or {}
+
+    async def _serve_stdin(self, run: _Run, handler: StdinHandler | None) -> None:
+        queue = self._queues["stdin"]
+        while True:
+            msg = await queue.get()
+            if _msg_type(msg) != "input_request" or _parent_id(msg) != run.msg_id:
+                continue
+            prompt = str(msg.get("content", {}).get("prompt", ""))
+            value = _EOF
+            if handler is not None:
+                try:
+                    value = await handler(prompt)
+                except Exception:
+                    # The kernel must never wait forever on stdin: answer EOF, it raises EOFError.
+                    log.exception("stdin handler failed; answering EOF")
+            self._send("stdin", "input_reply", {"value": value}, parent=msg)
+
+    async def _watch_liveness(self) -> None:
+        while True:
+            await asyncio.sleep(self.liveness_interval)
+            if not await self.is_alive():
+                raise KernelDied("kernel process exited", kernel_id=self.kernel_id)
+
+    async def _on_timeout(self, run: _Run, stdin: StdinHandler | None) -> None:
+        run.status = "timeout"
+        with contextlib.suppress(KernelError):
+            await self.interrupt()
+        try:
+            await asyncio.wait_for(self._drive(run, stdin), self.interrupt_grace)
+            run.interrupted = True
+            return
+        except (TimeoutError, KernelDied):
+            # C code holding the GIL, or SIGINT ignored: only a restart ends it.
+            log.warning("kernel %s ignored the interrupt; restarting", self.kernel_id)
+        await self._restart_for(run)
+
+    async def _restart_for(self, run: _Run) -> None:
+        await self.restart()
+        run.restarted = True
+
+
+async def _get(queue: asyncio.Queue[dict[str, Any]], timeout: float) -> dict[str, Any] | None:
+    try:
+        return await asyncio.wait_for(queue.get(), timeout)
+    except TimeoutError:
+        return None
+
+
+def _result(run: _Run, started: datetime, duration: float) -> ExecutionResult:
+    reply = run.reply or {}
+    status: Status = run.status or ("ok" if reply.get("status") == "ok" else "error")
+    collector = run.collector
+    return ExecutionResult(
+        status=status,
+        outputs=collector.outputs,
+        stdout=collector.stdout_text(),
+        stderr=collector.stderr_text(),
+        error=collector.error,
+        execution_count=reply.get("execution_count"),
+        user_expressions=reply.get("user_expressions") or {},
+        started=started,
+        finished=datetime.now(timezone.utc),
+        duration=duration,
+        interrupted=run.interrupted,
+        restarted=run.restarted,
+    )

@@ -1,0 +1,199 @@
+"""A kernel on this host, started and driven through ``jupyter_client``'s async API.
+
+It runs on IPC transport in a private runtime dir (mode 0700), so no other local process can
+reach its sockets the way any same-uid process can reach a TCP kernel's; and it gets an explicit,
+minimal environment: never the server's ``os.environ``, where tokens live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpec
+
+from kernel_env.errors import KernelStartError
+from kernel_env.kernel.base import Kernel
+
+__all__ = ["LocalKernel", "kernel_argv", "minimal_environ"]
+
+# Settings measured to matter: no ANSI colours in tracebacks (the model reads them), no
+# history database (an sqlite file per kernel, and a lock shared between kernels).
+_KERNEL_FLAGS = (
+    "--ext=kernel_env.kernel_side",
+    "--colors=nocolor",
+    "--HistoryManager.enabled=False",
+)
+
+
+def kernel_argv(python: str = sys.executable) -> list[str]:
+    """The command line of an episode kernel (``{connection_file}`` filled in at launch)."""
+    return [python, "-m", "ipykernel_launcher", "-f", "{connection_file}", *_KERNEL_FLAGS]
+
+
+def minimal_environ(home: str, python: str = sys.executable) -> dict[str, str]:
+    """The whole environment an episode kernel gets: nothing inherited, nothing secret."""
+    bin_dir = str(Path(python).parent)
+    return {
+        "PATH": os.pathsep.join([bin_dir, "/usr/local/bin", "/usr/bin", "/bin"]),
+        "HOME": home,
+        "TMPDIR": home,
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
+
+
+class _KernelManager(AsyncKernelManager):
+    """A kernel manager with an explicit kernelspec (not whatever ``python3`` resolves to)."""
+
+    def __init__(self, spec: KernelSpec, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._kernel_spec = spec
+
+
+class LocalKernel(Kernel):
+    """An ipykernel process on this host, over IPC in a private runtime dir."""
+
+    def __init__(
+        self,
+        *,
+        python: str = sys.executable,
+        argv: Sequence[str] | None = None,
+        extra_env: Mapping[str, str] | None = None,
+        runtime_root: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.kernel_id = uuid.uuid4().hex[:12]
+        self._argv = list(argv) if argv is not None else kernel_argv(python)
+        self._python = python
+        self._extra_env = dict(extra_env or {})
+        self._runtime_root = runtime_root
+        self._dir: Path | None = None
+        self._km: _KernelManager | None = None
+        self._kc: Any = None
+        self._readers: list[asyncio.Task[None]] = []
+
+    @property
+    def runtime_dir(self) -> Path | None:
+        """The kernel's private directory (connection file, sockets, working directory)."""
+        return self._dir
+
+    @property
+    def workdir(self) -> Path:
+        if self._dir is None:
+            raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        return self._dir / "work"
+
+    @property
+    def pid(self) -> int | None:
+        provisioner = self._km.provisioner if self._km else None
+        process = getattr(provisioner, "process", None)
+        return process.pid if process is not None else None
+
+    # -- transport hooks ------------------------------------------------------------------
+
+    async def _launch(self) -> None:
+        # mkdtemp creates the directory with mode 0700: only we can reach the sockets.
+        self._dir = Path(tempfile.mkdtemp(prefix=f"kernel-env-{self.kernel_id}-",
+                                          dir=self._runtime_root))
+        self.workdir.mkdir()
+        spec = KernelSpec(argv=self._argv, language="python", display_name="kernel_env")
+        self._km = _KernelManager(
+            spec, transport="ipc", connection_file=str(self._dir / "kernel.json")
+        )
+        env = minimal_environ(str(self.workdir), self._python) | self._extra_env
+        try:
+            await self._km.start_kernel(env=env, cwd=str(self.workdir))
+        except Exception as exc:
+            raise KernelStartError(f"kernel failed to launch: {exc}",
+                                   kernel_id=self.kernel_id) from exc
+        self._start_client()
+
+    async def _relaunch(self) -> None:
+        await self._stop_client()
+        if self._km is None:
+            raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        await self._km.restart_kernel(now=True)
+        self._start_client()
+
+    async def _terminate(self) -> None:
+        await self._stop_client()
+        km, self._km = self._km, None
+        if km is not None:
+            with contextlib.suppress(Exception):  # already dead is fine: we only want it gone
+                await km.shutdown_kernel(now=True)
+            await km.cleanup_resources()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _send(
+        self, channel: str, msg_type: str, content: dict[str, Any], parent: dict | None = None
+    ) -> str:
+        kc = self._kc
+        msg = kc.session.msg(msg_type, content, parent=parent)
+        getattr(kc, f"{channel}_channel").send(msg)
+        return str(msg["header"]["msg_id"])
+
+    async def is_alive(self) -> bool:
+        return self._km is not None and await self._km.is_alive()
+
+    async def interrupt(self) -> None:
+        if self._km is not None:
+            await self._km.interrupt_kernel()
+
+    async def stage_file(self, name: str, data: bytes) -> str:
+        path = self.workdir / name
+        await asyncio.to_thread(path.write_bytes, data)
+        return str(path)
+
+    # -- channels -------------------------------------------------------------------------
+
+    def _start_client(self) -> None:
+        if self._km is None:
+            raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        self._kc = self._km.client()
+        self._kc.start_channels(shell=True, iopub=True, stdin=True, hb=False, control=False)
+        self._readers = [
+            asyncio.create_task(self._pump(name), name=f"{self.kernel_id}-{name}")
+            for name in ("shell", "iopub", "stdin")
+        ]
+
+    async def _pump(self, name: str) -> None:
+        """The one reader of a channel: everything received goes to the driver's queue."""
+        socket = getattr(self._kc, f"{name}_channel").socket
+        session = self._kc.session
+        try:
+            while True:
+                # recv directly rather than channel.get_msg(): its poll() can miss a message when
+                # a send on the same socket consumes the (edge-triggered) zmq FD event.
+                frames = await socket.recv_multipart()
+                _, msg = session.feed_identities(frames)
+                self._deliver(name, session.deserialize(msg))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._transport_failed(exc)
+            raise
+
+    async def _stop_client(self) -> None:
+        readers, self._readers = self._readers, []
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        if self._kc is not None:
+            self._kc.stop_channels()
+            self._kc = None

@@ -1,0 +1,431 @@
+"""The code that runs *inside* an episode's IPython kernel, as an IPython extension.
+
+Loaded at kernel start (``--ext kernel_env.kernel_side``) or by ``%load_ext kernel_env``. It
+defines the helpers an agent's code sees (``context``, ``answer``, ``FINAL``, ``FINAL_VAR``,
+``SHOW_VARS``, ``llm_query`` and friends), caps output inside the kernel, and makes ``input()``
+fail at once.
+
+The kernel never holds credentials and needs no network route to the host: ``llm_query`` asks
+the host through the Jupyter stdin channel, as an ``input_request`` whose prompt is
+:data:`REQUEST_TAG` followed by a JSON request; the host answers with an ``input_reply`` whose
+value is a JSON reply ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``.
+
+This module depends on the standard library and IPython only, so that its source can be sent
+to a remote kernel that lacks the package (it then registers itself in ``sys.modules`` under
+:data:`MODULE_NAME`). The host reads episode state after each cell through the
+``user_expressions`` of the ``execute_request``: :data:`STATE_EXPRESSION`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import getpass
+import json
+import random
+import reprlib
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+MODULE_NAME = "kernel_env.kernel_side"
+REQUEST_TAG = "\x00kernel_env/1:"
+# Evaluated by the kernel after every cell (in the execute_request's user_expressions).
+STATE_EXPRESSION = f"__import__('sys').modules[{MODULE_NAME!r}].state()"
+
+HELPER_NAMES = (
+    "FINAL",
+    "FINAL_VAR",
+    "SHOW_VARS",
+    "llm_query",
+    "llm_query_batched",
+    "llm_batch",
+    "rlm_query",
+    "rlm_query_batched",
+)
+
+DEFAULT_OUTPUT_CAP = 1_000_000  # chars per stream per cell that cross the wire
+_TAIL_KEEP = 20_000  # chars kept from the end of an over-cap stream
+_SNAPSHOT_MAX_VARS = 100
+_SNAPSHOT_REPR_CHARS = 500
+
+
+class KernelEnvError(RuntimeError):
+    """A helper failed on the host side (LLM error, budget exhausted, bad request)."""
+
+
+class _Episode:
+    """Per-kernel state the helpers share; one instance per loaded extension."""
+
+    def __init__(self, shell: Any) -> None:
+        self.shell = shell
+        self.output_cap = DEFAULT_OUTPUT_CAP
+        self.final: str | None = None
+        self.restored: list[str] = []
+        self.helpers: dict[str, Any] = {}
+        self.host_lock = threading.Lock()
+        self.replay: list[str] | None = None  # recorded responses, when there is no host
+
+    # -- the host call over the stdin channel ----------------------------------------------
+
+    def call_host(self, op: str, **args: Any) -> Any:
+        __tracebackhide__ = True
+        if self.replay is not None:
+            return self._replay(op, args)
+        kernel = getattr(self.shell, "kernel", None)
+        raw_input = getattr(kernel, "raw_input", None)
+        if raw_input is None:
+            raise KernelEnvError(f"{op}: no kernel_env host is attached to this kernel")
+        request = REQUEST_TAG + json.dumps({"op": op, "args": args})
+        # Concurrent input() from several threads corrupts the stdin socket: one at a time.
+        with self.host_lock:
+            try:
+                raw = raw_input(request)
+            except Exception as exc:  # StdinNotImplementedError: frontend has no stdin
+                raise KernelEnvError(f"{op}: the frontend does not answer input requests") from exc
+        try:
+            reply = json.loads(raw)
+        except ValueError as exc:
+            raise KernelEnvError(f"{op}: the host sent an unreadable reply") from exc
+        if not reply.get("ok"):
+            raise KernelEnvError(str(reply.get("error") or f"{op} failed"))
+        return reply.get("result")
+
+    def _replay(self, op: str, args: dict[str, Any]) -> Any:
+        count = len(args["prompts"]) if "prompts" in args else 1
+        if len(self.replay or []) < count:
+            raise KernelEnvError(f"{op}: no recorded response left to replay")
+        taken, self.replay = (self.replay or [])[:count], (self.replay or [])[count:]
+        return taken if "prompts" in args else taken[0]
+
+    # -- per-cell bookkeeping ----------------------------------------------------------------
+
+    def restore_helpers(self) -> None:
+        """Put back helpers that user code rebound or deleted (reported in the next state)."""
+        ns = self.shell.user_ns
+        for name, helper in self.helpers.items():
+            if ns.get(name) is not helper:
+                ns[name] = helper
+                self.restored.append(name)
+        if not isinstance(ns.get("answer"), dict):
+            ns["answer"] = {"content": "", "ready": False}
+            self.restored.append("answer")
+
+    def state(self) -> dict[str, Any]:
+        ns = self.shell.user_ns
+        hidden = self.shell.user_ns_hidden
+        names = sorted(
+            k for k in ns if not k.startswith("_") and k not in hidden and k not in self.helpers
+        )
+        answer = ns.get("answer")
+        state = {
+            "final": self.final,
+            "answer": _answer_state(answer),
+            "names": names,
+            "snapshot": _snapshot(ns, names),
+            "restored": self.restored,
+        }
+        self.final = None
+        self.restored = []
+        return state
+
+
+def _answer_state(answer: Any) -> dict[str, Any] | None:
+    if not isinstance(answer, dict):
+        return None
+    return {"content": str(answer.get("content", "")), "ready": bool(answer.get("ready"))}
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = _repr.maxlong = _SNAPSHOT_REPR_CHARS
+
+
+def _snapshot(ns: dict[str, Any], names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names[:_SNAPSHOT_MAX_VARS]:
+        if name == "context":
+            continue  # the host already knows it; a repr of 100 MB is not a summary
+        try:
+            out[name] = _repr.repr(ns[name])[:_SNAPSHOT_REPR_CHARS]
+        except Exception as exc:  # a user __repr__ may raise anything
+            out[name] = f"<repr failed: {type(exc).__name__}>"
+    return out
+
+
+class _JSONState:
+    """Carries the state through the display formatter as exact JSON text."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self._text = json.dumps(payload, default=str)
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+# -- output cap ---------------------------------------------------------------------------
+
+
+class _CappedStream:
+    """Wraps the kernel's stdout/stderr: at most ``cap`` chars a cell cross the wire, then only
+    the tail is kept and sent with a marker when the cell ends (a 1 GB print stays in the kernel).
+    """
+
+    def __init__(self, inner: Any, episode: _Episode) -> None:
+        self._inner = inner
+        self._episode = episode
+        self._closed = False
+        self.reset()
+
+    def reset(self) -> None:
+        self._written = 0
+        self._dropped = 0
+        self._tail: list[str] = []
+        self._tail_len = 0
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        size = len(text)
+        room = max(self._episode.output_cap - self._written, 0)
+        if room:
+            head = text[:room] if size > room else text
+            self._inner.write(head)
+            self._written += len(head)
+        if size > room:
+            # Slice only the ends: copying the rest of a 1 GB string costs seconds.
+            self._dropped += size - room
+            self._keep_tail(text[max(room, size - _TAIL_KEEP) :])
+        return size
+
+    def _keep_tail(self, text: str) -> None:
+        # Amortized O(1) a write: ten million small prints must not copy the tail each time.
+        self._tail.append(text)
+        self._tail_len += len(text)
+        if self._tail_len > 2 * _TAIL_KEEP:
+            joined = "".join(self._tail)[-_TAIL_KEEP:]
+            self._tail, self._tail_len = [joined], len(joined)
+
+    def finish_cell(self) -> None:
+        if self._dropped:
+            tail = "".join(self._tail)[-_TAIL_KEEP:]
+            self._inner.write(
+                f"\n... (kernel_env: {self._dropped - len(tail)} chars not sent from the kernel)"
+                " ...\n"
+            )
+            self._inner.write(tail)
+            self._inner.flush()
+        self.reset()
+
+    def close(self) -> None:
+        # User code closing sys.stdout must not break every later cell.
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _install_streams(episode: _Episode) -> None:
+    for name in ("stdout", "stderr"):
+        current = getattr(sys, name)
+        if isinstance(current, _CappedStream) and not current.closed:
+            continue
+        inner = episode.__dict__.setdefault(f"_{name}_inner", current)
+        # ipykernel told the stream which request it serves only if it was installed then;
+        # without this, the output goes out under the previous cell's msg_id.
+        kernel = getattr(episode.shell, "kernel", None)
+        if kernel is not None and hasattr(inner, "set_parent"):
+            inner.set_parent(kernel.get_parent("shell"))
+        setattr(sys, name, _CappedStream(inner, episode))
+
+
+def _finish_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, _CappedStream):
+            stream.finish_cell()
+
+
+def _cap_display(shell: Any, episode: _Episode) -> None:
+    """Cap string values of rich outputs too (``'x' * 10**9`` as a cell's last expression)."""
+    formatter = shell.display_formatter
+    original = formatter.format
+
+    def format(obj: Any, include: Any = None, exclude: Any = None) -> Any:
+        data, metadata = original(obj, include=include, exclude=exclude)
+        cap = episode.output_cap
+        for mime, value in data.items():
+            if isinstance(value, str) and len(value) > cap:
+                data[mime] = value[:cap] + f"\n... (kernel_env: {len(value) - cap} chars cut) ..."
+        return data, metadata
+
+    formatter.format = format
+
+
+# -- input() guard ------------------------------------------------------------------------
+
+_NO_INPUT = (
+    "{} is not available in a kernel_env episode: no one is there to type an answer. "
+    "Put the data in a variable, or use llm_query() to ask a model."
+)
+
+
+def _no_input(prompt: str = "") -> str:
+    __tracebackhide__ = True  # IPython leaves this frame out of the traceback
+    raise EOFError(_NO_INPUT.format("input()"))
+
+
+def _no_getpass(prompt: str = "Password: ", stream: Any = None) -> str:
+    __tracebackhide__ = True
+    raise EOFError(_NO_INPUT.format("getpass()"))
+
+
+# -- the helpers --------------------------------------------------------------------------
+
+
+def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
+    ns = episode.shell.user_ns
+
+    def FINAL(value: Any) -> str:  # noqa: N802 - the protocol's name
+        """End the episode with `value` as the final answer."""
+        episode.final = str(value)
+        return episode.final
+
+    def FINAL_VAR(name: Any) -> str:  # noqa: N802
+        """End the episode with the value of the variable named `name` as the final answer."""
+        if isinstance(name, str) and name.strip().isidentifier():
+            key = name.strip()
+            if key not in ns:
+                raise NameError(f"FINAL_VAR: there is no variable named {key!r}")
+            value = ns[key]
+        else:
+            value = name  # FINAL_VAR(x) with the value itself: take it
+        episode.final = str(value)
+        return episode.final
+
+    def SHOW_VARS() -> dict[str, str]:  # noqa: N802
+        """The variables defined so far, with their types."""
+        hidden = episode.shell.user_ns_hidden
+        return {
+            k: type(v).__name__
+            for k, v in ns.items()
+            if not k.startswith("_") and k not in hidden and k not in episode.helpers
+        }
+
+    def llm_query(prompt: str, model: str | None = None) -> str:
+        """Ask a language model; returns its answer as a string."""
+        return str(episode.call_host("llm_query", prompt=str(prompt), model=model))
+
+    def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
+        """Ask a model many prompts concurrently. Order is kept; a failed item is "Error: ..."."""
+        prompts = [str(p) for p in prompts]
+        if not prompts:
+            return []
+        return list(episode.call_host("llm_query_batched", prompts=prompts, model=model))
+
+    def rlm_query(prompt: str, model: str | None = None) -> str:
+        """Ask a recursive sub-agent. Without an agent configured on the host, this is a plain
+        llm_query."""
+        return str(episode.call_host("rlm_query", prompt=str(prompt), model=model))
+
+    def rlm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
+        """rlm_query over many prompts concurrently; order kept, failures as "Error: ..."."""
+        prompts = [str(p) for p in prompts]
+        if not prompts:
+            return []
+        return list(episode.call_host("rlm_query_batched", prompts=prompts, model=model))
+
+    return {
+        "FINAL": FINAL,
+        "FINAL_VAR": FINAL_VAR,
+        "SHOW_VARS": SHOW_VARS,
+        "llm_query": llm_query,
+        "llm_query_batched": llm_query_batched,
+        "llm_batch": llm_query_batched,
+        "rlm_query": rlm_query,
+        "rlm_query_batched": rlm_query_batched,
+    }
+
+
+# -- extension entry points ---------------------------------------------------------------
+
+_episode: _Episode | None = None
+
+
+def load_ipython_extension(shell: Any) -> None:
+    """Install the helpers into ``shell`` (idempotent)."""
+    global _episode
+    if _episode is not None and _episode.shell is shell:
+        return
+    episode = _episode = _Episode(shell)
+    sys.modules.setdefault(MODULE_NAME, sys.modules[__name__])
+    episode.helpers = _make_helpers(episode)
+    shell.push(episode.helpers, interactive=False)  # hidden from %who
+    shell.user_ns.setdefault("context", "")
+    shell.user_ns.setdefault("answer", {"content": "", "ready": False})
+    _show(shell, "context", "answer")
+    _install_streams(episode)
+    _cap_display(shell, episode)
+    shell.events.register("pre_run_cell", _pre_run_cell)
+    shell.events.register("post_execute", _finish_streams)
+
+
+def _show(shell: Any, *names: str) -> None:
+    """Make names visible to ``%who`` and the namespace summary (IPython hides whatever exists
+    when the kernel finishes starting, and the extension loads before that)."""
+    for name in names:
+        shell.user_ns_hidden.pop(name, None)
+
+
+def _pre_run_cell(info: Any = None) -> None:
+    if _episode is None:
+        return
+    _episode.restore_helpers()
+    _install_streams(_episode)
+    # ipykernel rebinds input/getpass to the frontend before each cell; take them back.
+    builtins.input = _no_input
+    getpass.getpass = _no_getpass
+
+
+def state() -> _JSONState:
+    """Episode state after a cell, for the host (see STATE_EXPRESSION)."""
+    if _episode is None:
+        return _JSONState({"error": "kernel_env extension not loaded"})
+    return _JSONState(_episode.state())
+
+
+def setup(params_json: str) -> None:
+    """Start an episode in this kernel: called by the host at reset, with JSON parameters.
+
+    ``context_path``: a file to read ``context`` from (then deleted), or ``context``: the text;
+    ``seed``; ``output_cap``; ``replay``: recorded responses to answer llm_query with offline.
+    """
+    if _episode is None:
+        raise RuntimeError("kernel_env extension not loaded")
+    params = json.loads(params_json)
+    ns = _episode.shell.user_ns
+    if "context_path" in params:
+        with open(params["context_path"], encoding="utf-8") as f:
+            ns["context"] = f.read()
+    elif "context" in params:
+        ns["context"] = params["context"]
+    ns["answer"] = {"content": "", "ready": False}
+    _show(_episode.shell, "context", "answer")
+    _episode.output_cap = int(params.get("output_cap", DEFAULT_OUTPUT_CAP))
+    _episode.replay = params.get("replay")
+    _episode.final = None
+    if params.get("seed") is not None:
+        random.seed(params["seed"])
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(params["seed"])
+
+
+def lookup(name: str) -> _JSONState:
+    """``str()`` of a user variable, for a FINAL_VAR printed rather than called."""
+    ns = _episode.shell.user_ns if _episode else {}
+    if name not in ns:
+        return _JSONState({"found": False})
+    return _JSONState({"found": True, "value": str(ns[name])})

@@ -1,0 +1,47 @@
+"""The record of an episode: what each step ran and produced, for notebook export and logs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from kernel_env.hostcalls import LLMCall
+
+__all__ = ["EpisodeRecord", "StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    """One executed step."""
+
+    index: int
+    code: str
+    outputs: list[dict[str, Any]]
+    execution_count: int | None
+    started: datetime
+    finished: datetime
+    duration: float
+    status: str  # "ok" | "error" | "timeout" | "died" | "final"
+    interrupted: bool = False
+    restarted: bool = False
+    llm_calls: list[LLMCall] = field(default_factory=list)
+    reward: float | None = None
+    final_answer: str | None = None
+
+
+@dataclass
+class EpisodeRecord:
+    """A whole episode: its parameters, steps and outcome (no secrets: no token is kept)."""
+
+    episode_id: str
+    task_prompt: str
+    context: str
+    max_iterations: int
+    expected_answer: str | None = None
+    llm_model: str | None = None
+    seed: int | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+    final_answer: str | None = None
+    reward: float | None = None
+    done: bool = False

@@ -1,0 +1,158 @@
+"""An episode end to end on a real kernel: steps, rich outputs, errors, final answers, rewards."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from kernel_env import EpisodeFinished, KernelEnv, REPLAction, ResetNeeded, check_env
+
+# A 1x1 transparent PNG.
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
+)
+
+
+def test_episode_story(env: KernelEnv) -> None:
+    """Context, shared variables, a shown expression, rich output, a traceback, FINAL → 1.0."""
+    obs = env.reset(context="Hello World", task_prompt="Count chars", expected_answer="11")
+    assert obs.observation.context_length == 11
+    assert obs.observation.context_preview == "Hello World"
+
+    r1 = env.execute("n = len(context)")
+    r2 = env.execute("m = n * 2\nprint('m is', m)")
+    r3 = env.execute("n + m")
+    assert r1.observation.result.success and r2.observation.result.success
+    assert r2.observation.result.stdout == "m is 22\n"
+    assert r3.observation.result.stdout.strip() == "33"
+    assert r3.observation.result.outputs[0]["output_type"] == "execute_result"
+    assert {"n", "m", "context"} <= set(r3.observation.available_variables)
+    assert r3.observation.result.locals_snapshot["m"] == "22"
+
+    png = PNG.hex()
+    rich = env.execute(
+        "from IPython.display import HTML, Image, display\n"
+        "display(HTML('<b>bold</b>'))\n"
+        f"display(Image(data=bytes.fromhex('{png}')))"
+    )
+    datas = [o["data"] for o in rich.observation.result.outputs]
+    assert datas[0]["text/html"] == "<b>bold</b>"
+    assert base64.b64decode(datas[1]["image/png"]) == PNG
+    assert "<IPython.core.display.HTML object>" in rich.observation.result.stdout
+
+    err = env.execute("def f():\n    return 1/0\nf()")
+    res = err.observation.result
+    assert not res.success
+    assert res.exception == "ZeroDivisionError: division by zero"
+    assert "return 1/0" in res.stderr and "\x1b[" not in res.stderr
+    assert err.reward == pytest.approx(-0.05)
+    assert not err.done
+
+    final = env.execute("FINAL(n)")
+    assert final.done
+    assert final.reward == 1.0
+    assert final.observation.metadata["final_answer"] == "11"
+    assert final.observation.metadata["total_iterations"] == 6
+    state = env.state()
+    assert state.final_answer == "11" and state.step_count == 6 and state.done
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("FINAL('a (b) c')", "a (b) c"),
+        ("print('FINAL(f(x) + (1))')", "f(x) + (1)"),
+        ("answer_value = 'v'\nFINAL_VAR('answer_value')", "v"),
+        ("answer_value = 'w'\nprint('FINAL_VAR(answer_value)')", "w"),
+        ("answer['content'] = 42\nanswer['ready'] = True", "42"),
+    ],
+)
+def test_final_answer_dialects(env: KernelEnv, code: str, expected: str) -> None:
+    """FINAL called or printed (nested parens), FINAL_VAR called or printed, answer["ready"]."""
+    env.reset(context="c", expected_answer=expected)
+    result = env.execute(code)
+    assert result.done
+    assert result.observation.metadata["final_answer"] == expected
+    assert result.reward == 1.0
+
+
+def test_submit_final_answer_runs_no_code(env: KernelEnv) -> None:
+    """An is_final action ends the episode without running its code, scored by the rubric."""
+    env.reset(expected_answer="Paris")
+    result = env.step(REPLAction(code="raise SystemExit", is_final=True, final_answer=" paris "))
+    assert result.done and result.reward == 1.0
+    assert result.observation.result.stdout == "Final answer submitted."
+    wrong = KernelEnv()
+    try:
+        wrong.reset(expected_answer="Paris")
+        assert wrong.submit_final_answer("Lyon").reward == 0.0
+    finally:
+        wrong.close()
+
+
+def test_budget_exhausted(env: KernelEnv) -> None:
+    """Reaching max_iterations without an answer ends the episode with reward -0.1."""
+    env.reset(max_iterations=2)
+    assert not env.execute("x = 1").done
+    last = env.execute("x += 1")
+    assert last.done and last.reward == pytest.approx(-0.1)
+    with pytest.raises(EpisodeFinished):
+        env.execute("x")
+
+
+def test_step_before_reset_is_a_clear_error() -> None:
+    """step() before reset() raises ResetNeeded instead of running anything."""
+    with KernelEnv() as env, pytest.raises(ResetNeeded, match="reset"):
+        env.execute("1")
+
+
+def test_reset_gives_fresh_namespace_and_kernel(env: KernelEnv) -> None:
+    """Each reset runs in a new kernel: earlier variables are gone."""
+    env.reset()
+    env.execute("secret = 1")
+    first = env.environment.kernel
+    env.reset()
+    assert env.environment.kernel is not first
+    assert "NameError" in (env.execute("secret").observation.result.exception or "")
+
+
+def test_large_context_is_loaded_without_pasting(env: KernelEnv) -> None:
+    """A multi-MB context arrives intact (it travels as a file, not as code)."""
+    context = "line with needle\n" * 300_000 + "tail-marker"
+    obs = env.reset(context=context)
+    assert obs.observation.context_length == len(context)
+    result = env.execute("(len(context), context.count('needle'), context[-11:])")
+    assert result.observation.result.stdout.strip() == f"({len(context)}, 300000, 'tail-marker')"
+
+
+def test_fuzzy_and_custom_rubrics() -> None:
+    """The rubric is configurable: fuzzy matching, or a user callable."""
+    from kernel_env import EnvConfig
+
+    with KernelEnv(config=EnvConfig(rubric="fuzzy")) as env:
+        env.reset(expected_answer="the answer is 42")
+        assert env.submit_final_answer("the answer is 42.").reward > 0.9
+    with KernelEnv(config=EnvConfig(rubric=lambda a, e: a.startswith(e))) as env:
+        env.reset(expected_answer="4")
+        assert env.submit_final_answer("42").reward == 1.0
+
+
+def test_clobbered_helpers_are_restored(env: KernelEnv) -> None:
+    """Rebinding or deleting llm_query, FINAL or answer lasts only until the next step (S3)."""
+    env.reset()
+    env.execute("llm_query = None\ndel FINAL\nanswer = 5")
+    result = env.execute("print(callable(llm_query), callable(FINAL), answer)")
+    assert result.observation.result.stdout == "True True {'content': '', 'ready': False}\n"
+
+
+def test_helpers_hidden_from_namespace_listing(env: KernelEnv) -> None:
+    """Helpers are not listed as user variables; context and answer are."""
+    env.reset(context="abc")
+    names = env.execute("z = 1").observation.available_variables
+    assert names == ["answer", "context", "z"]
+
+
+def test_conformance_local() -> None:
+    """The local client passes the reusable conformance check."""
+    check_env(KernelEnv(step_timeout=10))

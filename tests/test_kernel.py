@@ -1,0 +1,88 @@
+"""The local kernel backend on its own: readiness, isolation, message routing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+from kernel_env.kernel import LocalKernel
+
+
+async def test_ipc_transport_in_private_dir() -> None:
+    """The kernel listens on IPC sockets inside a 0700 directory; no TCP port is opened."""
+    async with LocalKernel() as kernel:
+        runtime = kernel.runtime_dir
+        assert runtime is not None
+        assert stat.S_IMODE(os.stat(runtime).st_mode) & 0o777 == 0o700
+        info = kernel._km.get_connection_info()
+        assert info["transport"] == "ipc" and str(info["ip"]).startswith(str(runtime))
+        result = await kernel.execute("import os; os.getcwd()")
+        assert str(kernel.workdir) in result.stdout
+    assert not runtime.exists()
+
+
+async def test_minimal_environment(monkeypatch) -> None:
+    """The kernel gets an explicit environment, not the host's os.environ."""
+    monkeypatch.setenv("KERNEL_ENV_TOKEN", "server-token-value")
+    async with LocalKernel() as kernel:
+        result = await kernel.execute("import os; sorted(os.environ)")
+    names = eval(result.stdout)  # a list literal of names
+    assert "KERNEL_ENV_TOKEN" not in names and "PATH" in names
+
+
+async def test_execute_waits_for_reply_and_idle() -> None:
+    """All of a cell's output arrives with it, in order, even when printed right before idle."""
+    async with LocalKernel() as kernel:
+        for i in range(20):
+            result = await kernel.execute(f"print({i}); {i} * 2")
+            assert result.stdout == f"{i}\n{i * 2}\n"
+            assert result.execution_count == i + 1
+
+
+async def test_late_thread_output_not_put_in_next_cell() -> None:
+    """Output printed by a thread after its cell ended is kept aside, not shown in a later cell."""
+    async with LocalKernel() as kernel:
+        await kernel.execute(
+            "import threading, time\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('late'))).start()"
+        )
+        await asyncio.sleep(0.6)
+        result = await kernel.execute("print('mine')")
+        assert result.stdout == "mine\n"
+        assert kernel.late_output_count == 1
+
+
+async def test_restart_gives_fresh_namespace_and_ready_kernel() -> None:
+    """After restart the namespace is empty and the very next cell's output is complete."""
+    async with LocalKernel() as kernel:
+        await kernel.execute("x = 1")
+        for _ in range(3):
+            await kernel.restart()
+            result = await kernel.execute("print('x' in globals())")
+            assert result.stdout == "False\n"
+        assert kernel.restarts == 3
+
+
+async def test_stdin_without_handler_answers_eof() -> None:
+    """A kernel asking for input with no handler gets EOF instead of waiting forever."""
+    async with LocalKernel() as kernel:
+        result = await kernel.execute("get_ipython().kernel.raw_input('?')", timeout=5)
+        assert result.status == "error" and result.error["ename"] == "EOFError"
+
+
+async def test_shutdown_is_idempotent_and_kills_process() -> None:
+    """shutdown() kills the process and may be called twice."""
+    kernel = LocalKernel()
+    await kernel.start()
+    pid = kernel.pid
+    await kernel.shutdown()
+    await kernel.shutdown()
+    assert pid is not None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    # A zombie until reaped is acceptable; a running process is not.
+    with open(f"/proc/{pid}/stat") as f:
+        assert f.read().split()[2] == "Z"
