@@ -35,7 +35,30 @@ _EXPORTS = {
     "check_env": "kernel_env.checker",
 }
 
-__all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
+__all__ = [
+    "AsyncKernelEnv",
+    "CodeBlockResult",
+    "EnvConfig",
+    "EpisodeError",
+    "EpisodeFinished",
+    "ExactMatch",
+    "FuzzyMatch",
+    "KernelEnv",
+    "KernelEnvError",
+    "KernelEnvironment",
+    "KernelError",
+    "LocalKernel",
+    "REPLAction",
+    "REPLObservation",
+    "REPLState",
+    "RemoteError",
+    "ResetNeeded",
+    "Rewards",
+    "StepResult",
+    "check_env",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
 
 if TYPE_CHECKING:
     from kernel_env.checker import check_env

@@ -38,16 +38,25 @@ def check_env(env: Any, *, close: bool = True) -> None:
     step = env.execute("x = 40")
     _expect(step.observation.result.success, "a plain assignment succeeds", step.observation)
     step = env.execute("x + len(context) - 9")
-    _expect("42" in step.observation.result.stdout, "a bare last expression is shown",
-            step.observation.result.stdout)
-    _expect("x" in step.observation.available_variables, "variables are listed",
-            step.observation.available_variables)
+    _expect(
+        "42" in step.observation.result.stdout,
+        "a bare last expression is shown",
+        step.observation.result.stdout,
+    )
+    _expect(
+        "x" in step.observation.available_variables,
+        "variables are listed",
+        step.observation.available_variables,
+    )
 
     step = env.execute("1/0")
     res = step.observation.result
     _expect(not res.success, "an error is reported as success=False")
-    _expect((res.exception or "").startswith("ZeroDivisionError"), "exception names the error",
-            res.exception)
+    _expect(
+        (res.exception or "").startswith("ZeroDivisionError"),
+        "exception names the error",
+        res.exception,
+    )
     _expect(not step.done, "an error does not end the episode")
 
     state = env.state()
@@ -57,8 +66,11 @@ def check_env(env: Any, *, close: bool = True) -> None:
 
     final = env.submit_final_answer("11")
     _expect(final.done, "a submitted final answer ends the episode")
-    _expect(final.observation.metadata.get("final_answer") == "11", "final answer in metadata",
-            final.observation.metadata)
+    _expect(
+        final.observation.metadata.get("final_answer") == "11",
+        "final answer in metadata",
+        final.observation.metadata,
+    )
     try:
         env.execute("x")
     except KernelEnvError:
@@ -68,8 +80,11 @@ def check_env(env: Any, *, close: bool = True) -> None:
 
     env.reset(context="again")
     step = env.execute("'x' in globals()")
-    _expect("False" in step.observation.result.stdout, "reset gives a fresh namespace",
-            step.observation.result.stdout)
+    _expect(
+        "False" in step.observation.result.stdout,
+        "reset gives a fresh namespace",
+        step.observation.result.stdout,
+    )
     if close:
         env.close()
         env.close()  # idempotent

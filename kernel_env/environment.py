@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime, timezone
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from kernel_env import answers
@@ -214,7 +214,8 @@ class KernelEnvironment:
         if state.get("final") is not None:
             return str(state["final"])
         printed = "".join(
-            o.get("text", "") for o in ex.outputs
+            o.get("text", "")
+            for o in ex.outputs
             if o.get("output_type") == "stream" and o.get("name") == "stdout"
         )
         if (value := answers.find_final(printed)) is not None:
@@ -236,7 +237,7 @@ class KernelEnvironment:
     def _finish_step(
         self, code: str, ex: ExecutionResult | None, result: CodeBlockResult, final: str | None
     ) -> REPLObservation:
-        record, kernel = self._require()
+        record, _ = self._require()
         self.stats.steps += 1
         self.stats.timeouts += result.timed_out
         self.stats.restarts += result.kernel_restarted
@@ -382,9 +383,10 @@ def _step_record(
     final: str | None,
 ) -> StepRecord:
     if ex is None:  # a final answer submitted directly: nothing ran
-        now = datetime.now(timezone.utc)
-        return StepRecord(index, code, [], None, now, now, 0.0, "final", reward=reward,
-                          final_answer=final)
+        now = datetime.now(UTC)
+        return StepRecord(
+            index, code, [], None, now, now, 0.0, "final", reward=reward, final_answer=final
+        )
     return StepRecord(
         index=index,
         code=code,

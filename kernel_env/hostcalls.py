@@ -18,7 +18,7 @@ from typing import Any
 
 from kernel_env.kernel_side import REQUEST_TAG
 
-__all__ = ["HostCalls", "LLMCall", "LLMBatchFn", "LLMQueryFn"]
+__all__ = ["HostCalls", "LLMBatchFn", "LLMCall", "LLMQueryFn"]
 
 LLMQueryFn = Callable[[str], str] | Callable[[str], Awaitable[str]]
 LLMBatchFn = Callable[[list[str]], list[str]] | Callable[[list[str]], Awaitable[list[str]]]
@@ -101,7 +101,7 @@ class HostCalls:
                     f"llm_batch_fn returned {len(responses)} answers for {len(prompts)} prompts"
                 )
             each = (time.perf_counter() - t0) / len(prompts)
-            self.calls.extend(LLMCall(op, p, r, model, each) for p, r in zip(prompts, responses))
+            self.calls.extend(LLMCall(op, p, r, model, each) for p, r in zip(prompts, responses, strict=True))
             return responses
         limit = asyncio.Semaphore(self.max_concurrency)
         single = op.removesuffix("_batched")

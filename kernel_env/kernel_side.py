@@ -288,12 +288,12 @@ def _no_getpass(prompt: str = "Password: ", stream: Any = None) -> str:
 def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
     ns = episode.shell.user_ns
 
-    def FINAL(value: Any) -> str:  # noqa: N802 - the protocol's name
+    def FINAL(value: Any) -> str:
         """End the episode with `value` as the final answer."""
         episode.final = str(value)
         return episode.final
 
-    def FINAL_VAR(name: Any) -> str:  # noqa: N802
+    def FINAL_VAR(name: Any) -> str:
         """End the episode with the value of the variable named `name` as the final answer."""
         if isinstance(name, str) and name.strip().isidentifier():
             key = name.strip()
@@ -305,7 +305,7 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
         episode.final = str(value)
         return episode.final
 
-    def SHOW_VARS() -> dict[str, str]:  # noqa: N802
+    def SHOW_VARS() -> dict[str, str]:
         """The variables defined so far, with their types."""
         hidden = episode.shell.user_ns_hidden
         return {

@@ -1,4 +1,4 @@
-"""Faults an agent's code causes, each survived (F1–F4, F7–F9 of docs/acceptance)."""
+"""Faults an agent's code causes, each survived (F1-F4, F7-F9 of the acceptance figures)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def test_llm_query_and_batched_call_the_host() -> None:
 
 
 def test_batched_calls_run_concurrently_on_the_host() -> None:
-    """A batch of 8 prompts against a 0.3 s model finishes far faster than 8 × 0.3 s."""
+    """A batch of 8 prompts against a 0.3 s model finishes far faster than 8 x 0.3 s."""
     active, peak = 0, 0
     lock = threading.Lock()
 
@@ -66,7 +66,7 @@ def test_llm_batch_fn_is_used_for_batches() -> None:
 
 
 def test_no_llm_configured_is_a_clear_error_in_the_cell() -> None:
-    """Without an LLM function, llm_query raises an error naming the problem; the episode goes on."""
+    """Without an LLM function, llm_query raises a clear error; the episode goes on."""
     with KernelEnv() as env:
         env.reset()
         res = env.execute("llm_query('x')").observation.result
@@ -100,8 +100,7 @@ def test_rebinding_input_cannot_reach_the_host() -> None:
     with KernelEnv(llm_query_fn=lambda p: calls.append(p) or "x") as env:
         env.reset()
         res = env.execute(
-            "k = get_ipython().kernel\n"
-            "k.raw_input('plain prompt')"
+            "k = get_ipython().kernel\nk.raw_input('plain prompt')"
         ).observation.result
     assert "EOFError" in (res.exception or "") and calls == []
 

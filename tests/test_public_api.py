@@ -17,6 +17,9 @@ def test_all_is_sorted_and_resolvable() -> None:
 
 def test_import_is_light() -> None:
     """Importing kernel_env loads neither pydantic nor jupyter_client (kernels start faster)."""
-    code = "import sys, kernel_env; print(sorted(m for m in ('pydantic', 'jupyter_client') if m in sys.modules))"
+    code = (
+        "import sys, kernel_env\n"
+        "print(sorted(m for m in ('pydantic', 'jupyter_client') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

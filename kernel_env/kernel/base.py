@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from kernel_env.errors import KernelError, KernelStartError
@@ -213,6 +213,7 @@ class Kernel(ABC):
                 msg = await _get(self._queues["shell"], left)
                 got_reply = got_reply or (msg is not None and _msg_type(msg) == "kernel_info_reply")
                 got_iopub = got_iopub or not self._queues["iopub"].empty()
+        log.debug("kernel %s ready", self.kernel_id)
         # What arrived so far (kernel_info replies, their status messages) is noise now.
         for queue in self._queues.values():
             while not queue.empty():
@@ -235,7 +236,7 @@ class Kernel(ABC):
         Raises :class:`KernelError` only when the kernel cannot be brought back.
         """
         async with self._lock:
-            started, t0 = datetime.now(timezone.utc), time.perf_counter()
+            started, t0 = datetime.now(UTC), time.perf_counter()
             msg_id = self._send(
                 "shell",
                 "execute_request",
@@ -249,6 +250,7 @@ class Kernel(ABC):
                 },
             )
             run = _Run(msg_id)
+            log.debug("kernel %s: execute %s sent", self.kernel_id, msg_id)
             try:
                 await asyncio.wait_for(self._drive(run, stdin), timeout)
             except TimeoutError:
@@ -364,7 +366,7 @@ def _result(run: _Run, started: datetime, duration: float) -> ExecutionResult:
         execution_count=reply.get("execution_count"),
         user_expressions=reply.get("user_expressions") or {},
         started=started,
-        finished=datetime.now(timezone.utc),
+        finished=datetime.now(UTC),
         duration=duration,
         interrupted=run.interrupted,
         restarted=run.restarted,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import sys
@@ -20,11 +21,16 @@ from typing import Any
 
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec
+from jupyter_client.session import Session
 
 from kernel_env.errors import KernelStartError
 from kernel_env.kernel.base import Kernel
 
 __all__ = ["LocalKernel", "kernel_argv", "minimal_environ"]
+
+log = logging.getLogger(__name__)
+
+_RECV_REARM = 0.25  # seconds; see LocalKernel._pump
 
 # Settings measured to matter: no ANSI colours in tracebacks (the model reads them), no
 # history database (an sqlite file per kernel, and a lock shared between kernels).
@@ -107,8 +113,9 @@ class LocalKernel(Kernel):
 
     async def _launch(self) -> None:
         # mkdtemp creates the directory with mode 0700: only we can reach the sockets.
-        self._dir = Path(tempfile.mkdtemp(prefix=f"kernel-env-{self.kernel_id}-",
-                                          dir=self._runtime_root))
+        self._dir = Path(
+            tempfile.mkdtemp(prefix=f"kernel-env-{self.kernel_id}-", dir=self._runtime_root)
+        )
         self.workdir.mkdir()
         spec = KernelSpec(argv=self._argv, language="python", display_name="kernel_env")
         self._km = _KernelManager(
@@ -118,8 +125,9 @@ class LocalKernel(Kernel):
         try:
             await self._km.start_kernel(env=env, cwd=str(self.workdir))
         except Exception as exc:
-            raise KernelStartError(f"kernel failed to launch: {exc}",
-                                   kernel_id=self.kernel_id) from exc
+            raise KernelStartError(
+                f"kernel failed to launch: {exc}", kernel_id=self.kernel_id
+            ) from exc
         self._start_client()
 
     async def _relaunch(self) -> None:
@@ -165,7 +173,12 @@ class LocalKernel(Kernel):
     def _start_client(self) -> None:
         if self._km is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
-        self._kc = self._km.client()
+        # A new session per client: a new socket identity and fresh msg ids. Reusing the
+        # manager's session after a restart repeated both, and a reply was now and then lost.
+        session = Session(
+            key=self._km.session.key, signature_scheme=self._km.session.signature_scheme
+        )
+        self._kc = self._km.client(session=session)
         self._kc.start_channels(shell=True, iopub=True, stdin=True, hb=False, control=False)
         self._readers = [
             asyncio.create_task(self._pump(name), name=f"{self.kernel_id}-{name}")
@@ -178,11 +191,24 @@ class LocalKernel(Kernel):
         session = self._kc.session
         try:
             while True:
-                # recv directly rather than channel.get_msg(): its poll() can miss a message when
-                # a send on the same socket consumes the (edge-triggered) zmq FD event.
-                frames = await socket.recv_multipart()
+                # pyzmq's asyncio integration now and then misses the edge-triggered zmq FD
+                # event of a socket we also send on: a reply sat in the socket (EVENTS=POLLIN)
+                # with the recv pending forever. A new recv checks EVENTS first, so re-arming
+                # every _RECV_REARM seconds bounds such a stall instead of hanging the step.
+                try:
+                    frames = await asyncio.wait_for(socket.recv_multipart(), _RECV_REARM)
+                except TimeoutError:
+                    continue
                 _, msg = session.feed_identities(frames)
-                self._deliver(name, session.deserialize(msg))
+                msg = session.deserialize(msg)
+                log.debug(
+                    "%s %s <- %s %s",
+                    self.kernel_id,
+                    name,
+                    msg["header"]["msg_type"],
+                    msg.get("parent_header", {}).get("msg_id"),
+                )
+                self._deliver(name, msg)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
