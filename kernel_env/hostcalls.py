@@ -101,7 +101,8 @@ class HostCalls:
                     f"llm_batch_fn returned {len(responses)} answers for {len(prompts)} prompts"
                 )
             each = (time.perf_counter() - t0) / len(prompts)
-            self.calls.extend(LLMCall(op, p, r, model, each) for p, r in zip(prompts, responses, strict=True))
+            pairs = zip(prompts, responses, strict=True)
+            self.calls.extend(LLMCall(op, p, r, model, each) for p, r in pairs)
             return responses
         limit = asyncio.Semaphore(self.max_concurrency)
         single = op.removesuffix("_batched")
