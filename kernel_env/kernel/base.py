@@ -11,7 +11,8 @@ interprets messages lives in this module, so every backend behaves the same:
   put into the next cell;
 - a liveness watcher races each execute, so a dead kernel is reported in ~0.2 s, not after the
   timeout; the kernel is then restarted and the result says state was lost;
-- on timeout: interrupt, wait ``interrupt_grace`` for the cell to end, else restart.
+- on timeout: interrupt, wait ``interrupt_grace`` (1 s; a Python-level interrupt lands in
+  ~15 ms, 0.55 s at worst with 16 busy kernels) for the cell to end, else restart.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Kernel(ABC):
     def __init__(
         self,
         *,
-        interrupt_grace: float = 2.0,
+        interrupt_grace: float = 1.0,
         liveness_interval: float = 0.2,
         ready_timeout: float = 60.0,
     ) -> None:
