@@ -9,14 +9,17 @@ facade that runs it on one background event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
+from kernel_env.notebook import write_notebook
 from kernel_env.rubric import Rewards
 
 __all__ = ["AsyncKernelEnv", "KernelEnv"]
@@ -185,6 +188,19 @@ class AsyncKernelEnv:
         """Names defined in the episode's namespace."""
         return (await self.state()).namespace_keys
 
+    async def export_notebook(self, path: str | os.PathLike[str]) -> Path:
+        """Write the current (or last) episode as a notebook at ``path``; returns the path.
+
+        A large ``context`` goes to a ``<name>.context.txt`` file next to it."""
+        target = Path(path)
+        if self.environment is None:
+            raise NotImplementedError("notebook export of a remote episode: use the server's "
+                                      "GET /sessions/{id}/notebook")
+        record = self.environment.record
+        if record is None:
+            raise ResetNeeded("no episode to export; call reset() first")
+        return await asyncio.to_thread(write_notebook, record, target.parent, target.name)
+
     async def close(self) -> None:
         """End the episode and release its kernel (or connection); idempotent."""
         self._closed = True
@@ -291,6 +307,10 @@ class KernelEnv:
 
     def list_variables(self) -> list[str]:
         return self._run(self._async.list_variables())
+
+    def export_notebook(self, path: str | os.PathLike[str]) -> Path:
+        """Write the current (or last) episode as a notebook; see AsyncKernelEnv."""
+        return self._run(self._async.export_notebook(path))
 
     def close(self) -> None:
         """Release the kernel (or connection) and the loop thread; idempotent."""

@@ -81,16 +81,29 @@ class HostCalls:
         return await self._batch(op, args["prompts"], model)
 
     async def _one(self, op: str, prompt: str, model: str | None) -> str:
+        call = await self._ask(op, prompt, model)
+        self.calls.append(call)
+        if call.error:
+            raise RuntimeError(call.response)
+        return call.response
+
+    async def _ask(self, op: str, prompt: str, model: str | None) -> LLMCall:
+        """One prompt to the LLM function; a failure is a call record with ``error`` set."""
         if self.llm_query_fn is None:
-            raise RuntimeError("no LLM is configured for this episode (pass llm_query_fn)")
+            return LLMCall(
+                op,
+                prompt,
+                "no LLM is configured for this episode (pass llm_query_fn)",
+                model,
+                0.0,
+                error=True,
+            )
         t0 = time.perf_counter()
         try:
             response = str(await _call(self.llm_query_fn, prompt))
         except Exception as exc:
-            self.calls.append(LLMCall(op, prompt, str(exc), model, time.perf_counter() - t0, True))
-            raise
-        self.calls.append(LLMCall(op, prompt, response, model, time.perf_counter() - t0))
-        return response
+            return LLMCall(op, prompt, str(exc), model, time.perf_counter() - t0, error=True)
+        return LLMCall(op, prompt, response, model, time.perf_counter() - t0)
 
     async def _batch(self, op: str, prompts: list[str], model: str | None) -> list[str]:
         if self.llm_batch_fn is not None:
@@ -107,14 +120,13 @@ class HostCalls:
         limit = asyncio.Semaphore(self.max_concurrency)
         single = op.removesuffix("_batched")
 
-        async def one(prompt: str) -> str:
+        async def one(prompt: str) -> LLMCall:
             async with limit:
-                try:
-                    return await self._one(single, prompt, model)
-                except Exception as exc:
-                    return f"Error: {exc}"
+                return await self._ask(single, prompt, model)
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        calls = await asyncio.gather(*(one(p) for p in prompts))
+        self.calls.extend(calls)  # in prompt order, whatever order they finished in
+        return [f"Error: {c.response}" if c.error else c.response for c in calls]
 
 
 def _parse(text: str) -> tuple[str, dict[str, Any]]:

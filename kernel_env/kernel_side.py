@@ -64,12 +64,18 @@ class _Episode:
         self.restored: list[str] = []
         self.helpers: dict[str, Any] = {}
         self.host_lock = threading.Lock()
-        self.replay: list[str] | None = None  # recorded responses, when there is no host
+        # Notebook modes, when no episode host answers: a model called from the kernel itself
+        # (register_llm, or KERNEL_ENV_LLM_* variables), else recorded (prompt, response) pairs.
+        self.local_llm: Callable[[str], str] | None = None
+        self.replay: list[list[str]] | None = None
+        self.setup_params: dict[str, Any] = {}
 
     # -- the host call over the stdin channel ----------------------------------------------
 
     def call_host(self, op: str, **args: Any) -> Any:
         __tracebackhide__ = True
+        if self.local_llm is not None:
+            return _call_local(self.local_llm, args)
         if self.replay is not None:
             return self._replay(op, args)
         kernel = getattr(self.shell, "kernel", None)
@@ -92,11 +98,18 @@ class _Episode:
         return reply.get("result")
 
     def _replay(self, op: str, args: dict[str, Any]) -> Any:
-        count = len(args["prompts"]) if "prompts" in args else 1
-        if len(self.replay or []) < count:
-            raise KernelEnvError(f"{op}: no recorded response left to replay")
-        taken, self.replay = (self.replay or [])[:count], (self.replay or [])[count:]
-        return taken if "prompts" in args else taken[0]
+        if "prompts" not in args:
+            return self._replay_one(op, args["prompt"])
+        return [self._replay_one(op, p) for p in args["prompts"]]
+
+    def _replay_one(self, op: str, prompt: str) -> str:
+        # Matched by prompt, first unused first: batched calls completed in any order.
+        pairs = self.replay or []
+        for i, (recorded_prompt, response) in enumerate(pairs):
+            if recorded_prompt == prompt:
+                del pairs[i]
+                return response
+        raise KernelEnvError(f"{op}: no recorded response for this prompt: {prompt[:80]!r}")
 
     # -- per-cell bookkeeping ----------------------------------------------------------------
 
@@ -160,6 +173,59 @@ class _JSONState:
 
     def __repr__(self) -> str:
         return self._text
+
+
+def _call_local(fn: Callable[[str], str], args: dict[str, Any]) -> Any:
+    if "prompts" not in args:
+        return str(fn(args["prompt"]))
+
+    def one(prompt: str) -> str:
+        try:
+            return str(fn(prompt))
+        except Exception as exc:
+            return f"Error: {exc}"
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(one, args["prompts"]))
+
+
+def _openai_compatible(base_url: str, model: str, api_key: str | None) -> Callable[[str], str]:
+    """A minimal chat-completions call (stdlib only), for a user's own notebook."""
+    import urllib.request
+
+    def complete(prompt: str) -> str:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}]})
+        request = urllib.request.Request(
+            base_url.rstrip("/") + "/chat/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        if api_key:
+            request.add_header("Authorization", f"Bearer {api_key}")
+        with urllib.request.urlopen(request, timeout=120) as response:
+            reply = json.load(response)
+        return str(reply["choices"][0]["message"]["content"])
+
+    return complete
+
+
+def register_llm(fn: Callable[[str], str] | None) -> None:
+    """Answer ``llm_query`` & co. in this kernel with ``fn(prompt) -> str`` (None: unset)."""
+    if _episode is None:
+        raise RuntimeError("load the extension first: %load_ext kernel_env")
+    _episode.local_llm = fn
+
+
+def _llm_from_environ() -> Callable[[str], str] | None:
+    import os
+
+    base_url = os.environ.get("KERNEL_ENV_LLM_BASE_URL")
+    model = os.environ.get("KERNEL_ENV_LLM_MODEL")
+    if not (base_url and model):
+        return None
+    return _openai_compatible(base_url, model, os.environ.get("KERNEL_ENV_LLM_API_KEY"))
 
 
 # -- output cap ---------------------------------------------------------------------------
@@ -368,8 +434,23 @@ def load_ipython_extension(shell: Any) -> None:
     _show(shell, "context", "answer")
     _install_streams(episode)
     _cap_display(shell, episode)
+    shell.register_magic_function(
+        _recorded_cell, magic_kind="cell", magic_name="kernel_env_recorded"
+    )
     shell.events.register("pre_run_cell", _pre_run_cell)
     shell.events.register("post_execute", _finish_streams)
+    # A user's own notebook may name an endpoint; episode kernels never see these variables.
+    episode.local_llm = _llm_from_environ()
+
+
+def _recorded_cell(line: str, cell: str) -> None:
+    """``%%kernel_env_recorded interrupted|restarted``: a step of an exported episode that
+    timed out or killed its kernel. It is not run again (it would hang or crash); after
+    ``restarted`` the namespace is emptied as the episode's kernel restart did."""
+    if line.strip() == "restarted" and _episode is not None:
+        _episode.shell.reset(new_session=False)
+        _episode.shell.push(_episode.helpers, interactive=False)
+        setup(json.dumps(_episode.setup_params))
 
 
 def _show(shell: Any, *names: str) -> None:
@@ -399,12 +480,14 @@ def state() -> _JSONState:
 def setup(params_json: str) -> None:
     """Start an episode in this kernel: called by the host at reset, with JSON parameters.
 
-    ``context_path``: a file to read ``context`` from (then deleted), or ``context``: the text;
-    ``seed``; ``output_cap``; ``replay``: recorded responses to answer llm_query with offline.
+    ``context_path``: a file to read ``context`` from, or ``context``: the text; ``seed``;
+    ``output_cap``; ``replay``: recorded ``[prompt, response]`` pairs that answer ``llm_query``
+    offline (an exported notebook re-run with no model).
     """
     if _episode is None:
         raise RuntimeError("kernel_env extension not loaded")
     params = json.loads(params_json)
+    _episode.setup_params = {k: v for k, v in params.items() if k != "replay"}
     ns = _episode.shell.user_ns
     if "context_path" in params:
         with open(params["context_path"], encoding="utf-8") as f:
@@ -414,13 +497,20 @@ def setup(params_json: str) -> None:
     ns["answer"] = {"content": "", "ready": False}
     _show(_episode.shell, "context", "answer")
     _episode.output_cap = int(params.get("output_cap", DEFAULT_OUTPUT_CAP))
-    _episode.replay = params.get("replay")
+    if "replay" in params:
+        _episode.replay = [list(pair) for pair in params["replay"]]
     _episode.final = None
     if params.get("seed") is not None:
         random.seed(params["seed"])
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed(params["seed"])
+
+
+def setup_notebook(**params: Any) -> None:
+    """The setup cell of an exported notebook: ``setup`` with keyword arguments; relative paths
+    are read from the notebook's directory (nbclient and Jupyter run cells there)."""
+    setup(json.dumps(params))
 
 
 def lookup(name: str) -> _JSONState:

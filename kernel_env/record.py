@@ -41,6 +41,7 @@ class EpisodeRecord:
     expected_answer: str | None = None
     llm_model: str | None = None
     seed: int | None = None
+    kernel_backend: str = "local"
     steps: list[StepRecord] = field(default_factory=list)
     final_answer: str | None = None
     reward: float | None = None

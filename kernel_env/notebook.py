@@ -1,0 +1,299 @@
+"""Episodes as Jupyter notebooks: export a record to ``.ipynb``, and compare re-run outputs.
+
+An exported notebook reads like the episode's story: a title and the task, a setup cell that
+restores ``context`` and the helpers (answering ``llm_query`` from the recorded responses, so it
+re-runs offline), one code cell per step with its real outputs, execution count and nbclient-style
+timing, a readable summary of the step's LLM calls, and a closing cell with the outcome.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from nbformat import NotebookNode
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from kernel_env.record import EpisodeRecord, StepRecord
+
+__all__ = [
+    "ExportPathError",
+    "cells_match",
+    "episode_to_notebook",
+    "normalize_outputs",
+    "recorded_steps",
+    "safe_path",
+    "write_notebook",
+]
+
+INLINE_CONTEXT_CHARS = 10_000  # larger contexts go to a sidecar file next to the notebook
+SETUP_TAG = "kernel-env-setup"
+# The magic a cell that could not be re-run is given (it timed out or killed its kernel).
+RECORDED_MAGIC = "%%kernel_env_recorded"
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class ExportPathError(ValueError):
+    """An export path would leave the export directory."""
+
+
+def safe_path(root: str | os.PathLike[str], name: str) -> Path:
+    """``root/name`` for a file name that stays inside ``root`` (no ``..``, no absolute path,
+    no NUL, no symlink leading out). Raises :class:`ExportPathError` otherwise."""
+    if not name or "\x00" in name or os.path.isabs(name) or name in (".", ".."):
+        raise ExportPathError(f"not a file name inside the export directory: {name!r}")
+    base = Path(root).resolve()
+    target = (base / name).resolve()
+    if target == base or base not in target.parents:
+        raise ExportPathError(f"{name!r} leads outside {str(base)!r}")
+    return target
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for package in ("kernel-env", "ipykernel", "jupyter_client", "nbformat"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def _timestamp(value: Any) -> str:
+    return value.isoformat().replace("+00:00", "Z")
+
+
+def _setup_source(record: EpisodeRecord, context_file: str | None) -> str:
+    params: dict[str, Any] = {"seed": record.seed}
+    if context_file is not None:
+        params["context_path"] = context_file
+    else:
+        params["context"] = record.context
+    pairs = [[c.prompt, c.response] for s in record.steps for c in s.llm_calls if not c.error]
+    params["replay"] = pairs
+    args = ", ".join(f"{k}={v!r}" for k, v in params.items())
+    return (
+        "# kernel_env: restore this episode's `context` and helpers. Recorded llm_query answers\n"
+        "# replay offline; with a model configured (kernel_side.register_llm or the\n"
+        "# KERNEL_ENV_LLM_* variables) the calls go to it instead.\n"
+        "%load_ext kernel_env\n"
+        "import kernel_env.kernel_side as _kernel_env\n"
+        f"_kernel_env.setup_notebook({args})"
+    )
+
+
+def _step_source(step: StepRecord) -> str:
+    if step.status in ("timeout", "died") and not step.interrupted:
+        # Re-running it would hang or kill the kernel; the recorded outputs stay in the cell.
+        how = "restarted" if step.restarted else "recorded"
+        return f"{RECORDED_MAGIC} {how}\n{step.code}"
+    if step.status == "timeout":
+        return f"{RECORDED_MAGIC} interrupted\n{step.code}"
+    return step.code
+
+
+def _step_cell(step: StepRecord) -> NotebookNode:
+    cell = new_code_cell(
+        source=_step_source(step),
+        outputs=[nbformat.from_dict(o) for o in step.outputs],
+        execution_count=step.execution_count,
+    )
+    cell.metadata["execution"] = {
+        "iopub.execute_input": _timestamp(step.started),
+        "iopub.status.busy": _timestamp(step.started),
+        "shell.execute_reply": _timestamp(step.finished),
+        "iopub.status.idle": _timestamp(step.finished),
+    }
+    cell.metadata["kernel_env"] = {
+        "step": step.index,
+        "status": step.status,
+        "duration": round(step.duration, 6),
+        "reward": step.reward,
+        "interrupted": step.interrupted,
+        "restarted": step.restarted,
+        "llm_calls": [
+            {
+                "op": c.op,
+                "prompt": c.prompt,
+                "response": c.response,
+                "model": c.model,
+                "duration": round(c.duration, 6),
+                "error": c.error,
+            }
+            for c in step.llm_calls
+        ],
+    }
+    if step.status == "error":
+        cell.metadata["tags"] = ["raises-exception"]
+    return cell
+
+
+def _calls_summary(step: StepRecord) -> NotebookNode | None:
+    if not step.llm_calls:
+        return None
+    lines = [
+        f"<details><summary>Step {step.index}: {len(step.llm_calls)} LLM call(s)</summary>",
+        "",
+    ]
+    for i, call in enumerate(step.llm_calls, 1):
+        model = f" · {call.model}" if call.model else ""
+        lines += [
+            f"**{i}. `{call.op}`**{model} · {call.duration * 1000:.0f} ms"
+            + (" · failed" if call.error else ""),
+            "",
+            "```text",
+            _clip(call.prompt),
+            "```",
+            "→",
+            "```text",
+            _clip(call.response),
+            "```",
+            "",
+        ]
+    lines.append("</details>")
+    return new_markdown_cell("\n".join(lines), metadata={"kernel_env": {"llm_summary": True}})
+
+
+def _clip(text: str, limit: int = 2000) -> str:
+    text = text.replace("```", "ˋˋˋ")
+    return text if len(text) <= limit else text[:limit] + f" … ({len(text) - limit} more chars)"
+
+
+def _closing_cell(record: EpisodeRecord) -> NotebookNode:
+    total = sum(s.duration for s in record.steps)
+    calls = sum(len(s.llm_calls) for s in record.steps)
+    status = "finished" if record.done else "not finished"
+    lines = [
+        "## Outcome",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| episode | {status} |",
+        f"| final answer | `{record.final_answer}` |"
+        if record.final_answer is not None
+        else "| final answer | none |",
+        f"| expected answer | `{record.expected_answer}` |"
+        if record.expected_answer is not None
+        else "| expected answer | not given |",
+        f"| reward | {record.reward} |",
+        f"| steps | {len(record.steps)} of {record.max_iterations} |",
+        f"| LLM calls | {calls} |",
+        f"| execution time | {total:.3f} s |",
+    ]
+    return new_markdown_cell("\n".join(lines))
+
+
+def episode_to_notebook(record: EpisodeRecord, *, context_file: str | None = None) -> NotebookNode:
+    """The episode as a notebook; ``context_file`` (a path relative to the notebook) when the
+    context is kept in a sidecar file instead of inline."""
+    title = f"# kernel_env episode `{record.episode_id}`"
+    task = record.task_prompt.strip() or "_(no task prompt)_"
+    cells = [
+        new_markdown_cell(
+            f"{title}\n\n**Task.** {task}\n\n`context`: {len(record.context):,} characters."
+        ),
+        new_code_cell(_setup_source(record, context_file), metadata={"tags": [SETUP_TAG]}),
+    ]
+    for step in record.steps:
+        if step.status == "final":
+            cells.append(
+                new_markdown_cell(
+                    f"**Step {step.index}: final answer submitted:** `{step.final_answer}`"
+                )
+            )
+            continue
+        cells.append(_step_cell(step))
+        summary = _calls_summary(step)
+        if summary is not None:
+            cells.append(summary)
+    cells.append(_closing_cell(record))
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nb.metadata["language_info"] = {"name": "python", "version": platform.python_version()}
+    nb.metadata["kernel_env"] = {
+        "episode_id": record.episode_id,
+        "task_prompt": record.task_prompt,
+        "llm_model": record.llm_model,
+        "kernel_backend": record.kernel_backend,
+        "expected_answer": record.expected_answer,
+        "final_answer": record.final_answer,
+        "reward": record.reward,
+        "done": record.done,
+        "max_iterations": record.max_iterations,
+        "context_length": len(record.context),
+        "context_file": context_file,
+        "context": record.context if context_file is None else None,
+        "versions": _versions(),
+    }
+    return nb
+
+
+def write_notebook(record: EpisodeRecord, directory: str | os.PathLike[str], name: str) -> Path:
+    """Write ``name`` (``.ipynb`` added if missing) inside ``directory``, with a context sidecar
+    when the context is large; returns the notebook's path. Validates before writing."""
+    if not name.endswith(".ipynb"):
+        name += ".ipynb"
+    path = safe_path(directory, name)
+    context_file = None
+    if len(record.context) > INLINE_CONTEXT_CHARS:
+        sidecar = safe_path(directory, path.stem + ".context.txt")
+        sidecar.write_text(record.context, encoding="utf-8")
+        context_file = sidecar.name
+    nb = episode_to_notebook(record, context_file=context_file)
+    nbformat.validate(nb)
+    path.write_text(nbformat.writes(nb), encoding="utf-8")
+    return path
+
+
+# -- comparing a re-run with the record ------------------------------------------------------
+
+_VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\d+\.\d+ ?(?:s|ms|µs|sec|seconds)\b")
+
+
+def normalize_outputs(outputs: list[dict[str, Any]]) -> list[Any]:
+    """What must match between two runs: output types, stream text, plain-text data, which rich
+    mime types exist, error names and values. Object addresses and timings are masked."""
+    norm: list[Any] = []
+    for out in outputs:
+        kind = out.get("output_type")
+        if kind == "stream":
+            text = "".join(out.get("text", ""))
+            if norm and norm[-1][0] == "stream" and norm[-1][1] == out.get("name"):
+                norm[-1] = ("stream", out.get("name"), norm[-1][2] + _mask(text))
+            else:
+                norm.append(("stream", out.get("name"), _mask(text)))
+        elif kind in ("display_data", "execute_result"):
+            data = out.get("data", {})
+            plain = data.get("text/plain", "")
+            plain = "".join(plain) if isinstance(plain, list) else plain
+            norm.append(("data", _mask(plain), sorted(data)))
+        elif kind == "error":
+            norm.append(("error", out.get("ename"), _mask(str(out.get("evalue")))))
+    return norm
+
+
+def _mask(text: str) -> str:
+    return _VOLATILE.sub("<~>", text)
+
+
+def cells_match(recorded: list[dict[str, Any]], actual: list[dict[str, Any]]) -> bool:
+    """Whether a re-run cell produced the recorded outputs (timing-dependent values aside)."""
+    return normalize_outputs(recorded) == normalize_outputs(actual)
+
+
+def recorded_steps(nb: NotebookNode) -> list[NotebookNode]:
+    """The code cells of a notebook that are episode steps (not the setup cell)."""
+    return [
+        cell
+        for cell in nb.cells
+        if cell.cell_type == "code" and SETUP_TAG not in cell.metadata.get("tags", [])
+    ]

@@ -1,0 +1,104 @@
+"""Replay a notebook as an episode: its code cells become the steps of a fresh episode, and each
+re-run cell is compared with the outputs stored in the notebook.
+
+``llm_query`` calls are answered from the responses recorded in the cells' metadata (a notebook
+exported by kernel_env), so a replay needs no model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+from kernel_env.client import KernelEnv
+from kernel_env.notebook import RECORDED_MAGIC, cells_match, recorded_steps
+
+__all__ = ["CellReport", "ReplayReport", "replay_notebook"]
+
+
+@dataclass
+class CellReport:
+    """One code cell's replay: ``match``, ``mismatch``, ``recorded`` (not re-runnable: it timed
+    out or killed its kernel in the episode), or ``not-run`` (the episode ended before it)."""
+
+    index: int
+    verdict: str
+    source_head: str
+
+
+@dataclass
+class ReplayReport:
+    path: str
+    cells: list[CellReport] = field(default_factory=list)
+    final_answer: str | None = None
+
+    @property
+    def all_match(self) -> bool:
+        return all(c.verdict in ("match", "recorded") for c in self.cells)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for cell in self.cells:
+            out[cell.verdict] = out.get(cell.verdict, 0) + 1
+        return out
+
+
+def _recorded_llm(nb: Any) -> Callable[[str], str]:
+    """Answers prompts with the notebook's recorded responses (same prompt, first unused)."""
+    pairs = [
+        (call["prompt"], call["response"])
+        for cell in nb.cells
+        for call in cell.metadata.get("kernel_env", {}).get("llm_calls", [])
+        if not call.get("error")
+    ]
+
+    def answer(prompt: str) -> str:
+        for i, (recorded, response) in enumerate(pairs):
+            if recorded == prompt:
+                del pairs[i]
+                return response
+        raise LookupError(f"no recorded response for prompt {prompt[:80]!r}")
+
+    return answer
+
+
+def _context(nb: Any, path: Path) -> str:
+    meta = nb.metadata.get("kernel_env", {})
+    if meta.get("context_file"):
+        return (path.parent / Path(meta["context_file"]).name).read_text(encoding="utf-8")
+    return str(meta.get("context") or "")
+
+
+def replay_notebook(path: str | Path, *, step_timeout: float = 30.0) -> ReplayReport:
+    """Run ``path``'s code cells as a fresh episode and compare each cell's outputs."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    meta = nb.metadata.get("kernel_env", {})
+    steps = recorded_steps(nb)
+    report = ReplayReport(str(path))
+    with KernelEnv(llm_query_fn=_recorded_llm(nb), step_timeout=step_timeout) as env:
+        env.reset(
+            context=_context(nb, path),
+            task_prompt=str(meta.get("task_prompt") or ""),
+            max_iterations=len(steps) + 1,
+        )
+        done = False
+        for index, cell in enumerate(steps, 1):
+            head = cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""
+            if done:
+                verdict = "not-run"
+            elif cell.source.startswith(RECORDED_MAGIC):
+                verdict = "recorded"
+                env.execute(cell.source)  # keeps the namespace as the episode had it
+            else:
+                result = env.execute(cell.source)
+                ok = cells_match(cell.outputs, result.observation.result.outputs)
+                verdict = "match" if ok else "mismatch"
+                done = result.done
+                report.final_answer = result.observation.metadata.get("final_answer")
+            report.cells.append(CellReport(index, verdict, head))
+    return report

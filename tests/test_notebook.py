@@ -1,0 +1,123 @@
+"""Episodes exported as notebooks: valid, readable, re-runnable offline, replayable."""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from kernel_env import KernelEnv
+from kernel_env.notebook import (
+    RECORDED_MAGIC,
+    ExportPathError,
+    cells_match,
+    recorded_steps,
+    safe_path,
+)
+from kernel_env.replay import replay_notebook
+
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
+)
+
+STEPS = [
+    "words = context.split()\nprint(len(words), 'words')",
+    "import sys\nprint('warning!', file=sys.stderr)\nwords[:3]",
+    f"from IPython.display import Image, display\ndisplay(Image(data=bytes.fromhex('{PNG.hex()}')))",
+    "1 / 0",
+    "summary = llm_query('summarize: ' + context[:20])\n"
+    "parts = llm_query_batched(['a', 'b', 'c'])\nprint(summary, parts)",
+    "while True: pass",  # times out, interrupted, state kept
+    "import os; os._exit(1)",  # kills the kernel: restarted, state lost
+    "print('after restart', 'words' in globals())",
+    "FINAL(len(context.split()))",
+]
+
+
+def _episode(context: str) -> KernelEnv:
+    env = KernelEnv(llm_query_fn=lambda p: f"answer to {p!r}", step_timeout=2)
+    env.reset(context=context, task_prompt="Count the words.", expected_answer="6")
+    for code in STEPS:
+        env.execute(code)
+    return env
+
+
+@pytest.mark.parametrize(
+    "context", ["one two three four five six", "one two three four five six" + " " * 20_000]
+)
+def test_export_rerun_and_replay(tmp_path: Path, context: str) -> None:
+    """Streams, an image, an error, a timeout, a restart and LLM calls: the exported notebook
+    validates, re-executes offline in nbclient with matching outputs, and replays cell by cell."""
+    env = _episode(context)
+    try:
+        path = env.export_notebook(tmp_path / "episode.ipynb")
+    finally:
+        env.close()
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert all(cell.get("id") for cell in nb.cells)
+    sidecar = tmp_path / "episode.context.txt"
+    assert sidecar.exists() == (len(context) > 10_000)
+
+    steps = recorded_steps(nb)
+    assert [c.source.split("\n")[0].startswith(RECORDED_MAGIC) for c in steps][5:7] == [True, True]
+    image_cell = steps[2]
+    assert base64.b64decode(image_cell.outputs[0]["data"]["image/png"]) == PNG
+    assert "shell.execute_reply" in steps[0].metadata["execution"]
+    calls = steps[4].metadata["kernel_env"]["llm_calls"]
+    assert [c["prompt"] for c in calls] == ["summarize: one two three four f", "a", "b", "c"]
+    assert any("LLM call" in c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "reward | 1.0" in nb.cells[-1].source
+
+    # Offline re-execution in a plain kernel: llm_query answers from the recording.
+    rerun = nbformat.read(path, as_version=4)
+    NotebookClient(rerun, timeout=60, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    for recorded, actual in zip(steps, recorded_steps(rerun), strict=True):
+        if not recorded.source.startswith(RECORDED_MAGIC):
+            assert cells_match(recorded.outputs, actual.outputs), recorded.source
+
+    report = replay_notebook(path, step_timeout=10)
+    assert report.all_match, report.cells
+    assert report.counts() == {"match": 7, "recorded": 2}
+    assert report.final_answer == "6"
+
+
+def test_live_llm_in_own_notebook(tmp_path: Path) -> None:
+    """%load_ext kernel_env in a plain notebook: llm_query uses a callable registered in-kernel."""
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell(
+                "%load_ext kernel_env\n"
+                "import kernel_env.kernel_side as ks\n"
+                "ks.register_llm(lambda prompt: prompt[::-1])"
+            ),
+            nbformat.v4.new_code_cell("llm_query('abc'), llm_query_batched(['xy', 'z'])"),
+        ]
+    )
+    NotebookClient(nb, timeout=60, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert nb.cells[1].outputs[0]["data"]["text/plain"] == "('cba', ['yx', 'z'])"
+
+
+@pytest.mark.parametrize(
+    "name", ["../x.ipynb", "/etc/x.ipynb", "a\x00b.ipynb", "..", "sub/../../x"]
+)
+def test_export_paths_stay_inside_the_directory(tmp_path: Path, name: str) -> None:
+    """B3: traversal, absolute paths and NUL bytes are rejected."""
+    with pytest.raises(ExportPathError):
+        safe_path(tmp_path, name)
+
+
+def test_symlink_out_of_directory_is_rejected(tmp_path: Path) -> None:
+    """B3: a symlink inside the export directory that points outside is not followed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(outside, root / "link")
+    with pytest.raises(ExportPathError):
+        safe_path(root, "link/x.ipynb")
+    assert safe_path(root, "ok.ipynb") == (root / "ok.ipynb").resolve()
