@@ -160,7 +160,7 @@ def _calls_summary(step: StepRecord) -> NotebookNode | None:
 
 
 def _clip(text: str, limit: int = 2000) -> str:
-    text = text.replace("```", "ˋˋˋ")
+    text = text.replace("```", "` ` `")  # keep a fence in the text from closing ours
     return text if len(text) <= limit else text[:limit] + f" … ({len(text) - limit} more chars)"
 
 

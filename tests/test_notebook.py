@@ -27,7 +27,8 @@ PNG = base64.b64decode(
 STEPS = [
     "words = context.split()\nprint(len(words), 'words')",
     "import sys\nprint('warning!', file=sys.stderr)\nwords[:3]",
-    f"from IPython.display import Image, display\ndisplay(Image(data=bytes.fromhex('{PNG.hex()}')))",
+    "from IPython.display import Image, display\n"
+    f"display(Image(data=bytes.fromhex('{PNG.hex()}')))",
     "1 / 0",
     "summary = llm_query('summarize: ' + context[:20])\n"
     "parts = llm_query_batched(['a', 'b', 'c'])\nprint(summary, parts)",
