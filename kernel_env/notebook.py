@@ -29,6 +29,7 @@ __all__ = [
     "normalize_outputs",
     "recorded_steps",
     "safe_path",
+    "write_html",
     "write_notebook",
 ]
 
@@ -282,6 +283,20 @@ def write_notebook(record: EpisodeRecord, directory: str | os.PathLike[str], nam
     # nbformat.writes would validate the whole notebook a second time.
     path.write_text(nbformat.v4.writes(nb), encoding="utf-8")
     return path
+
+
+def write_html(notebook_path: str | os.PathLike[str]) -> Path:
+    """An HTML page of a notebook, next to it, for sharing a rollout (needs the ``html`` extra:
+    nbconvert)."""
+    try:
+        from nbconvert import HTMLExporter
+    except ImportError as exc:
+        raise RuntimeError("HTML export needs nbconvert: pip install 'kernel-env[html]'") from exc
+    source = Path(notebook_path)
+    body, _ = HTMLExporter().from_notebook_node(nbformat.read(source, as_version=4))
+    target = source.with_suffix(".html")
+    target.write_text(body, encoding="utf-8")
+    return target
 
 
 # -- comparing a re-run with the record ------------------------------------------------------

@@ -17,6 +17,7 @@ from kernel_env.notebook import (
     cells_match,
     recorded_steps,
     safe_path,
+    write_html,
 )
 from kernel_env.replay import replay_notebook
 
@@ -80,6 +81,9 @@ def test_export_rerun_and_replay(tmp_path: Path, context: str) -> None:
     for recorded, actual in zip(steps, recorded_steps(rerun), strict=True):
         if not recorded.source.startswith(RECORDED_MAGIC):
             assert cells_match(recorded.outputs, actual.outputs), recorded.source
+
+    html = write_html(path)
+    assert "Count the words." in html.read_text()
 
     report = replay_notebook(path, step_timeout=10)
     assert report.all_match, report.cells
