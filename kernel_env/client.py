@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from kernel_env.environment import EnvConfig, KernelEnvironment
+from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
 from kernel_env.errors import ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
@@ -84,12 +84,15 @@ class AsyncKernelEnv:
         reward_on_error: float = -0.05,
         step_timeout: float = 30.0,
         config: EnvConfig | None = None,
+        kernel_source: KernelSource | None = None,
         connect_timeout_s: float = 10.0,
         message_timeout_s: float = 60.0,
         token: str | None = None,
     ) -> None:
         """Local-only options: ``llm_query_fn``, ``llm_batch_fn``, output and reward settings,
-        ``step_timeout``, or a whole ``config`` (which then wins over those keywords).
+        ``step_timeout``, or a whole ``config`` (which then wins over those keywords), and
+        ``kernel_source`` (where kernels come from: a pool, a gateway; default a new local
+        kernel per episode).
         Remote-only: ``connect_timeout_s``, ``message_timeout_s``, ``token``."""
         self.base_url = base_url
         self._session: _Session | None = None
@@ -107,7 +110,10 @@ class AsyncKernelEnv:
                 ),
             )
             self.environment: KernelEnvironment | None = KernelEnvironment(
-                config, llm_query_fn=llm_query_fn, llm_batch_fn=llm_batch_fn
+                config,
+                kernel_source=kernel_source,
+                llm_query_fn=llm_query_fn,
+                llm_batch_fn=llm_batch_fn,
             )
             self._session = _LocalSession(self.environment)
         else:
