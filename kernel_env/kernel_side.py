@@ -69,6 +69,9 @@ class _Episode:
         self.local_llm: Callable[[str], str] | None = None
         self.replay: list[list[str]] | None = None
         self.setup_params: dict[str, Any] = {}
+        # True once a kernel_env host set up an episode here: only then does llm_query ask over
+        # stdin (in a user's notebook that would pop an input box in the frontend).
+        self.hosted = False
 
     # -- the host call over the stdin channel ----------------------------------------------
 
@@ -78,6 +81,12 @@ class _Episode:
             return _call_local(self.local_llm, args)
         if self.replay is not None:
             return self._replay(op, args)
+        if not self.hosted:
+            raise KernelEnvError(
+                f"{op}: no model is configured in this notebook. Call "
+                "kernel_env.kernel_side.register_llm(fn), or set KERNEL_ENV_LLM_BASE_URL and "
+                "KERNEL_ENV_LLM_MODEL (and KERNEL_ENV_LLM_API_KEY) before %load_ext kernel_env."
+            )
         kernel = getattr(self.shell, "kernel", None)
         raw_input = getattr(kernel, "raw_input", None)
         if raw_input is None:
@@ -450,7 +459,7 @@ def _recorded_cell(line: str, cell: str) -> None:
     if line.strip() == "restarted" and _episode is not None:
         _episode.shell.reset(new_session=False)
         _episode.shell.push(_episode.helpers, interactive=False)
-        setup(json.dumps(_episode.setup_params))
+        _apply_setup(_episode.setup_params)
 
 
 def _show(shell: Any, *names: str) -> None:
@@ -484,9 +493,14 @@ def setup(params_json: str) -> None:
     ``output_cap``; ``replay``: recorded ``[prompt, response]`` pairs that answer ``llm_query``
     offline (an exported notebook re-run with no model).
     """
+    _apply_setup(json.loads(params_json))
+    if _episode is not None:
+        _episode.hosted = True
+
+
+def _apply_setup(params: dict[str, Any]) -> None:
     if _episode is None:
         raise RuntimeError("kernel_env extension not loaded")
-    params = json.loads(params_json)
     _episode.setup_params = {k: v for k, v in params.items() if k != "replay"}
     ns = _episode.shell.user_ns
     if "context_path" in params:
@@ -510,7 +524,7 @@ def setup(params_json: str) -> None:
 def setup_notebook(**params: Any) -> None:
     """The setup cell of an exported notebook: ``setup`` with keyword arguments; relative paths
     are read from the notebook's directory (nbclient and Jupyter run cells there)."""
-    setup(json.dumps(params))
+    _apply_setup(params)
 
 
 def lookup(name: str) -> _JSONState:
