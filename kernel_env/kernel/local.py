@@ -109,6 +109,16 @@ class LocalKernel(Kernel):
         process = getattr(provisioner, "process", None)
         return process.pid if process is not None else None
 
+    def _kernel_spec(self) -> KernelSpec:
+        return KernelSpec(argv=self._command(), language="python", display_name="kernel_env")
+
+    def _command(self) -> list[str]:
+        """The launch command (a sandbox wraps it)."""
+        return list(self._argv)
+
+    def _environ(self) -> dict[str, str]:
+        return minimal_environ(str(self.workdir), self._python)
+
     # -- transport hooks ------------------------------------------------------------------
 
     async def _launch(self) -> None:
@@ -117,11 +127,10 @@ class LocalKernel(Kernel):
             tempfile.mkdtemp(prefix=f"kernel-env-{self.kernel_id}-", dir=self._runtime_root)
         )
         self.workdir.mkdir()
-        spec = KernelSpec(argv=self._argv, language="python", display_name="kernel_env")
         self._km = _KernelManager(
-            spec, transport="ipc", connection_file=str(self._dir / "kernel.json")
+            self._kernel_spec(), transport="ipc", connection_file=str(self._dir / "kernel.json")
         )
-        env = minimal_environ(str(self.workdir), self._python) | self._extra_env
+        env = self._environ() | self._extra_env
         try:
             await self._km.start_kernel(env=env, cwd=str(self.workdir))
         except Exception as exc:

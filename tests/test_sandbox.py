@@ -1,0 +1,199 @@
+"""The sandboxed backend: limits, isolation between episodes, and teardown (F5, F6, S1, S2)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kernel_env import KernelEnv
+from kernel_env.kernel import Kernel, LocalKernel
+from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
+
+pytestmark = pytest.mark.skipif(
+    sandbox_problem() is not None, reason=f"sandbox unavailable: {sandbox_problem()}"
+)
+
+SECRETS = {"HF_TOKEN": "hf_sandbox_secret", "KERNEL_ENV_TOKEN": "server-secret-token"}
+
+
+def sandboxed(**limits) -> KernelEnv:
+    async def source() -> Kernel:
+        kernel = SandboxedKernel(limits=SandboxLimits(**limits))
+        await kernel.start()
+        return kernel
+
+    return KernelEnv(kernel_source=source, step_timeout=5, llm_query_fn=str.upper)
+
+
+async def _local() -> Kernel:
+    kernel = LocalKernel()
+    await kernel.start()
+    return kernel
+
+
+@pytest.fixture
+def senv() -> Iterator[KernelEnv]:
+    with sandboxed(memory_bytes=1024**3, processes=64) as env:
+        yield env
+
+
+def _descendants() -> set[int]:
+    """Every process whose ancestry leads to this test process."""
+    me, found = os.getpid(), set()
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(") ", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    for pid in parents:
+        p = pid
+        while p in parents and p > 1:
+            p = parents[p]
+            if p == me:
+                found.add(pid)
+                break
+    return found
+
+
+def test_f5_memory_limit(senv: KernelEnv) -> None:
+    """F5: an 8 GB allocation under a 1 GiB limit fails inside the kernel; the kernel lives."""
+    senv.reset()
+    res = senv.execute("x = bytearray(8 * 10**9)").observation.result
+    assert "MemoryError" in (res.exception or "") or res.kernel_restarted
+    assert senv.execute("1 + 1").observation.result.stdout.strip() == "2"
+
+
+def test_f6_process_bomb_capped_and_setsid_children_reaped(senv: KernelEnv) -> None:
+    """F6: forks stop at the pids cap; after close, no process of the episode survives."""
+    senv.reset()
+    res = senv.execute(
+        "import os, subprocess\n"
+        "kids = []\n"
+        "try:\n"
+        "    for _ in range(500):\n"
+        "        kids.append(subprocess.Popen(['sleep', '300'], start_new_session=True))\n"
+        "except OSError as e:\n"
+        "    print('capped after', len(kids), type(e).__name__)"
+    ).observation.result
+    assert "capped after" in res.stdout
+    assert int(res.stdout.split()[2]) < 64
+    before = _descendants()
+    assert before  # the kernel and its children are ours
+    senv.close()
+    deadline = time.monotonic() + 10
+    while _descendants() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _descendants() == set()
+
+
+def test_s1_no_secrets_visible(monkeypatch, senv: KernelEnv) -> None:
+    """S1: environment, /proc and the filesystem show no token from the host or the reset."""
+    for key, value in SECRETS.items():
+        monkeypatch.setenv(key, value)
+    senv.reset(hf_token="hf_reset_secret")
+    res = senv.execute(
+        "import os, glob\n"
+        "blob = repr(dict(os.environ))\n"
+        "for p in glob.glob('/proc/*/environ') + glob.glob('/proc/*/cmdline'):\n"
+        "    try: blob += open(p, 'rb').read().decode(errors='replace')\n"
+        "    except OSError: pass\n"
+        "for p in glob.glob('/tmp/**', recursive=True):\n"
+        "    blob += p\n"
+        "print(len(blob), blob)"
+    ).observation.result
+    assert res.success and "PATH" in res.stdout
+    for secret in [*SECRETS.values(), "hf_reset_secret"]:
+        assert secret not in res.stdout
+
+
+def test_s2_episodes_cannot_reach_each_other() -> None:
+    """S2: from episode A, B's processes, connection file and sockets are out of reach."""
+    with sandboxed() as a, sandboxed() as b:
+        a.reset()
+        b.reset()
+        b.execute("secret_of_b = 'b-private'")
+        b_dir = b.environment.kernel.runtime_dir
+        res = a.execute(
+            "import os, glob, json\n"
+            "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            f"visible = os.path.exists({str(b_dir)!r})\n"
+            "print('pids', len(pids), 'b_dir_visible', visible)\n"
+            f"try:\n    json.load(open({str(b_dir / 'kernel.json')!r}))\n    print('READ')\n"
+            "except OSError as e:\n    print('blocked', type(e).__name__)"
+        ).observation.result
+        assert "b_dir_visible False" in res.stdout and "blocked" in res.stdout
+        assert int(res.stdout.split()[1]) <= 3  # the reaper, the kernel, maybe a child
+        assert "READ" not in res.stdout
+
+
+def test_s1_unsandboxed_kernel_has_no_secrets_either(monkeypatch) -> None:
+    """S1 on the plain local backend: its explicit environment holds no host secret."""
+    for key, value in SECRETS.items():
+        monkeypatch.setenv(key, value)
+    with KernelEnv(kernel_source=_local) as env:
+        env.reset(hf_token="hf_reset_secret")
+        out = env.execute("import os; print(dict(os.environ))").observation.result.stdout
+    assert "PATH" in out
+    for secret in [*SECRETS.values(), "hf_reset_secret"]:
+        assert secret not in out
+
+
+def test_network_off_by_default(senv: KernelEnv) -> None:
+    """No network by default: even the host's loopback services are unreachable."""
+    senv.reset()
+    res = senv.execute(
+        "import socket\n"
+        "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\n    print('reached')\n"
+        "except OSError as e:\n    print('no network', type(e).__name__)"
+    ).observation.result
+    assert "no network" in res.stdout
+
+
+def test_llm_query_works_without_network(senv: KernelEnv) -> None:
+    """The stdin-channel llm_query needs no network, so it works in the sandbox."""
+    senv.reset()
+    assert senv.execute("llm_query('hi')").observation.result.stdout.strip() == "'HI'"
+
+
+def test_workspace_quota(tmp_path: Path) -> None:
+    """Writing past the workspace size fails with an OSError instead of filling the host disk."""
+    with sandboxed(workspace_bytes=32 * 1024**2) as env:
+        env.reset()
+        res = env.execute(
+            "try:\n    open('big', 'wb').write(b'x' * 64 * 1024**2)\n"
+            "except OSError as e:\n    print('quota', e.errno)"
+        ).observation.result
+    assert "quota" in res.stdout
+
+
+async def test_churn_leaves_nothing_behind(tmp_path: Path) -> None:
+    """200 reset/close cycles: no kernel process, runtime file, cgroup or fd is left over."""
+    from kernel_env import AsyncKernelEnv
+
+    async def source() -> Kernel:
+        kernel = SandboxedKernel(runtime_root=str(tmp_path))
+        await kernel.start()
+        return kernel
+
+    async def cycle() -> None:
+        env = AsyncKernelEnv(kernel_source=source, step_timeout=10)
+        await env.reset(context="churn")
+        await env.execute("import subprocess; p = subprocess.Popen(['sleep', '60'])")
+        await env.close()
+
+    await cycle()  # warm imports and caches before the baseline
+    baseline = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        await cycle()
+    assert os.listdir(tmp_path) == []
+    assert _descendants() == set()
+    assert len(os.listdir("/proc/self/fd")) <= baseline
+    cgroups = Path("/sys/fs/cgroup/pids/kernel_env")
+    assert not cgroups.exists() or [p for p in cgroups.iterdir() if p.is_dir()] == []
