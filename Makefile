@@ -10,7 +10,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench install clean
+.PHONY: serve test lint bench install system-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,21 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
-serve: $(VENV)/.installed
+# bubblewrap sandboxes the kernels (Debian package `bubblewrap`): installed when missing and
+# apt-get can be used; without it kernels run unsandboxed, and kernel-env says so.
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap"; \
+	    apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; \
+	  else \
+	    echo "note: bubblewrap is not installed; kernels will run without the sandbox"; \
+	  fi; }
+
+serve: $(VENV)/.installed system-deps
 	$(BIN)/kernel-env serve --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev

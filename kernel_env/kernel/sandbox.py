@@ -120,7 +120,11 @@ class SandboxedKernel(LocalKernel):
         return env
 
     def _command(self) -> list[str]:
-        return [*self._cgroup_prefix(), *self._prlimit(), *self._bwrap(), *self._argv]
+        # ipykernel exits when its parent pid changes; inside the PID namespace its parent is
+        # bwrap's reaper, pid 1, which the kernel app treats as "no parent to watch".
+        # --die-with-parent ends the sandbox with the server instead.
+        kernel = [*self._argv, "--IPKernelApp.parent_handle=1"]
+        return [*self._cgroup_prefix(), *self._prlimit(), *self._bwrap(), *kernel]
 
     def _bwrap(self) -> list[str]:
         runtime, work = str(self.runtime_dir), str(self.workdir)
@@ -138,9 +142,6 @@ class SandboxedKernel(LocalKernel):
             "--bind", runtime, runtime,  # the connection file and IPC sockets
             "--size", size, "--tmpfs", work,  # the capped, private workspace
             "--chdir", work,
-            # ipykernel exits when its parent pid changes; inside the PID namespace its parent
-            # is bwrap's reaper. --die-with-parent ends the kernel with the server instead.
-            "--unsetenv", "JPY_PARENT_PID",
         ]  # fmt: skip
         for path in _SENSITIVE:
             args += _mask(os.path.expanduser(path))
