@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
 from kernel_env.errors import ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
+from kernel_env.llm import LLMBackend
 from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
 from kernel_env.notebook import write_notebook
 from kernel_env.rubric import Rewards
@@ -85,11 +86,13 @@ class AsyncKernelEnv:
         step_timeout: float = 30.0,
         config: EnvConfig | None = None,
         kernel_source: KernelSource | None = None,
+        llm_backend: LLMBackend | None = None,
         connect_timeout_s: float = 10.0,
         message_timeout_s: float = 60.0,
         token: str | None = None,
     ) -> None:
-        """Local-only options: ``llm_query_fn``, ``llm_batch_fn``, output and reward settings,
+        """Local-only options: ``llm_backend`` (a :mod:`kernel_env.llm` backend) or the simpler
+        ``llm_query_fn`` / ``llm_batch_fn`` callables, output and reward settings,
         ``step_timeout``, or a whole ``config`` (which then wins over those keywords), and
         ``kernel_source`` (where kernels come from: a pool, a gateway; default a new local
         kernel per episode).
@@ -112,18 +115,27 @@ class AsyncKernelEnv:
             self.environment: KernelEnvironment | None = KernelEnvironment(
                 config,
                 kernel_source=kernel_source,
+                llm_backend=llm_backend,
                 llm_query_fn=llm_query_fn,
                 llm_batch_fn=llm_batch_fn,
             )
             self._session = _LocalSession(self.environment)
         else:
-            if llm_query_fn is not None or llm_batch_fn is not None:
+            if llm_query_fn is not None or llm_batch_fn is not None or llm_backend is not None:
                 raise ValueError(
                     "llm_query_fn/llm_batch_fn run on the host that runs the kernels; with a "
                     "base_url, configure the LLM on the server"
                 )
             self.environment = None
             self._remote = (base_url, connect_timeout_s, message_timeout_s, token)
+
+    @classmethod
+    def wrapping(cls, environment: KernelEnvironment) -> AsyncKernelEnv:
+        """A local client around an existing environment (child episodes use this)."""
+        env = cls(config=environment.config)
+        env.environment = environment
+        env._session = _LocalSession(environment)
+        return env
 
     async def _connect(self) -> _Session:
         if self._closed:

@@ -20,9 +20,11 @@ from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
 from kernel_env.hostcalls import HostCalls, LLMBatchFn, LLMQueryFn
 from kernel_env.kernel import ExecutionResult, Kernel, LocalKernel
 from kernel_env.kernel_side import DEFAULT_OUTPUT_CAP, MODULE_NAME, STATE_EXPRESSION
+from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.outputs import truncate
 from kernel_env.record import EpisodeRecord, StepRecord
+from kernel_env.recursion import BackendForToken, ChildEpisodes, ParentLink
 from kernel_env.rubric import Rewards, Rubric, as_rubric, score_final
 
 __all__ = ["EnvConfig", "KernelEnvironment", "KernelSource"]
@@ -48,6 +50,10 @@ class EnvConfig:
     success_reward: float = 1.0  # scales the rubric's score of a final answer
     rubric: Rubric | str | None = None
     llm_concurrency: int = 16
+    llm_max_calls: int | None = None  # per-episode budget, children's calls included
+    llm_max_tokens: int | None = None
+    rlm_concurrency: int = 4  # child episodes of one rlm_query_batched at a time
+    rlm_max_iterations: int = 10  # default for a child episode's agent loop
 
 
 @dataclass
@@ -74,18 +80,29 @@ class KernelEnvironment:
         kernel_source: KernelSource | None = None,
         llm_query_fn: LLMQueryFn | None = None,
         llm_batch_fn: LLMBatchFn | None = None,
+        llm_backend: LLMBackend | None = None,
+        backend_for_token: BackendForToken | None = None,
+        parent: ParentLink | None = None,
     ) -> None:
+        """``llm_backend`` (or the simpler ``llm_query_fn``) answers the kernel's ``llm_query``;
+        ``backend_for_token(hf_token, model)`` builds a per-episode backend when ``reset`` gets
+        an ``hf_token`` (the token lives in that backend only). ``parent`` is set for the child
+        episodes of ``rlm_query``: they share the parent's usage and budget."""
         self.config = config or EnvConfig()
         self._rubric = as_rubric(self.config.rubric)
         self._kernel_source = kernel_source or _start_local_kernel
-        self._llm_query_fn = llm_query_fn
+        if llm_backend is None and llm_query_fn is not None:
+            llm_backend = CallableBackend(llm_query_fn)
+        self._llm_backend = llm_backend
         self._llm_batch_fn = llm_batch_fn
+        self._backend_for_token = backend_for_token
+        self._token_backend: LLMBackend | None = None
+        self._parent = parent
         self._kernel: Kernel | None = None
         self._record: EpisodeRecord | None = None
         self._calls = HostCalls()
         self._names: list[str] = []
         self._total_time = 0.0
-        self._llm_calls = 0
         self.stats = _Stats()
 
     @property
@@ -117,19 +134,49 @@ class KernelEnvironment:
             llm_model=opts.llm_model,
             seed=opts.seed,
         )
-        # hf_token is handed to the LLM functions' host side only: never stored or logged.
-        self._calls = HostCalls(
-            llm_query_fn=self._llm_query_fn,
-            llm_batch_fn=self._llm_batch_fn,
-            max_concurrency=self.config.llm_concurrency,
-            default_model=opts.llm_model,
-        )
+        self._calls = await self._host_calls(opts)
         self._total_time = 0.0
-        self._llm_calls = 0
         self._kernel = await self._kernel_source()
         await self._setup_kernel()
         self._names = ["answer", "context"]
         return self._observation(CodeBlockResult(), reward=None, done=False)
+
+    async def _host_calls(self, opts: ResetOptions) -> HostCalls:
+        """The episode's LLM plumbing: backend, usage, budget, and rlm_query's children."""
+        await self._close_token_backend()
+        backend = self._llm_backend
+        if opts.hf_token and self._backend_for_token is not None:
+            # The token goes into this episode's backend and nowhere else: not the record, the
+            # state, a log, or the kernel.
+            backend = self._token_backend = self._backend_for_token(opts.hf_token, opts.llm_model)
+        if self._parent is not None:
+            link = self._parent
+        else:
+            link = ParentLink(
+                usage=Usage(),
+                budget=Budget(self.config.llm_max_calls, self.config.llm_max_tokens),
+                depth=0,
+                max_depth=opts.rlm_max_depth,
+                max_iterations=opts.rlm_max_iterations or self.config.rlm_max_iterations,
+            )
+        runner = None
+        if backend is not None and link.depth < link.max_depth:
+            runner = ChildEpisodes(self.config, self._kernel_source, backend, link).run
+        return HostCalls(
+            backend=backend,
+            usage=link.usage,
+            budget=link.budget,
+            batch_fn=self._llm_batch_fn,
+            rlm=runner,
+            max_concurrency=self.config.llm_concurrency,
+            rlm_concurrency=self.config.rlm_concurrency,
+            default_model=opts.llm_model,
+        )
+
+    async def _close_token_backend(self) -> None:
+        backend, self._token_backend = self._token_backend, None
+        if backend is not None:
+            await backend.aclose()
 
     async def _setup_kernel(self) -> None:
         record, kernel = self._require()
@@ -243,7 +290,6 @@ class KernelEnvironment:
         self.stats.restarts += result.kernel_restarted
         self._total_time += result.execution_time
         calls = self._calls.take_calls()
-        self._llm_calls += len(calls)
         iteration = len(record.steps) + 1
         rewards = self.config.rewards
         if final is not None:
@@ -256,6 +302,7 @@ class KernelEnvironment:
             reward, done = (rewards.step_ok if result.success else rewards.step_failed), False
         record.steps.append(_step_record(iteration, code, ex, result, calls, reward, final))
         record.done, record.final_answer = done, final
+        record.llm_usage = self._calls.usage.as_dict()
         if done:
             record.reward = reward
         return self._observation(result, reward=reward, done=done)
@@ -280,7 +327,8 @@ class KernelEnvironment:
             done=record.done,
             reward=record.reward,
             kernel_restarts=self._kernel.restarts if self._kernel else 0,
-            llm_calls=self._llm_calls,
+            llm_calls=self._calls.usage.calls,
+            llm_usage=self._calls.usage.as_dict(),
         )
 
     def _observation(
@@ -315,6 +363,7 @@ class KernelEnvironment:
     async def close(self) -> None:
         """Shut the episode's kernel down; idempotent. The record stays readable."""
         await self._discard_kernel()
+        await self._close_token_backend()
 
     async def _discard_kernel(self) -> None:
         kernel, self._kernel = self._kernel, None

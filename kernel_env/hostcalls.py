@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_env.kernel_side import REQUEST_TAG
+from kernel_env.llm import Budget, LLMBackend, MeteredBackend, Usage
 
-__all__ = ["HostCalls", "LLMBatchFn", "LLMCall", "LLMQueryFn"]
+__all__ = ["HostCalls", "LLMBatchFn", "LLMCall", "LLMQueryFn", "RLMRunner"]
 
 LLMQueryFn = Callable[[str], str] | Callable[[str], Awaitable[str]]
 LLMBatchFn = Callable[[list[str]], list[str]] | Callable[[list[str]], Awaitable[list[str]]]
@@ -38,21 +39,43 @@ class LLMCall:
     model: str | None
     duration: float
     error: bool = False
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    # rlm_query: the child episodes that produced the answer (kernel_env.record.EpisodeRecord)
+    children: list[Any] = field(default_factory=list)
 
 
 class RequestError(ValueError):
     """A kernel's request is malformed; the kernel gets the message back as an error."""
 
 
+# Answers an rlm_query with a child episode: (prompt, model) -> (answer, child records).
+RLMRunner = Callable[[str, str | None], Awaitable[tuple[str, list[Any]]]]
+
+
 @dataclass
 class HostCalls:
-    """Answers one episode's helper calls with the given LLM functions."""
+    """Answers one episode's helper calls.
 
-    llm_query_fn: LLMQueryFn | None = None
-    llm_batch_fn: LLMBatchFn | None = None
+    Every model call goes through ``backend`` metered by ``usage`` and refused past ``budget``
+    on the host, where user code cannot reach either. ``rlm`` answers ``rlm_query`` with a
+    child episode; without it (or past the depth limit) ``rlm_query`` is a plain ``llm_query``.
+    """
+
+    backend: LLMBackend | None = None
+    usage: Usage = field(default_factory=Usage)
+    budget: Budget | None = None
+    batch_fn: LLMBatchFn | None = None
+    rlm: RLMRunner | None = None
     max_concurrency: int = 16
+    rlm_concurrency: int = 4
     default_model: str | None = None
     calls: list[LLMCall] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._metered = (
+            MeteredBackend(self.backend, self.usage, self.budget) if self.backend else None
+        )
 
     def take_calls(self) -> list[LLMCall]:
         """The calls recorded since the last take (one step's worth)."""
@@ -76,49 +99,42 @@ class HostCalls:
     async def _dispatch(self, op: str, args: dict[str, Any]) -> Any:
         model = args.get("model") or self.default_model
         if op in ("llm_query", "rlm_query"):
-            # rlm_query is a plain llm_query until an agent backend drives child episodes.
-            return await self._one(op, args["prompt"], model)
+            call = await self._ask(op, args["prompt"], model)
+            self.calls.append(call)
+            if call.error:
+                raise RuntimeError(call.response)
+            return call.response
         return await self._batch(op, args["prompts"], model)
 
-    async def _one(self, op: str, prompt: str, model: str | None) -> str:
-        call = await self._ask(op, prompt, model)
-        self.calls.append(call)
-        if call.error:
-            raise RuntimeError(call.response)
-        return call.response
-
     async def _ask(self, op: str, prompt: str, model: str | None) -> LLMCall:
-        """One prompt to the LLM function; a failure is a call record with ``error`` set."""
-        if self.llm_query_fn is None:
-            return LLMCall(
-                op,
-                prompt,
-                "no LLM is configured for this episode (pass llm_query_fn)",
-                model,
-                0.0,
-                error=True,
-            )
+        """One prompt; a failure is a call record with ``error`` set, never an exception."""
         t0 = time.perf_counter()
         try:
-            response = str(await _call(self.llm_query_fn, prompt))
+            if op == "rlm_query" and self.rlm is not None:
+                text, children = await self.rlm(prompt, model)
+                return LLMCall(op, prompt, text, model, time.perf_counter() - t0, children=children)
+            if self._metered is None:
+                raise RuntimeError("no LLM is configured for this episode (pass llm_query_fn)")
+            done = await self._metered.complete([{"role": "user", "content": prompt}], model=model)
         except Exception as exc:
             return LLMCall(op, prompt, str(exc), model, time.perf_counter() - t0, error=True)
-        return LLMCall(op, prompt, response, model, time.perf_counter() - t0)
+        return LLMCall(
+            op,
+            prompt,
+            done.text,
+            done.model or model,
+            done.latency,
+            input_tokens=done.input_tokens,
+            output_tokens=done.output_tokens,
+        )
 
     async def _batch(self, op: str, prompts: list[str], model: str | None) -> list[str]:
-        if self.llm_batch_fn is not None:
-            t0 = time.perf_counter()
-            responses = [str(r) for r in await _call(self.llm_batch_fn, prompts)]
-            if len(responses) != len(prompts):
-                raise RuntimeError(
-                    f"llm_batch_fn returned {len(responses)} answers for {len(prompts)} prompts"
-                )
-            each = (time.perf_counter() - t0) / len(prompts)
-            pairs = zip(prompts, responses, strict=True)
-            self.calls.extend(LLMCall(op, p, r, model, each) for p, r in pairs)
-            return responses
-        limit = asyncio.Semaphore(self.max_concurrency)
         single = op.removesuffix("_batched")
+        if self.batch_fn is not None and single == "llm_query":
+            return await self._batch_fn(single, prompts, model)
+        limit = asyncio.Semaphore(
+            self.rlm_concurrency if single == "rlm_query" else self.max_concurrency
+        )
 
         async def one(prompt: str) -> LLMCall:
             async with limit:
@@ -127,6 +143,21 @@ class HostCalls:
         calls = await asyncio.gather(*(one(p) for p in prompts))
         self.calls.extend(calls)  # in prompt order, whatever order they finished in
         return [f"Error: {c.response}" if c.error else c.response for c in calls]
+
+    async def _batch_fn(self, op: str, prompts: list[str], model: str | None) -> list[str]:
+        """A user's batch function answers the whole batch; each prompt counts as one call."""
+        for _ in prompts:
+            self.usage.start(self.budget)  # refuses the batch when it would not fit
+        t0 = time.perf_counter()
+        responses = [str(r) for r in await _call(self.batch_fn, prompts)]
+        if len(responses) != len(prompts):
+            raise RuntimeError(
+                f"llm_batch_fn returned {len(responses)} answers for {len(prompts)} prompts"
+            )
+        each = (time.perf_counter() - t0) / len(prompts)
+        pairs = zip(prompts, responses, strict=True)
+        self.calls.extend(LLMCall(op, p, r, model, each) for p, r in pairs)
+        return responses
 
 
 def _parse(text: str) -> tuple[str, dict[str, Any]]:

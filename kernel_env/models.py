@@ -95,6 +95,7 @@ class REPLState(BaseModel):
     reward: float | None = None
     kernel_restarts: int = 0
     llm_calls: int = 0
+    llm_usage: dict[str, Any] = Field(default_factory=dict)
 
 
 class ResetOptions(BaseModel):

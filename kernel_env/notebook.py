@@ -25,6 +25,7 @@ from kernel_env.record import EpisodeRecord, StepRecord
 __all__ = [
     "ExportPathError",
     "cells_match",
+    "child_notebook_name",
     "episode_to_notebook",
     "normalize_outputs",
     "recorded_steps",
@@ -163,9 +164,24 @@ def _step_cell(step: StepRecord) -> NotebookNode:
     return cell
 
 
-def _calls_summary(step: StepRecord) -> NotebookNode | None:
+def child_notebook_name(stem: str, step: int, n: int) -> str:
+    """The file name of the ``n``-th child episode of a step (rlm_query), beside its parent."""
+    return f"{stem}.child-{step}-{n}.ipynb"
+
+
+def _children(step: StepRecord) -> list[EpisodeRecord]:
+    return [child for call in step.llm_calls for child in call.children]
+
+
+def _calls_summary(step: StepRecord, stem: str | None) -> NotebookNode | None:
     if not step.llm_calls:
         return None
+    links = []
+    if stem is not None:
+        names = [
+            child_notebook_name(stem, step.index, n) for n in range(1, len(_children(step)) + 1)
+        ]
+        links = [f"[child episode {n}]({name})" for n, name in enumerate(names, 1)]
     lines = [
         f"<details><summary>Step {step.index}: {len(step.llm_calls)} LLM call(s)</summary>",
         "",
@@ -186,6 +202,8 @@ def _calls_summary(step: StepRecord) -> NotebookNode | None:
             "",
         ]
     lines.append("</details>")
+    if links:
+        lines += ["", "rlm_query ran " + ", ".join(links) + "."]
     return new_markdown_cell("\n".join(lines), metadata={"kernel_env": {"llm_summary": True}})
 
 
@@ -218,9 +236,12 @@ def _closing_cell(record: EpisodeRecord) -> NotebookNode:
     return new_markdown_cell("\n".join(lines))
 
 
-def episode_to_notebook(record: EpisodeRecord, *, context_file: str | None = None) -> NotebookNode:
+def episode_to_notebook(
+    record: EpisodeRecord, *, context_file: str | None = None, stem: str | None = None
+) -> NotebookNode:
     """The episode as a notebook; ``context_file`` (a path relative to the notebook) when the
-    context is kept in a sidecar file instead of inline."""
+    context is kept in a sidecar file instead of inline; ``stem``, the notebook's file name
+    without ``.ipynb``, to link child episodes written beside it."""
     title = f"# kernel_env episode `{record.episode_id}`"
     task = record.task_prompt.strip() or "_(no task prompt)_"
     cells = [
@@ -238,7 +259,7 @@ def episode_to_notebook(record: EpisodeRecord, *, context_file: str | None = Non
             )
             continue
         cells.append(_step_cell(step))
-        summary = _calls_summary(step)
+        summary = _calls_summary(step, stem)
         if summary is not None:
             cells.append(summary)
     cells.append(_closing_cell(record))
@@ -259,6 +280,8 @@ def episode_to_notebook(record: EpisodeRecord, *, context_file: str | None = Non
         "reward": record.reward,
         "done": record.done,
         "max_iterations": record.max_iterations,
+        "depth": record.depth,
+        "llm_usage": record.llm_usage,
         "context_length": len(record.context),
         "context_file": context_file,
         "context": record.context if context_file is None else None,
@@ -278,10 +301,13 @@ def write_notebook(record: EpisodeRecord, directory: str | os.PathLike[str], nam
         sidecar = safe_path(directory, path.stem + ".context.txt")
         sidecar.write_text(record.context, encoding="utf-8")
         context_file = sidecar.name
-    nb = episode_to_notebook(record, context_file=context_file)
+    nb = episode_to_notebook(record, context_file=context_file, stem=path.stem)
     nbformat.validate(nb)
     # nbformat.writes would validate the whole notebook a second time.
     path.write_text(nbformat.v4.writes(nb), encoding="utf-8")
+    for step in record.steps:
+        for n, child in enumerate(_children(step), 1):
+            write_notebook(child, directory, child_notebook_name(path.stem, step.index, n))
     return path
 
 

@@ -42,6 +42,8 @@ class EpisodeRecord:
     llm_model: str | None = None
     seed: int | None = None
     kernel_backend: str = "local"
+    depth: int = 0  # 0 for a root episode; n for an rlm_query child n levels down
+    llm_usage: dict[str, Any] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
     final_answer: str | None = None
     reward: float | None = None
