@@ -13,7 +13,11 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
+    "AgentResult": "kernel_env.agent",
     "AsyncKernelEnv": "kernel_env.client",
+    "Budget": "kernel_env.llm",
+    "BudgetExceeded": "kernel_env.errors",
+    "CallableBackend": "kernel_env.llm",
     "CodeBlockResult": "kernel_env.models",
     "EnvConfig": "kernel_env.environment",
     "EpisodeError": "kernel_env.errors",
@@ -24,19 +28,29 @@ _EXPORTS = {
     "KernelEnvError": "kernel_env.errors",
     "KernelEnvironment": "kernel_env.environment",
     "KernelError": "kernel_env.errors",
+    "LLMError": "kernel_env.errors",
     "LocalKernel": "kernel_env.kernel",
+    "OpenAIBackend": "kernel_env.llm",
     "REPLAction": "kernel_env.models",
     "REPLObservation": "kernel_env.models",
     "REPLState": "kernel_env.models",
     "RemoteError": "kernel_env.errors",
     "ResetNeeded": "kernel_env.errors",
     "Rewards": "kernel_env.rubric",
+    "ScriptedBackend": "kernel_env.llm",
     "StepResult": "kernel_env.models",
+    "Usage": "kernel_env.llm",
     "check_env": "kernel_env.checker",
+    "replay_notebook": "kernel_env.replay",
+    "run_agent": "kernel_env.agent",
 }
 
 __all__ = [
+    "AgentResult",
     "AsyncKernelEnv",
+    "Budget",
+    "BudgetExceeded",
+    "CallableBackend",
     "CodeBlockResult",
     "EnvConfig",
     "EpisodeError",
@@ -47,32 +61,42 @@ __all__ = [
     "KernelEnvError",
     "KernelEnvironment",
     "KernelError",
+    "LLMError",
     "LocalKernel",
+    "OpenAIBackend",
     "REPLAction",
     "REPLObservation",
     "REPLState",
     "RemoteError",
     "ResetNeeded",
     "Rewards",
+    "ScriptedBackend",
     "StepResult",
+    "Usage",
     "check_env",
     "load_ipython_extension",
+    "replay_notebook",
+    "run_agent",
     "unload_ipython_extension",
 ]
 
 if TYPE_CHECKING:
+    from kernel_env.agent import AgentResult, run_agent
     from kernel_env.checker import check_env
     from kernel_env.client import AsyncKernelEnv, KernelEnv
     from kernel_env.environment import EnvConfig, KernelEnvironment
     from kernel_env.errors import (
+        BudgetExceeded,
         EpisodeError,
         EpisodeFinished,
         KernelEnvError,
         KernelError,
+        LLMError,
         RemoteError,
         ResetNeeded,
     )
     from kernel_env.kernel import LocalKernel
+    from kernel_env.llm import Budget, CallableBackend, OpenAIBackend, ScriptedBackend, Usage
     from kernel_env.models import (
         CodeBlockResult,
         REPLAction,
@@ -80,6 +104,7 @@ if TYPE_CHECKING:
         REPLState,
         StepResult,
     )
+    from kernel_env.replay import replay_notebook
     from kernel_env.rubric import ExactMatch, FuzzyMatch, Rewards
 
 

@@ -9,17 +9,21 @@ Errors in the *agent's* code are not exceptions: they are data in the observatio
     ├── EpisodeError             misuse of an episode
     │   ├── ResetNeeded          step() before reset(), or after close()
     │   └── EpisodeFinished      step() after the episode is done
+    ├── LLMError                 a model call failed after its retries
+    │   └── BudgetExceeded       the episode's LLM budget is spent (enforced on the host)
     └── RemoteError              the server answered with an error frame
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BudgetExceeded",
     "EpisodeError",
     "EpisodeFinished",
     "KernelEnvError",
     "KernelError",
     "KernelStartError",
+    "LLMError",
     "RemoteError",
     "ResetNeeded",
 ]
@@ -54,6 +58,14 @@ class ResetNeeded(EpisodeError):
 
 class EpisodeFinished(EpisodeError):
     """step() after the episode ended; call reset() to start another."""
+
+
+class LLMError(KernelEnvError):
+    """A model call failed (after its retries) or its answer could not be read."""
+
+
+class BudgetExceeded(LLMError):
+    """The episode's LLM budget (calls or tokens) is spent; enforced on the host."""
 
 
 class RemoteError(KernelEnvError):

@@ -10,11 +10,8 @@ Every backend answers ``await backend.complete(messages, model=None) -> Completi
     └── MeteredBackend    wraps any of them: counts ``Usage``, enforces a ``Budget``
 
 ``as_query_fn(backend, usage, budget)`` turns a backend into the ``llm_query_fn`` that
-``HostCalls`` (and ``KernelEnv(llm_query_fn=...)``) takes. Exceptions::
-
-    KernelEnvError
-    └── LLMError          a model call failed (after retries) or answered nonsense
-        └── BudgetExceeded  the episode's budget of calls or tokens is spent
+``HostCalls`` (and ``KernelEnv(llm_query_fn=...)``) takes. Failures raise ``LLMError`` and
+``BudgetExceeded`` (from :mod:`kernel_env.errors`, re-exported here).
 
 API keys are held in a ``_Secret`` that never shows its value in a repr, a log or an error.
 """
@@ -34,7 +31,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from kernel_env.errors import KernelEnvError
+from kernel_env.errors import BudgetExceeded, LLMError
 
 __all__ = [
     "Budget",
@@ -60,14 +57,6 @@ Messages = list[dict[str, Any]]
 # an agent's loop).
 _USAGE_LOCK = threading.Lock()
 _RETRY_STATUS = frozenset({408, 409, 425, 429}) | frozenset(range(500, 600))
-
-
-class LLMError(KernelEnvError):
-    """A model call failed (after its retries) or its answer could not be read."""
-
-
-class BudgetExceeded(LLMError):
-    """The episode's LLM budget (calls or tokens) is spent; enforced on the host."""
 
 
 @dataclass(frozen=True)
