@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
 from kernel_env.errors import ResetNeeded
@@ -22,6 +22,9 @@ from kernel_env.llm import LLMBackend
 from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
 from kernel_env.notebook import write_notebook
 from kernel_env.rubric import Rewards
+
+if TYPE_CHECKING:
+    from kernel_env.agent import AgentResult
 
 __all__ = ["AsyncKernelEnv", "KernelEnv"]
 
@@ -325,6 +328,13 @@ class KernelEnv:
 
     def list_variables(self) -> list[str]:
         return self._run(self._async.list_variables())
+
+    def run_agent(self, backend: LLMBackend, **kwargs: Any) -> AgentResult:
+        """Let ``backend`` solve a task in this env with the RLM loop (see
+        :func:`kernel_env.agent.run_agent` for the keywords). Runs on this client's loop."""
+        from kernel_env.agent import run_agent
+
+        return self._run(run_agent(self._async, backend, **kwargs))
 
     def export_notebook(self, path: str | os.PathLike[str]) -> Path:
         """Write the current (or last) episode as a notebook; see AsyncKernelEnv."""
