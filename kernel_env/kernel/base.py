@@ -169,11 +169,12 @@ class Kernel(ABC):
     async def start(self) -> None:
         """Launch the kernel and wait until it is ready."""
         self._reset_queues()
-        await self._launch()
         try:
+            await self._launch()
             await self._wait_ready()
         except BaseException:
-            await self.shutdown()
+            # A failed or cancelled start must not leave a process or sockets behind.
+            await asyncio.shield(self.shutdown())
             raise
         self.started = True
 

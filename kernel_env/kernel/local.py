@@ -153,6 +153,9 @@ class LocalKernel(Kernel):
             with contextlib.suppress(Exception):  # already dead is fine: we only want it gone
                 await km.shutdown_kernel(now=True)
             await km.cleanup_resources()
+            # The manager made its own zmq context (our client used it too): close it now
+            # rather than leave it to the garbage collector.
+            km.context.destroy(linger=0)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
