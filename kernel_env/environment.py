@@ -18,7 +18,7 @@ from typing import Any
 from kernel_env import answers
 from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
 from kernel_env.hostcalls import HostCalls, LLMBatchFn, LLMQueryFn
-from kernel_env.kernel import ExecutionResult, Kernel, LocalKernel
+from kernel_env.kernel import ExecutionResult, Kernel
 from kernel_env.kernel_side import DEFAULT_OUTPUT_CAP, MODULE_NAME, STATE_EXPRESSION
 from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
@@ -65,9 +65,10 @@ class _Stats:
 
 
 async def _start_local_kernel() -> Kernel:
-    kernel = LocalKernel()
-    await kernel.start()
-    return kernel
+    # The default source: sandboxed where bubblewrap works (kernel_env.kernel.factory).
+    from kernel_env.kernel.factory import local_source
+
+    return await local_source()()
 
 
 class KernelEnvironment:

@@ -1,0 +1,106 @@
+"""Where episode kernels come from: a local ipykernel by default, a gateway when one is named.
+
+A *kernel source* is what ``KernelEnvironment(kernel_source=...)``, ``KernelEnv(kernel_source=...)``
+and ``KernelPool`` take: an async callable returning a started, ready kernel. ::
+
+    source = kernel_source_from(settings)       # anything with gateway_url / gateway_token
+    source = gateway_source(GatewayConfig(url="https://eg.example:8888", token="..."))
+    env = KernelEnv(kernel_source=source)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from kernel_env.kernel.base import Kernel
+from kernel_env.kernel.gateway import GatewayConfig, GatewayKernel
+from kernel_env.kernel.local import LocalKernel
+from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
+
+__all__ = ["BackendSettings", "gateway_source", "kernel_source_from", "local_source"]
+
+KernelSource = Callable[[], Awaitable[Kernel]]
+
+log = logging.getLogger(__name__)
+
+
+class BackendSettings(Protocol):
+    """What :func:`kernel_source_from` reads (``ServerSettings`` has these fields)."""
+
+    @property
+    def gateway_url(self) -> str | None: ...
+
+    @property
+    def gateway_token(self) -> str | None: ...
+
+
+def local_source(sandbox: str = "auto", **kernel_options: Any) -> KernelSource:
+    """A new local kernel per call; ``kernel_options`` go to the kernel class.
+
+    ``sandbox``: ``"auto"`` (bubblewrap where it works, else a plain kernel, said once in the
+    log), ``"bwrap"`` (required: fail if it can't be used) or ``"none"``.
+    """
+    kind = _local_kind(sandbox)
+
+    async def start_local_kernel() -> Kernel:
+        kernel = kind(**kernel_options)
+        await kernel.start()
+        return kernel
+
+    return start_local_kernel
+
+
+def _local_kind(sandbox: str) -> type[LocalKernel]:
+    if sandbox not in ("auto", "bwrap", "none"):
+        raise ValueError(f"sandbox must be 'auto', 'bwrap' or 'none', not {sandbox!r}")
+    if sandbox == "none":
+        return LocalKernel
+    problem = sandbox_problem()
+    if problem is None:
+        return SandboxedKernel
+    if sandbox == "bwrap":
+        raise RuntimeError(f"the bubblewrap sandbox is required but unavailable: {problem}")
+    _warn_unsandboxed(problem)
+    return LocalKernel
+
+
+@functools.cache
+def _warn_unsandboxed(problem: str) -> None:
+    log.warning(
+        "kernels run WITHOUT the sandbox: %s (install bubblewrap, or pass "
+        "sandbox='none' / --sandbox none to silence this)",
+        problem,
+    )
+
+
+def gateway_source(config: GatewayConfig, **kernel_options: Any) -> KernelSource:
+    """A new gateway kernel per call; ``kernel_options`` go to :class:`GatewayKernel`."""
+
+    async def start_gateway_kernel() -> Kernel:
+        kernel = GatewayKernel(config, **kernel_options)
+        await kernel.start()
+        return kernel
+
+    return start_gateway_kernel
+
+
+def kernel_source_from(settings: BackendSettings | None = None) -> KernelSource:
+    """Local kernels (sandboxed per ``settings.sandbox``, default ``"auto"``), or gateway
+    kernels when ``settings.gateway_url`` is set.
+
+    Optional attributes: ``gateway_kernel_name`` (default ``python3``), and any other
+    :class:`GatewayConfig` field prefixed ``gateway_`` (``gateway_start_timeout``, ...).
+    An empty token counts as none.
+    """
+    url = getattr(settings, "gateway_url", None) if settings is not None else None
+    if not url:
+        return local_source(getattr(settings, "sandbox", "auto") or "auto")
+    options: dict[str, Any] = {}
+    for name in GatewayConfig.__dataclass_fields__:
+        value = getattr(settings, f"gateway_{name}", None)
+        if value is not None and value != "":
+            options[name] = value
+    return gateway_source(GatewayConfig(**options))
