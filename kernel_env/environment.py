@@ -188,7 +188,8 @@ class KernelEnvironment:
             data = record.context.encode("utf-8")
             params["context_path"] = await kernel.stage_file(".kernel_env_context.txt", data)
         code = f"{_KERNEL}.setup({json.dumps(json.dumps(params))})"
-        result = await kernel.execute(code, silent=True, timeout=60.0)
+        # Well below the 60 s an OpenEnv client waits for the reset's reply.
+        result = await kernel.execute(code, silent=True, timeout=15.0)
         if not result.success:
             raise KernelError(
                 f"episode setup failed in the kernel: {result.stderr.strip()[-500:]}",

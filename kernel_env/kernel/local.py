@@ -207,10 +207,17 @@ class LocalKernel(Kernel):
                 # event of a socket we also send on: a reply sat in the socket (EVENTS=POLLIN)
                 # with the recv pending forever. A new recv checks EVENTS first, so re-arming
                 # every _RECV_REARM seconds bounds such a stall instead of hanging the step.
+                # asyncio.wait, not wait_for: on 3.11 wait_for can swallow a cancellation
+                # that lands as the recv completes, and then shutdown waits on us forever.
+                recv = socket.recv_multipart()
                 try:
-                    frames = await asyncio.wait_for(socket.recv_multipart(), _RECV_REARM)
-                except TimeoutError:
+                    done, _ = await asyncio.wait({recv}, timeout=_RECV_REARM)
+                finally:
+                    if not recv.done():
+                        recv.cancel()
+                if not done:
                     continue
+                frames = recv.result()
                 _, msg = session.feed_identities(frames)
                 msg = session.deserialize(msg)
                 log.debug(

@@ -1,0 +1,173 @@
+"""``KernelPool``: kernels started ahead of time, so that a reset does not wait for one.
+
+A kernel start costs ~0.5 s (0.24 s of it importing ipykernel); taking a warm kernel costs a
+deque pop. The pool keeps ``size`` kernels warm or starting, refilling in the background after
+each ``acquire``. A kernel leaves the pool for good: the episode that took it shuts it down,
+so no state ever crosses from one episode to the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from kernel_env.errors import KernelError
+from kernel_env.kernel import Kernel
+
+__all__ = ["KernelFactory", "KernelPool"]
+
+log = logging.getLogger(__name__)
+
+# Starts a kernel and returns it once it is ready.
+KernelFactory = Callable[[], Awaitable[Kernel]]
+
+_MAX_BACKOFF = 30.0  # seconds between refill attempts while kernels keep failing to start
+
+
+class KernelPool:
+    """Up to ``size`` ready kernels; ``acquire`` hands one out, or starts one if none is warm.
+
+    Example::
+
+        pool = KernelPool(start_local_kernel, size=4)
+        await pool.start()
+        kernel = await pool.acquire()   # ready at once when the pool is warm
+        ...
+        await kernel.shutdown()         # the caller owns it now
+        await pool.close()              # shuts every warm kernel
+    """
+
+    def __init__(
+        self,
+        kernel_factory: KernelFactory,
+        *,
+        size: int = 4,
+        start_concurrency: int | None = None,
+        close_timeout: float = 15.0,
+    ) -> None:
+        if size < 0:
+            raise ValueError(f"pool size must be >= 0, got {size}")
+        self.size = size
+        # A kernel boot is ~0.4 s of CPU. Refilling 8 at once on 2 cores made the resets that
+        # triggered them 5x slower (50 ms instead of 11 ms); one boot per two cores keeps a
+        # core free for the server and the episodes, at nearly the same refill throughput.
+        self.start_concurrency = start_concurrency or max(1, (os.cpu_count() or 2) // 2)
+        self.close_timeout = close_timeout
+        self._factory = kernel_factory
+        self._warm: deque[Kernel] = deque()
+        self._starts: set[asyncio.Task[None]] = set()
+        self._need = asyncio.Event()
+        self._filler: asyncio.Task[None] | None = None
+        self._closed = False
+        self._first_fill = 0.0
+        self.acquired = 0  # kernels handed out
+        self.warm_hits = 0  # ... of which were warm
+        self.start_failures = 0
+        self._fail_streak = 0
+
+    @property
+    def warm(self) -> int:
+        """Kernels ready to be handed out."""
+        return len(self._warm)
+
+    @property
+    def starting(self) -> int:
+        """Kernels being started in the background."""
+        return len(self._starts)
+
+    async def start(self) -> None:
+        """Begin filling the pool in the background; returns at once."""
+        if self._closed:
+            raise KernelError("the kernel pool is closed")
+        if self._filler is None:
+            self._first_fill = time.perf_counter()
+            self._filler = asyncio.create_task(self._fill_forever(), name="kernel-pool-filler")
+            self._need.set()
+
+    async def acquire(self) -> Kernel:
+        """A ready kernel, now owned by the caller (who must shut it down)."""
+        if self._closed:
+            raise KernelError("the kernel pool is closed")
+        self.acquired += 1
+        while self._warm:
+            kernel = self._warm.popleft()
+            self._need.set()
+            if await kernel.is_alive():
+                self.warm_hits += 1
+                return kernel
+            # Died while waiting (OOM killer, a stray signal): never hand out a dead kernel.
+            log.warning("warm kernel %s died in the pool; discarding it", kernel.kernel_id)
+            await kernel.shutdown()
+        self._need.set()
+        return await self._factory()
+
+    async def close(self) -> None:
+        """Shut down every warm kernel and stop refilling; idempotent."""
+        self._closed = True
+        filler, self._filler = self._filler, None
+        if filler is not None:
+            filler.cancel()
+            await asyncio.gather(filler, return_exceptions=True)
+        if self._starts:
+            # A start is not cancelled half-way (that could orphan a kernel process): it
+            # finishes (~0.5 s) and, seeing the pool closed, shuts its kernel down itself.
+            _, pending = await asyncio.wait(set(self._starts), timeout=self.close_timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        warm, self._warm = list(self._warm), deque()
+        if warm:
+            shutdowns = {asyncio.ensure_future(k.shutdown()) for k in warm}
+            _, stuck = await asyncio.wait(shutdowns, timeout=self.close_timeout)
+            if stuck:
+                log.error("%d warm kernel(s) did not shut down in %.0f s", len(stuck),
+                          self.close_timeout)
+
+    # -- refilling ------------------------------------------------------------------------
+
+    async def _fill_forever(self) -> None:
+        # Woken whenever a kernel leaves the pool or a start ends; starts are not awaited
+        # here, so a refill begins the moment a kernel is taken and a start slot is free.
+        while True:
+            await self._need.wait()
+            self._need.clear()
+            if self._fail_streak:
+                delay = min(_MAX_BACKOFF, 0.5 * 2 ** (self._fail_streak - 1))
+                log.warning("kernel starts are failing; next attempt in %.1f s", delay)
+                await asyncio.sleep(delay)
+            missing = self.size - len(self._warm) - len(self._starts)
+            for _ in range(min(missing, self.start_concurrency - len(self._starts))):
+                task = asyncio.create_task(self._start_one(), name="kernel-pool-start")
+                self._starts.add(task)
+                task.add_done_callback(self._starts.discard)
+
+    async def _start_one(self) -> None:
+        try:
+            await self._start_and_place()
+        finally:
+            # The slot is free only now, after the kernel is placed or shut down: close()
+            # waits for the tasks in _starts, so none may be running a shutdown unseen.
+            self._starts.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._need.set()
+
+    async def _start_and_place(self) -> None:
+        try:
+            kernel = await self._factory()
+        except Exception:
+            self.start_failures += 1
+            self._fail_streak += 1
+            log.exception("a pool kernel failed to start")
+            return
+        self._fail_streak = 0
+        if self._closed:
+            await asyncio.shield(kernel.shutdown())
+            return
+        self._warm.append(kernel)
+        if self._first_fill and len(self._warm) >= self.size:
+            took = time.perf_counter() - self._first_fill
+            log.info("kernel pool warm: %d kernel(s) ready after %.1f s", self.size, took)
+            self._first_fill = 0.0

@@ -1,0 +1,187 @@
+"""``RemoteSession``: one episode session on a ``kernel-env serve`` server, over its ``/ws``.
+
+The same frames as OpenEnv's ``EnvClient`` (so it also works against any OpenEnv server that
+speaks them), with two differences that matter in practice: a reply that does not arrive in
+``message_timeout_s`` ends the connection (otherwise every later reply would be shifted by one),
+and error frames raise :class:`~kernel_env.errors.RemoteError` with their code and data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+from kernel_env.errors import RemoteError
+from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, StepResult
+
+__all__ = ["RemoteSession", "ws_url"]
+
+M = TypeVar("M", bound=BaseModel)
+
+_SCHEMES = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}
+
+
+def ws_url(base_url: str) -> str:
+    """``http(s)://host:port[/prefix]`` -> ``ws(s)://host:port[/prefix]/ws``."""
+    parts = urlsplit(base_url.strip() if "://" in base_url else f"http://{base_url.strip()}")
+    scheme = _SCHEMES.get(parts.scheme.lower())
+    if scheme is None or not parts.netloc:
+        raise ValueError(f"not an http(s) or ws(s) URL: {base_url!r}")
+    path = parts.path.rstrip("/")
+    if not path.endswith("/ws"):
+        path += "/ws"
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+class RemoteSession:
+    """One connection = one server-side session. Use :meth:`connect` to create one."""
+
+    def __init__(self, ws: ClientConnection, *, message_timeout_s: float) -> None:
+        self._ws: ClientConnection | None = ws
+        self._message_timeout = message_timeout_s
+        self._lock = asyncio.Lock()  # one request in flight: replies carry no correlation id
+        self.session_id: str | None = None
+
+    @classmethod
+    async def connect(
+        cls,
+        base_url: str,
+        *,
+        connect_timeout_s: float = 10.0,
+        message_timeout_s: float = 60.0,
+        token: str | None = None,
+        max_message_bytes: int | None = 256 * 1024 * 1024,
+    ) -> RemoteSession:
+        """Open a session; raises ``ConnectionError`` when the server cannot be reached and
+        :class:`RemoteError` when it refuses (``UNAUTHORIZED``)."""
+        url = ws_url(base_url)
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        try:
+            ws = await connect(
+                url,
+                additional_headers=headers,
+                open_timeout=connect_timeout_s,
+                max_size=max_message_bytes,
+                proxy=None,  # loopback and cluster-internal servers: never via a proxy
+            )
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if status in (401, 403):
+                raise RemoteError(
+                    f"the server refused the connection (HTTP {status}): missing or wrong token",
+                    code="UNAUTHORIZED",
+                    data={"status": status},
+                ) from None
+            raise ConnectionError(f"cannot open {url}: HTTP {status}") from exc
+        except (OSError, TimeoutError, WebSocketException) as exc:
+            raise ConnectionError(f"cannot connect to {url}: {exc}") from exc
+        return cls(ws, message_timeout_s=message_timeout_s)
+
+    async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
+        reply = await self._request({"type": "reset", "data": kwargs}, "observation")
+        result = _step_result(reply)
+        self.session_id = result.observation.metadata.get("session_id", self.session_id)
+        return result
+
+    async def step(self, action: REPLAction) -> StepResult[REPLObservation]:
+        data = action.model_dump(exclude_defaults=True, exclude={"metadata"})
+        if action.metadata:
+            data["metadata"] = action.metadata
+        return _step_result(await self._request({"type": "step", "data": data}, "observation"))
+
+    async def state(self) -> REPLState:
+        reply = await self._request({"type": "state"}, "state")
+        return _lenient(REPLState, reply)
+
+    async def close(self) -> None:
+        """Tell the server to end the session and close the socket; idempotent."""
+        ws, self._ws = self._ws, None
+        if ws is None:
+            return
+        # If the server already ended it, the socket is gone either way.
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(json.dumps({"type": "close"}))
+        await ws.close()
+
+    async def _request(self, frame: dict[str, Any], expect: str) -> dict[str, Any]:
+        async with self._lock:
+            ws = self._ws
+            if ws is None:
+                raise RemoteError("the connection is closed", code="CONNECTION_CLOSED")
+            try:
+                await ws.send(json.dumps(frame))
+                raw: str | bytes = await asyncio.wait_for(ws.recv(), self._message_timeout)
+            except TimeoutError:
+                # The reply may still come, and would answer the *next* request: drop the socket.
+                await self._abandon()
+                raise RemoteError(
+                    f"no reply within {self._message_timeout:g} s; the connection was closed",
+                    code="TIMEOUT",
+                ) from None
+            except ConnectionClosed as exc:
+                # A server that refuses a session (CAPACITY_REACHED) sends an error frame and
+                # closes; the send may fail first, but the frame is still there to read.
+                pending = await _pending(ws)
+                await self._abandon()
+                if pending is None:
+                    raise _closed_error(exc) from None
+                raw = pending
+        reply = json.loads(raw)
+        kind, data = reply.get("type"), reply.get("data") or {}
+        if kind == "error":
+            raise RemoteError(
+                str(data.get("message", "server error")),
+                code=str(data.get("code", "UNKNOWN")),
+                data=data,
+            )
+        if kind != expect:
+            raise RemoteError(
+                f"expected a {expect!r} frame, got {kind!r}", code="PROTOCOL_ERROR", data=reply
+            )
+        return dict(data)
+
+    async def _abandon(self) -> None:
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            await ws.close()
+
+
+async def _pending(ws: ClientConnection) -> str | bytes | None:
+    try:
+        return await asyncio.wait_for(ws.recv(), 1.0)
+    except (ConnectionClosed, TimeoutError):
+        return None
+
+
+def _closed_error(exc: ConnectionClosed) -> RemoteError:
+    close = exc.rcvd
+    code, reason = (close.code, close.reason) if close is not None else (1006, "")
+    return RemoteError(
+        f"the server closed the connection ({code}{': ' + reason if reason else ''})",
+        code="CONNECTION_CLOSED",
+        data={"close_code": code, "reason": reason},
+    )
+
+
+def _step_result(data: dict[str, Any]) -> StepResult[REPLObservation]:
+    """Parse an observation payload tolerantly: unknown keys are dropped, missing ones default,
+    metadata is read from ``data.metadata`` or, for older servers, from the observation."""
+    obs = dict(data.get("observation") or {})
+    obs["result"] = _lenient(CodeBlockResult, obs.get("result") or {})
+    obs["metadata"] = data.get("metadata") or obs.get("metadata") or {}
+    obs["reward"] = data.get("reward")
+    obs["done"] = bool(data.get("done", False))
+    observation = _lenient(REPLObservation, obs)
+    return StepResult(observation=observation, reward=observation.reward, done=observation.done)
+
+
+def _lenient(model: type[M], data: dict[str, Any]) -> M:
+    known = {k: v for k, v in data.items() if k in model.model_fields and v is not None}
+    return model.model_validate(known)

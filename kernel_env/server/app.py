@@ -1,0 +1,335 @@
+"""``create_app(settings)``: the FastAPI app of ``kernel-env serve``.
+
+OpenEnv's routes (``/health``, ``/metadata``, ``/schema``, ``/reset``, ``/step``, ``/state``,
+``/mcp``, ``WS /ws``) plus ``/metrics`` and session routes. Handlers are thin: sessions live in
+``sessions``, frames in ``protocol``, and exceptions map to responses in one place
+(``_install_error_handlers``).
+
+Unlike OpenEnv's stateless HTTP, ``/reset`` opens a *session*: its id comes back in the
+``X-Session-Id`` response header (and in ``observation.metadata.session_id``); ``/step`` and
+``/state`` take it in the ``X-Session-Id`` request header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Body, Depends, FastAPI, Header, HTTPException, Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kernel_env import __version__
+from kernel_env.environment import EnvConfig, KernelEnvironment
+from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
+from kernel_env.kernel import Kernel, LocalKernel
+from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
+from kernel_env.pool import KernelFactory, KernelPool
+from kernel_env.server import metrics, protocol
+from kernel_env.server.auth import BearerAuth, require_token
+from kernel_env.server.limits import BodyLimit
+from kernel_env.server.sessions import (
+    CapacityReached,
+    Session,
+    SessionError,
+    SessionManager,
+    UnknownSession,
+)
+from kernel_env.server.settings import ServerSettings
+from kernel_env.server.websocket import websocket_endpoint
+
+__all__ = ["API_VERSION", "SESSION_HEADER", "Runtime", "create_app", "start_local_kernel"]
+
+API_VERSION = "1.0.0"  # OpenEnv's HTTP standard profile "openenv-http/1.x"
+SESSION_HEADER = "X-Session-Id"
+
+_SESSIONS_DOC = f"""
+**Sessions over HTTP.** Unlike OpenEnv's stateless HTTP routes, kernel_env keeps a session
+(one kernel) per client. `POST /reset` without an `{SESSION_HEADER}` header opens a new session
+and returns its id in the `{SESSION_HEADER}` response header and in
+`observation.metadata.session_id`. Send it back in the `{SESSION_HEADER}` request header to
+`POST /step`, `GET /state`, or `POST /reset` (a new episode in the same session). A session idle
+longer than the server's TTL is reaped: later calls get 410 "session expired". Close a session
+with `DELETE /sessions/{{id}}`. The WebSocket `/ws` needs none of this: one socket is one
+session.
+"""
+
+
+async def start_local_kernel() -> Kernel:
+    """The default kernel factory: a local ipykernel over IPC, started and ready."""
+    kernel = LocalKernel()
+    await kernel.start()
+    return kernel
+
+
+class Runtime:
+    """Everything the app owns while it runs; created in the lifespan, on the app's loop."""
+
+    def __init__(self, settings: ServerSettings, kernel_factory: KernelFactory) -> None:
+        self.settings = settings
+        self.pool = KernelPool(kernel_factory, size=settings.pool_size)
+        config = EnvConfig(
+            step_timeout=settings.step_timeout,
+            max_code_chars=settings.max_code_chars,
+            max_context_chars=settings.max_context_chars,
+        )
+        self.sessions = SessionManager(
+            lambda: KernelEnvironment(config, kernel_source=self.pool.acquire),
+            max_sessions=settings.max_sessions,
+            idle_ttl=settings.idle_ttl,
+        )
+        self.started = time.monotonic()
+
+    async def start(self) -> None:
+        await self.pool.start()
+        await self.sessions.start()
+
+    async def drain(self) -> None:
+        """Graceful shutdown: in-flight steps answer (or are cancelled), then kernels go."""
+        await self.sessions.drain(self.settings.drain_timeout)
+        await self.pool.close()
+
+    async def close(self) -> None:
+        await self.sessions.close()
+        await self.pool.close()
+
+
+class StepRequest(BaseModel):
+    """The body of ``POST /step`` (OpenEnv's shape; extra keys are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    action: REPLAction
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="Accepted for compatibility; the server's step timeout "
+        "applies (it is kept below OpenEnv clients' 60 s wait)."
+    )
+    request_id: str | None = Field(default=None, max_length=255)
+
+
+class StepResponse(BaseModel):
+    observation: dict[str, Any]
+    reward: float | None = None
+    done: bool = False
+
+
+def create_app(
+    settings: ServerSettings | None = None, *, kernel_factory: KernelFactory | None = None
+) -> FastAPI:
+    """The app. ``kernel_factory`` starts the kernels (default: local ipykernels)."""
+    settings = settings or ServerSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime = Runtime(settings, kernel_factory or start_local_kernel)
+        app.state.runtime = runtime
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.close()
+
+    app = FastAPI(
+        title="kernel_env",
+        version=API_VERSION,
+        description="OpenEnv REPL environment whose episodes run in real IPython kernels.\n"
+        + _SESSIONS_DOC,
+        lifespan=lifespan,
+    )
+    app.state.auth = BearerAuth(settings.token)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_message_bytes)
+    _install_error_handlers(app)
+    _add_info_routes(app)
+    _add_episode_routes(app)
+    app.add_api_websocket_route("/ws", websocket_endpoint)
+    return app
+
+
+def _runtime(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+# -- info routes (public: providers and `openenv validate` poll them) ------------------------
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    @app.get("/health", tags=["Health"], summary="Health check")
+    async def health() -> dict[str, str]:
+        return {"status": "healthy"}
+
+    @app.get("/metadata", tags=["Environment Info"], summary="Environment metadata")
+    async def metadata() -> dict[str, Any]:
+        return {
+            "name": "kernel_env",
+            "description": "A REPL environment for language-model agents in which every "
+            "episode runs in a real IPython kernel (OpenEnv repl_env compatible).",
+            "readme_content": _SESSIONS_DOC.strip(),
+            "version": __version__,
+            "author": "kernel_env contributors",
+            "documentation_url": "https://github.com/kernel-env/kernel-env#readme",
+        }
+
+    @app.get("/schema", tags=["Schema"], summary="JSON schemas of action, observation, state")
+    async def schema() -> dict[str, Any]:
+        return {
+            "action": REPLAction.model_json_schema(),
+            "observation": REPLObservation.model_json_schema(),
+            "state": REPLState.model_json_schema(),
+        }
+
+    @app.post("/mcp", tags=["MCP"], summary="JSON-RPC 2.0 (no tools: every call is an error)")
+    async def mcp(request: Request) -> JSONResponse:
+        return JSONResponse(protocol.mcp_response(await request.body()))
+
+    @app.get("/metrics", tags=["Operations"], summary="Server counters",
+             dependencies=[Depends(require_token)])
+    async def get_metrics(request: Request) -> dict[str, Any]:
+        runtime = _runtime(request)
+        return metrics.collect(runtime.sessions, runtime.pool, runtime.started)
+
+
+# -- episode routes -----------------------------------------------------------------------
+
+SessionHeader = Annotated[str | None, Header(
+    alias=SESSION_HEADER,
+    description="The session id that `POST /reset` returned in its `X-Session-Id` header.",
+)]
+
+
+def _add_episode_routes(app: FastAPI) -> None:
+    auth = [Depends(require_token)]
+
+    @app.post("/reset", tags=["Environment Control"], response_model=StepResponse,
+              dependencies=auth, summary="Start an episode (opens a session if none is named)",
+              description=_SESSIONS_DOC)
+    async def reset(
+        request: Request,
+        options: Annotated[ResetOptions | None, Body()] = None,
+        session_id: SessionHeader = None,
+    ) -> Response:
+        runtime = _runtime(request)
+        # Every field the caller set, hf_token included (ResetOptions never dumps it).
+        kwargs = {name: getattr(options, name) for name in options.model_fields_set} \
+            if options is not None else {}
+        session = runtime.sessions.get(session_id) if session_id else None
+        new = session is None
+        session = session or runtime.sessions.open("http")
+        try:
+            async with runtime.sessions.request(session):
+                obs = await session.reset(kwargs)
+        except BaseException:
+            if new:  # a session whose first reset failed is of no use to anyone
+                await asyncio.shield(runtime.sessions.close_soon(session))
+            raise
+        return _observation_response(obs, session)
+
+    @app.post("/step", tags=["Environment Control"], response_model=StepResponse,
+              dependencies=auth, summary="Run one action in the session's episode",
+              description="Requires the `X-Session-Id` header from `POST /reset`; without it, "
+              "400. An invalid action is 422.\n" + _SESSIONS_DOC)
+    async def step(
+        request: Request, body: StepRequest, session_id: SessionHeader = None
+    ) -> Response:
+        runtime = _runtime(request)
+        session = _require_session(runtime, session_id)
+        async with runtime.sessions.request(session):
+            obs = await session.step(body.action)
+        return _observation_response(obs, session)
+
+    @app.get("/state", tags=["State Management"], response_model=REPLState, dependencies=auth,
+             summary="The session's episode state",
+             description="Requires the `X-Session-Id` header from `POST /reset`.")
+    async def state(request: Request, session_id: SessionHeader = None) -> Response:
+        session = _require_session(_runtime(request), session_id)
+        current = session.state()
+        big = len(current.context or "") > 1 << 20
+        body = await asyncio.to_thread(current.model_dump_json) if big \
+            else current.model_dump_json()
+        return Response(body, media_type="application/json")
+
+    @app.delete("/sessions/{session_id}", tags=["Sessions"], dependencies=auth,
+                status_code=status.HTTP_204_NO_CONTENT, summary="Close a session (idempotent)")
+    async def close_session(request: Request, session_id: str) -> Response:
+        runtime = _runtime(request)
+        try:
+            session = runtime.sessions.get(session_id)
+        except SessionError:
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
+        await runtime.sessions.close_session(session)
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+    @app.get("/sessions/{session_id}/notebook", tags=["Sessions"], dependencies=auth,
+             summary="The session's episodes as .ipynb (not implemented yet)")
+    async def notebook(session_id: str) -> JSONResponse:
+        return JSONResponse({"detail": "notebook export is not implemented yet"},
+                            status_code=status.HTTP_501_NOT_IMPLEMENTED)
+
+
+def _require_session(runtime: Runtime, session_id: str | None) -> Session:
+    if not session_id:
+        raise HTTPException(
+            status.HTTP_400_BAD_REQUEST,
+            f"missing {SESSION_HEADER} header: call POST /reset first; it returns the session "
+            f"id in its {SESSION_HEADER} response header",
+        )
+    return runtime.sessions.get(session_id)
+
+
+def _observation_response(obs: REPLObservation, session: Session) -> JSONResponse:
+    payload = protocol.observation_payload(obs, session_id=session.id)
+    del payload["metadata"]  # HTTP keeps OpenEnv's three keys; metadata is in the observation
+    return JSONResponse(payload, headers={SESSION_HEADER: session.id})
+
+
+# -- exceptions -> responses, in one place ------------------------------------------------
+
+
+def _detail(code: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=code, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def unknown(_: Request, exc: Exception) -> JSONResponse:
+        return _detail(404, str(exc))
+
+    async def gone(_: Request, exc: Exception) -> JSONResponse:
+        return _detail(410, str(exc))
+
+    async def capacity(_: Request, exc: Any) -> JSONResponse:
+        return _detail(503, {"code": "CAPACITY_REACHED", "message": str(exc),
+                             "active_sessions": exc.active_sessions,
+                             "max_sessions": exc.max_sessions}, {"Retry-After": "5"})
+
+    async def invalid(_: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, ValidationError):
+            return _detail(422, protocol.validation_errors(exc))
+        if isinstance(exc, RequestValidationError):
+            # FastAPI's errors without the offending input (it may hold a token, or 100 MB).
+            return _detail(422, [{k: e[k] for k in ("type", "loc", "msg") if k in e}
+                                 for e in exc.errors()])
+        return _detail(422, [{"type": "value_error", "loc": ["body"], "msg": str(exc)}])
+
+    async def conflict(_: Request, exc: Exception) -> JSONResponse:
+        message = protocol.NOT_INITIALIZED if isinstance(exc, ResetNeeded) else str(exc)
+        return _detail(409, message)
+
+    async def kernel(_: Request, exc: Exception) -> JSONResponse:
+        return _detail(503, f"kernel unavailable: {exc}")
+
+    for exc_type, handler in [
+        (UnknownSession, unknown),
+        (SessionError, gone),
+        (CapacityReached, capacity),
+        (RequestValidationError, invalid),
+        (ValidationError, invalid),
+        (ValueError, invalid),
+        (ResetNeeded, conflict),
+        (EpisodeFinished, conflict),
+        (KernelError, kernel),
+    ]:
+        app.add_exception_handler(exc_type, handler)

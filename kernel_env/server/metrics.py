@@ -1,0 +1,59 @@
+"""``GET /metrics``: the server's counters as one flat JSON object.
+
+``lost_outputs`` must stay 0: it counts output that reached neither an observation nor the
+episode log. Output printed after its cell went idle is ``late_outputs`` (kept in the log, never
+shown in the next step), and cut output is ``truncations``; neither is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from kernel_env.pool import KernelPool
+from kernel_env.server.sessions import SessionManager
+
+__all__ = ["collect", "process_rss"]
+
+
+def collect(sessions: SessionManager, pool: KernelPool, started: float) -> dict[str, Any]:
+    """A snapshot of every counter; ``started`` is the server's ``time.monotonic()`` at start."""
+    live = sessions.sessions()
+    in_sessions = sum(1 for s in live if s.env.kernel is not None)
+    counters = sessions.counters()
+    return {
+        "sessions_active": len(live),
+        "sessions_ws": sum(1 for s in live if s.kind == "ws"),
+        "sessions_http": sum(1 for s in live if s.kind == "http"),
+        "sessions_total": sessions.opened_total,
+        "sessions_reaped": sessions.reaped_total,
+        "max_sessions": sessions.max_sessions,
+        "requests_in_flight": sum(s.busy for s in live),
+        "kernels": in_sessions + pool.warm + pool.starting,
+        "kernels_in_sessions": in_sessions,
+        "pool_size": pool.size,
+        "pool_warm": pool.warm,
+        "pool_starting": pool.starting,
+        "pool_acquired": pool.acquired,
+        "pool_warm_hits": pool.warm_hits,
+        "pool_start_failures": pool.start_failures,
+        "steps": counters.steps,
+        "timeouts": counters.timeouts,
+        "restarts": counters.restarts,
+        "truncations": counters.truncations,
+        "late_outputs": counters.late_outputs,
+        "lost_outputs": counters.lost_outputs,
+        "uptime_s": round(time.monotonic() - started, 3),
+        "rss_bytes": process_rss(),
+    }
+
+
+def process_rss(pid: int | str = "self") -> int | None:
+    """Resident set size of a process in bytes (Linux ``/proc``); None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")

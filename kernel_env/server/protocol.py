@@ -1,0 +1,235 @@
+"""The ``/ws`` frames of the OpenEnv contract, as plain data in and out (no I/O here).
+
+``parse_frame`` turns a received frame into a request or an error frame; the ``*_frame``
+functions build what the server sends; ``error_for`` maps an exception to its error frame, in
+one place. ``mcp_response`` answers JSON-RPC for both ``POST /mcp`` and ``mcp`` frames.
+See ``docs/openenv-wire.md`` for the contract these follow.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kernel_env.errors import EpisodeFinished, KernelError, KernelStartError, ResetNeeded
+from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
+from kernel_env.server.sessions import SessionError
+
+__all__ = [
+    "ErrorCode",
+    "Frame",
+    "Request",
+    "error_for",
+    "error_frame",
+    "mcp_response",
+    "observation_frame",
+    "observation_payload",
+    "parse_frame",
+    "state_frame",
+    "validation_errors",
+]
+
+Frame = dict[str, Any]
+
+# OpenEnv's exact text for a step before reset; clients match on it.
+NOT_INITIALIZED = "Environment not initialized. Call reset() first."
+
+
+class ErrorCode(StrEnum):
+    INVALID_JSON = "INVALID_JSON"
+    UNKNOWN_TYPE = "UNKNOWN_TYPE"
+    VALIDATION_ERROR = "VALIDATION_ERROR"
+    EXECUTION_ERROR = "EXECUTION_ERROR"
+    CAPACITY_REACHED = "CAPACITY_REACHED"
+    FACTORY_ERROR = "FACTORY_ERROR"
+    SESSION_ERROR = "SESSION_ERROR"
+
+
+# -- client -> server --------------------------------------------------------------------
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # the contract: unknown top-level keys rejected
+
+
+class _ResetFrame(_Frame):
+    type: Literal["reset"]
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class _StepFrame(_Frame):
+    type: Literal["step"]
+    data: dict[str, Any]
+
+
+class _StateFrame(_Frame):
+    type: Literal["state"]
+
+
+class _CloseFrame(_Frame):
+    type: Literal["close"]
+
+
+class _McpFrame(_Frame):
+    type: Literal["mcp"]
+    data: dict[str, Any]
+
+
+_FRAMES: dict[str, type[_Frame]] = {
+    "reset": _ResetFrame,
+    "step": _StepFrame,
+    "state": _StateFrame,
+    "close": _CloseFrame,
+    "mcp": _McpFrame,
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One parsed request. ``reset`` keeps its raw keywords (validated already) because
+    ``ResetOptions`` drops ``hf_token`` on dump, and the episode needs it."""
+
+    kind: Literal["reset", "step", "state", "close", "mcp"]
+    reset: dict[str, Any] | None = None
+    action: REPLAction | None = None
+    rpc: dict[str, Any] | None = None
+
+
+def parse_frame(raw: str | bytes) -> Request | Frame:
+    """A request, or the error frame that answers a bad frame."""
+    if isinstance(raw, bytes):
+        return error_frame(
+            ErrorCode.INVALID_JSON, "binary frames are not supported: send JSON as a text frame"
+        )
+    try:
+        message = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than ~1000
+        return error_frame(ErrorCode.INVALID_JSON, f"Invalid JSON: {_short(exc)}")
+    if not isinstance(message, dict):
+        return _invalid([_error("model_type", (), "a frame must be a JSON object")])
+    kind = message.get("type")
+    model = _FRAMES.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        return error_frame(ErrorCode.UNKNOWN_TYPE, f"Unknown message type: {_short(kind)}")
+    try:
+        frame = model.model_validate(message)
+        if isinstance(frame, _ResetFrame):
+            ResetOptions.model_validate(frame.data)
+            return Request("reset", reset=frame.data)
+        if isinstance(frame, _StepFrame):
+            return Request("step", action=REPLAction.model_validate(frame.data))
+        if isinstance(frame, _McpFrame):
+            return Request("mcp", rpc=frame.data)
+    except ValidationError as exc:
+        return _invalid(validation_errors(exc))
+    return Request("close" if isinstance(frame, _CloseFrame) else "state")
+
+
+# -- server -> client --------------------------------------------------------------------
+
+
+def observation_payload(obs: REPLObservation, **metadata: Any) -> dict[str, Any]:
+    """``{"observation": O, "reward", "done", "metadata"}``; ``O`` carries the metadata too,
+    for clients that read it there (OpenEnv's REPLEnv does), while newer ones read
+    ``data.metadata``; ``reward``/``done`` live at the top, as OpenEnv serializes them."""
+    meta = {**obs.metadata, **metadata}
+    body = obs.model_dump(mode="json", exclude={"reward", "done", "metadata"})
+    body["metadata"] = meta
+    return {"observation": body, "reward": obs.reward, "done": obs.done, "metadata": meta}
+
+
+def observation_frame(obs: REPLObservation, **metadata: Any) -> Frame:
+    return {"type": "observation", "data": observation_payload(obs, **metadata)}
+
+
+def state_frame(state: REPLState) -> Frame:
+    return {"type": "state", "data": state.model_dump(mode="json")}
+
+
+def error_frame(code: ErrorCode, message: str, **extra: Any) -> Frame:
+    return {"type": "error", "data": {"message": message, "code": code.value, **extra}}
+
+
+def error_for(exc: BaseException) -> Frame:
+    """The error frame for an exception raised while answering a request."""
+    if isinstance(exc, ValidationError):
+        return _invalid(validation_errors(exc))
+    if isinstance(exc, ValueError):  # a limit of the episode: code or context too large
+        return error_frame(
+            ErrorCode.VALIDATION_ERROR, str(exc), errors=[_error("value_error", (), str(exc))]
+        )
+    if isinstance(exc, ResetNeeded):
+        return error_frame(ErrorCode.EXECUTION_ERROR, NOT_INITIALIZED)
+    if isinstance(exc, EpisodeFinished):
+        return error_frame(ErrorCode.EXECUTION_ERROR, str(exc))
+    if isinstance(exc, KernelStartError):
+        return error_frame(ErrorCode.FACTORY_ERROR, str(exc), factory_name="kernel")
+    if isinstance(exc, KernelError):
+        return error_frame(ErrorCode.EXECUTION_ERROR, str(exc))
+    if isinstance(exc, SessionError):
+        return error_frame(ErrorCode.SESSION_ERROR, str(exc))
+    return error_frame(ErrorCode.EXECUTION_ERROR, f"{type(exc).__name__}: {exc}")
+
+
+def validation_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """Pydantic's errors without the offending input (it may be a token, or 100 MB)."""
+    return [
+        {"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]}
+        for e in exc.errors(include_url=False, include_context=False, include_input=False)
+    ]
+
+
+def _invalid(errors: list[dict[str, Any]]) -> Frame:
+    return error_frame(ErrorCode.VALIDATION_ERROR, "Invalid message", errors=errors)
+
+
+def _error(kind: str, loc: tuple[Any, ...], msg: str) -> dict[str, Any]:
+    return {"type": kind, "loc": list(loc), "msg": msg}
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# -- JSON-RPC (MCP) ----------------------------------------------------------------------
+
+_PARSE_ERROR, _INVALID_REQUEST, _METHOD_NOT_FOUND, _INTERNAL_ERROR = -32700, -32600, -32601, -32603
+
+
+class _RpcRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    jsonrpc: Literal["2.0"]
+    method: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    id: str | int | None = None
+
+
+def mcp_response(payload: Any) -> dict[str, Any]:
+    """A JSON-RPC 2.0 response. kernel_env exposes no MCP tools, so every well-formed call is
+    answered with an error; what matters to OpenEnv clients is that it is valid JSON-RPC."""
+    if isinstance(payload, (bytes, str)):
+        try:
+            payload = json.loads(payload)
+        except (ValueError, RecursionError):
+            return _rpc_error(None, _PARSE_ERROR, "Parse error")
+    try:
+        request = _RpcRequest.model_validate(payload)
+    except ValidationError as exc:
+        return _rpc_error(None, _INVALID_REQUEST, f"Invalid Request: {exc.error_count()} error(s)")
+    if request.method.startswith("tools/"):
+        return _rpc_error(
+            request.id,
+            _INTERNAL_ERROR,
+            "Environment does not support MCP: kernel_env has no tools; use reset/step",
+        )
+    return _rpc_error(request.id, _METHOD_NOT_FOUND, f"Method not found: {_short(request.method)}")
+
+
+def _rpc_error(request_id: str | int | None, code: int, message: str) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}

@@ -1,0 +1,358 @@
+"""Sessions: one WebSocket (or one HTTP session id) = one session = one ``KernelEnvironment``.
+
+The manager enforces ``max_sessions`` when a session opens, reaps sessions idle longer than the
+TTL (their kernel is shut down; later calls get a clear "session expired"), and on shutdown
+drains: in-flight requests get ``drain_timeout`` to finish and answer, the rest are cancelled
+and answered with an error, then every kernel is shut down.
+
+Session exceptions (all ``KernelEnvError``)::
+
+    SessionError        the session cannot serve requests any more  -> SESSION_ERROR / HTTP 410
+    ├── SessionExpired  reaped after its idle TTL
+    └── SessionClosed   closed by its owner, or the server is shutting down
+    UnknownSession      no session has this id                      -> HTTP 404
+    CapacityReached     max_sessions are open                       -> CAPACITY_REACHED / 503
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, fields
+from typing import Any, Literal, TypeVar
+
+from kernel_env.environment import KernelEnvironment
+from kernel_env.errors import KernelEnvError
+from kernel_env.kernel import Kernel
+from kernel_env.models import REPLAction, REPLObservation, REPLState
+
+__all__ = [
+    "CapacityReached",
+    "Session",
+    "SessionClosed",
+    "SessionError",
+    "SessionExpired",
+    "SessionManager",
+    "UnknownSession",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Kind = Literal["ws", "http"]
+
+_SHUTTING_DOWN = "the server is shutting down; the session was closed"
+_REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rather than "unknown"
+_CLOSE_TIMEOUT = 5.0  # a kernel shutdown takes ~0.1 s
+
+
+class SessionError(KernelEnvError):
+    """The session cannot serve requests any more."""
+
+
+class SessionExpired(SessionError):
+    """The session was idle longer than the server's TTL and was reaped."""
+
+
+class SessionClosed(SessionError):
+    """The session was closed (by its owner, or because the server is shutting down)."""
+
+
+class UnknownSession(KernelEnvError):
+    """No session has this id (it never existed, or was forgotten long ago)."""
+
+
+class CapacityReached(KernelEnvError):
+    """``max_sessions`` sessions are open."""
+
+    def __init__(self, active_sessions: int, max_sessions: int) -> None:
+        super().__init__(
+            f"Server at capacity: {active_sessions}/{max_sessions} sessions are open; "
+            "retry later or close another session"
+        )
+        self.active_sessions = active_sessions
+        self.max_sessions = max_sessions
+
+
+@dataclass
+class Counters:
+    """Cumulative counters of episodes, kept across closed sessions."""
+
+    steps: int = 0
+    timeouts: int = 0
+    restarts: int = 0
+    truncations: int = 0
+    late_outputs: int = 0  # printed after their cell went idle: in the episode log, not a step
+    lost_outputs: int = 0  # reached neither an observation nor the log (the log was full)
+
+    def add(self, other: Counters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def _kernel_counters(kernel: Kernel) -> Counters:
+    late = kernel.late_output_count
+    return Counters(late_outputs=late, lost_outputs=max(0, late - len(kernel.late_outputs)))
+
+
+def _env_counters(env: KernelEnvironment) -> Counters:
+    s = env.stats
+    return Counters(steps=s.steps, timeouts=s.timeouts, restarts=s.restarts,
+                    truncations=s.truncations)
+
+
+class Session:
+    """One client's episodes, served one request at a time."""
+
+    def __init__(self, manager: SessionManager, session_id: str, kind: Kind,
+                 env: KernelEnvironment) -> None:
+        self.id = session_id
+        self.kind = kind
+        self.env = env
+        self._manager = manager
+        self._lock = asyncio.Lock()  # the environment takes one call at a time
+        self._ops: set[asyncio.Task[Any]] = set()
+        self.busy = 0
+        self.last_active = asyncio.get_running_loop().time()
+        self.closed: SessionError | None = None
+        self.done_kernels = Counters()  # counters of kernels this session already discarded
+
+    async def reset(self, kwargs: dict[str, Any]) -> REPLObservation:
+        old = self.env.kernel
+        try:
+            return await self._run(lambda: self.env.reset(**kwargs))
+        finally:
+            if old is not None and self.env.kernel is not old:
+                self.done_kernels.add(_kernel_counters(old))
+
+    async def step(self, action: REPLAction) -> REPLObservation:
+        return await self._run(lambda: self.env.step(action))
+
+    def state(self) -> REPLState:
+        # Not serialized behind a running step: the state is a snapshot, read at once.
+        self._check_open()
+        self.touch()
+        return self.env.state
+
+    def touch(self) -> None:
+        self.last_active = asyncio.get_running_loop().time()
+
+    def counters(self) -> Counters:
+        total = _env_counters(self.env)
+        total.add(self.done_kernels)
+        if self.env.kernel is not None:
+            total.add(_kernel_counters(self.env.kernel))
+        return total
+
+    def _check_open(self) -> None:
+        if self.closed is not None or self._manager.draining:
+            raise self._closed_error()
+
+    def _closed_error(self) -> SessionError:
+        # A fresh instance each time: re-raising one instance would grow its traceback.
+        if self.closed is None:
+            return SessionClosed(_SHUTTING_DOWN)
+        return type(self.closed)(str(self.closed))
+
+    async def _run(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run ``call`` in its own task, so that closing the session or a drain that ran out
+        of time can cancel it while the caller still answers (with a SESSION_ERROR)."""
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            task = asyncio.ensure_future(call())
+            self._ops.add(task)
+            self._manager.ops.add(task)
+            try:
+                return await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task.cancelled() and current is not None and not current.cancelling():
+                    raise self._closed_error() from None
+                raise
+            finally:
+                self._ops.discard(task)
+                self._manager.ops.discard(task)
+                self.touch()
+
+    async def _cancel_ops(self) -> None:
+        ops = list(self._ops)
+        for task in ops:
+            task.cancel()
+        await asyncio.gather(*ops, return_exceptions=True)
+
+
+class SessionManager:
+    """Opens, finds, reaps and closes sessions."""
+
+    def __init__(
+        self,
+        env_factory: Callable[[], KernelEnvironment],
+        *,
+        max_sessions: int,
+        idle_ttl: float = 0.0,
+    ) -> None:
+        self._env_factory = env_factory
+        self.max_sessions = max_sessions
+        self.idle_ttl = idle_ttl
+        self._sessions: dict[str, Session] = {}
+        self._gone: OrderedDict[str, SessionError] = OrderedDict()
+        self.ops: set[asyncio.Task[Any]] = set()
+        self._busy = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self._stuck: set[asyncio.Future[None]] = set()  # shutdowns that outlived the timeout
+        self.draining = False
+        self.opened_total = 0
+        self.reaped_total = 0
+        self.closed_counters = Counters()
+
+    @property
+    def active(self) -> int:
+        return len(self._sessions)
+
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    async def start(self) -> None:
+        if self.idle_ttl > 0 and self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="session-reaper")
+
+    def open(self, kind: Kind) -> Session:
+        """A new session, or :class:`CapacityReached`."""
+        if self.draining:
+            raise SessionClosed(_SHUTTING_DOWN)
+        if len(self._sessions) >= self.max_sessions:
+            raise CapacityReached(len(self._sessions), self.max_sessions)
+        session = Session(self, secrets.token_urlsafe(16), kind, self._env_factory())
+        self._sessions[session.id] = session
+        self.opened_total += 1
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """The open session with this id; raises if it expired, was closed, or never existed."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            return session
+        gone = self._gone.get(session_id)
+        if gone is not None:
+            raise type(gone)(str(gone))
+        raise UnknownSession("unknown session id: call POST /reset to open a session")
+
+    @contextlib.asynccontextmanager
+    async def request(self, session: Session) -> AsyncIterator[None]:
+        """Marks one request in flight, reply included: the reaper skips the session and a
+        drain waits for the reply to be sent."""
+        self._busy += 1
+        session.busy += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            session.busy -= 1
+            session.touch()
+            if self._busy == 0:
+                self._idle.set()
+
+    def close_soon(self, session: Session, error: SessionError | None = None) -> asyncio.Task[None]:
+        """Close ``session`` in a task of its own: a caller that is itself being cancelled (a
+        handler torn down with its connection) can shield it, and the kernel still goes.
+        :meth:`close` waits for these tasks."""
+        task = asyncio.ensure_future(self.close_session(session, error))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
+
+    async def close_session(self, session: Session, error: SessionError | None = None) -> None:
+        """Close ``session`` and shut its kernel down; idempotent."""
+        if session.closed is None:
+            session.closed = error or SessionClosed("the session was closed")
+        if self._sessions.pop(session.id, None) is None:
+            return
+        self._gone[session.id] = session.closed
+        while len(self._gone) > _REMEMBER_GONE:
+            self._gone.popitem(last=False)
+        await session._cancel_ops()
+        kernel = session.env.kernel  # its counters outlive it
+        # Bounded: a kernel that will not shut down must not hold up a drain or the reaper.
+        # (asyncio.wait, not wait_for: wait_for also waits for the cancellation to finish.)
+        closing = asyncio.ensure_future(session.env.close())
+        done, _ = await asyncio.wait({closing}, timeout=_CLOSE_TIMEOUT)
+        if not done:
+            self._stuck.add(closing)
+            closing.add_done_callback(self._stuck.discard)
+            log.error("session %s: its kernel did not shut down within %.0f s",
+                      session.id[:8], _CLOSE_TIMEOUT)
+        elif (exc := closing.exception()) is not None:
+            log.error("closing session %s failed: %r", session.id[:8], exc)
+        if kernel is not None and session.env.kernel is None:
+            session.done_kernels.add(_kernel_counters(kernel))
+        self.closed_counters.add(session.counters())
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, give in-flight ones ``timeout`` s to answer, cancel the rest
+        (they answer with an error), then close every session."""
+        self.draining = True
+        if self._busy:
+            log.info("draining %d in-flight request(s) for up to %.0f s", self._busy, timeout)
+            await _wait(self._idle, timeout)
+        if self._busy:
+            log.warning("cancelling %d request(s) still running after the drain", self._busy)
+            for session in self.sessions():
+                session.closed = SessionClosed(_SHUTTING_DOWN + " before the step finished")
+            for task in list(self.ops):
+                task.cancel()
+            await _wait(self._idle, 1.0)  # let the handlers send their error replies
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every session (kernels shut down); idempotent."""
+        self.draining = True
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
+        await asyncio.gather(
+            *(self.close_session(s, SessionClosed(_SHUTTING_DOWN)) for s in self.sessions())
+        )
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def counters(self) -> Counters:
+        total = Counters()
+        total.add(self.closed_counters)
+        for session in self.sessions():
+            total.add(session.counters())
+        return total
+
+    async def _reap_forever(self) -> None:
+        interval = min(5.0, max(0.05, self.idle_ttl / 10))
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            now = loop.time()
+            idle = [
+                s for s in self.sessions()
+                if s.busy == 0 and now - s.last_active > self.idle_ttl
+            ]
+            if not idle:
+                continue
+            expired = SessionExpired(
+                f"session expired: it was idle for more than {self.idle_ttl:g} s and its kernel "
+                "was shut down; open a new session (reconnect, or POST /reset without a "
+                "session id)"
+            )
+            await asyncio.gather(*(self.close_session(s, expired) for s in idle))
+            self.reaped_total += len(idle)
+            log.info("reaped %d idle session(s)", len(idle))
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)

@@ -1,0 +1,90 @@
+"""``ServerSettings``: how ``kernel-env serve`` runs, from arguments and ``KERNEL_ENV_*`` variables.
+
+Environment variables are read once, here, at the edge; an explicit argument always wins over
+a variable, and a variable over the default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["ENV_PREFIX", "ServerSettings"]
+
+ENV_PREFIX = "KERNEL_ENV_"
+
+_MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """Every knob of the server. Sizes in bytes or characters, times in seconds."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    pool_size: int = 4  # kernels kept warm for resets
+    max_sessions: int = 64  # open sessions (WebSocket or HTTP); one kernel each
+    # Below the 60 s an OpenEnv client waits for a reply: a step that ran out must still
+    # answer (with a timeout observation) before the client gives up, or every later reply
+    # on that connection is shifted by one. Worst case ~ step_timeout + interrupt + restart.
+    step_timeout: float = 30.0
+    idle_ttl: float = 600.0  # a session idle this long is reaped (0 disables)
+    drain_timeout: float = 8.0  # on shutdown, how long in-flight steps may finish
+    token: str | None = field(default=None, repr=False)  # bearer token; None = no auth
+    max_message_bytes: int = 192 * _MiB  # a WebSocket frame or an HTTP body
+    max_context_chars: int = 128 * _MiB  # reset(context=...)
+    max_code_chars: int = 1 * _MiB  # one step's code
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("pool_size", "idle_ttl"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_sessions", "step_timeout", "drain_timeout", "max_message_bytes",
+                     "max_context_chars", "max_code_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.token is not None and not self.token:
+            raise ValueError("token must not be empty (leave it unset to disable auth)")
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **explicit: Any
+    ) -> ServerSettings:
+        """Settings from ``explicit`` arguments (None = not given), then ``KERNEL_ENV_<NAME>``
+        variables, then the defaults."""
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(explicit) - set(known)
+        if unknown:
+            raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if explicit.get(name) is not None:
+                values[name] = explicit[name]
+            elif (raw := environ.get(ENV_PREFIX + name.upper())) is not None:
+                values[name] = _parse(name, str(f.type), raw)
+        return cls(**values)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def _parse(name: str, type_name: str, raw: str) -> Any:
+    """A variable's text as the field's type; an unparseable value is an error, not ignored."""
+    try:
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}: expected {type_name}, got {raw!r}") from None
+    if name == "token":
+        return raw or None
+    return raw

@@ -1,0 +1,140 @@
+"""``WS /ws``: one socket = one session; one reply frame per request, in order.
+
+A request-level error (bad frame, step before reset, a limit) is answered with an error frame
+and the socket stays open. A session-level one (capacity at connect, auth) closes it. Frame
+parsing and building live in ``protocol``; this module only moves frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from kernel_env.errors import KernelEnvError
+from kernel_env.server.protocol import (
+    ErrorCode,
+    Frame,
+    Request,
+    error_for,
+    error_frame,
+    mcp_response,
+    observation_frame,
+    parse_frame,
+    state_frame,
+)
+from kernel_env.server.sessions import CapacityReached, Session, SessionError
+
+if TYPE_CHECKING:
+    from kernel_env.server.app import Runtime
+
+__all__ = ["websocket_endpoint"]
+
+log = logging.getLogger(__name__)
+
+# Frames bigger than this are parsed / encoded in a thread: a 100 MB context must not stall
+# every other session's pings and steps while json works through it.
+_OFF_LOOP_BYTES = 1 << 20
+
+_CLOSE_NORMAL, _CLOSE_POLICY, _CLOSE_TOO_BIG = 1000, 1008, 1009
+_CLOSE_RESTART, _CLOSE_TRY_LATER = 1012, 1013
+
+
+async def websocket_endpoint(websocket: WebSocket) -> None:
+    runtime: Runtime = websocket.app.state.runtime
+    if not websocket.app.state.auth.allows(websocket.headers.get("authorization")):
+        # Closing before accept refuses the handshake (HTTP 403; 1008 in-process).
+        await websocket.close(code=_CLOSE_POLICY, reason="missing or invalid bearer token")
+        return
+    await websocket.accept()
+    try:
+        session = runtime.sessions.open("ws")
+    except CapacityReached as exc:
+        frame = error_frame(ErrorCode.CAPACITY_REACHED, str(exc),
+                            active_sessions=exc.active_sessions, max_sessions=exc.max_sessions)
+        await _refuse(websocket, frame, _CLOSE_TRY_LATER)
+        return
+    except SessionError as exc:  # shutting down
+        await _refuse(websocket, error_frame(ErrorCode.SESSION_ERROR, str(exc)), _CLOSE_RESTART)
+        return
+    try:
+        await _serve(websocket, session, runtime)
+    finally:
+        # Shielded: if this handler is being cancelled, the kernel must still be shut down.
+        await asyncio.shield(runtime.sessions.close_soon(session))
+
+
+async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> None:
+    limit = runtime.settings.max_message_bytes
+    while True:
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+        raw: str | bytes = message.get("text") or message.get("bytes") or ""
+        if len(raw) > limit:  # uvicorn enforces this first (ws_max_size); other servers may not
+            await _close(websocket, _CLOSE_TOO_BIG, f"frame exceeds {limit} bytes")
+            return
+        parsed = await _off_loop_if_big(len(raw), parse_frame, raw)
+        if isinstance(parsed, dict):  # an error frame answering a bad frame
+            if not await _send(websocket, parsed):
+                return
+            continue
+        if parsed.kind == "close":
+            await _close(websocket, _CLOSE_NORMAL)
+            return
+        async with runtime.sessions.request(session):
+            reply = await _answer(parsed, session)
+            if not await _send(websocket, reply):
+                return
+
+
+async def _answer(request: Request, session: Session) -> Frame:
+    """The reply frame for one request; errors become error frames, never exceptions."""
+    try:
+        if request.kind == "reset":
+            obs = await session.reset(request.reset or {})
+            return observation_frame(obs, session_id=session.id)
+        if request.kind == "step" and request.action is not None:
+            return observation_frame(await session.step(request.action), session_id=session.id)
+        if request.kind == "state":
+            return state_frame(session.state())
+        return {"type": "mcp", "data": mcp_response(request.rpc)}
+    except (KernelEnvError, ValidationError, ValueError) as exc:
+        return error_for(exc)
+    except Exception as exc:
+        log.exception("unexpected error answering a %s request", request.kind)
+        return error_for(exc)
+
+
+async def _send(websocket: WebSocket, frame: Frame) -> bool:
+    """Send one frame; False when the client is gone."""
+    data = frame.get("data") or {}
+    size = len(data.get("context") or "") if frame["type"] == "state" else 0
+    text = await _off_loop_if_big(size, json.dumps, frame)
+    try:
+        await websocket.send_text(text)
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        return False
+    return True
+
+
+async def _refuse(websocket: WebSocket, frame: Frame, code: int) -> None:
+    if await _send(websocket, frame):
+        await _close(websocket, code, frame["data"]["code"])
+
+
+async def _close(websocket: WebSocket, code: int, reason: str = "") -> None:
+    # Already closed by the client: nothing left to tell it.
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+        await websocket.close(code=code, reason=reason[:120])
+
+
+async def _off_loop_if_big(size: int, fn: Any, arg: Any) -> Any:
+    if size > _OFF_LOOP_BYTES:
+        return await asyncio.to_thread(fn, arg)
+    return fn(arg)

@@ -1,0 +1,157 @@
+"""Helpers for the server tests: a real server in a thread or a subprocess, on a free loopback
+port, and process bookkeeping (which kernels a server started, and whether they are gone)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kernel_env.server.runner import build_server
+from kernel_env.server.settings import ServerSettings
+
+_URL = re.compile(r"serving (http://127\.0\.0\.1:\d+)")
+
+
+def small_settings(**overrides: object) -> ServerSettings:
+    """Settings for tests: loopback, port 0, a small pool, quiet logs."""
+    values: dict[str, object] = {"host": "127.0.0.1", "port": 0, "pool_size": 1,
+                                 "max_sessions": 8, "step_timeout": 10.0, "log_level": "warning"}
+    values.update(overrides)
+    return ServerSettings(**values)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def thread_server(settings: ServerSettings) -> Iterator[str]:
+    """A real uvicorn server (our runner) on its own loop thread; yields its base URL."""
+    server, sock, settings = build_server(settings)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield settings.url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@dataclass
+class ServeProcess:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[ServeProcess]:
+    """``python -m kernel_env serve --port 0 ARGS`` as a subprocess, healthy; killed at exit."""
+    log = Path(tempfile.mkstemp(prefix="kernel-env-serve-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "kernel_env", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--log-level", "info", *args]
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(cmd, stdout=sink, stderr=sink, env=env)
+    try:
+        url = _wait_for_url(process, log)
+        _wait_healthy(url)
+        yield ServeProcess(process, url, log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+        log.unlink(missing_ok=True)
+
+
+def _wait_for_url(process: subprocess.Popen[bytes], log: Path) -> str:
+    deadline = time.monotonic() + 60  # imports alone take seconds on a loaded 2-core box
+    while time.monotonic() < deadline:
+        if (match := _URL.search(log.read_text(errors="replace"))) is not None:
+            return match.group(1)
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"kernel-env serve did not start:\n{log.read_text(errors='replace')}")
+
+
+def _wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{url}/health never answered")
+
+
+def wait_until(predicate: object, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate()`` until true or ``timeout`` s pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():  # type: ignore[operator]
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def child_pids(pid: int) -> set[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    children = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                children.add(int(entry))
+    return children
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has exited: it only waits to be reaped by its new parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def kernel_pids(pid: int) -> set[int]:
+    """The ipykernel processes a server process started."""
+    found = set()
+    for child in child_pids(pid):
+        with contextlib.suppress(OSError):
+            if b"ipykernel" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.add(child)
+    return found
+
+
+def metrics(url: str, token: str | None = None) -> dict[str, object]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data: dict[str, object] = httpx.get(f"{url}/metrics", headers=headers, timeout=5).json()
+    return data
+
+
+def terminate(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, sig)

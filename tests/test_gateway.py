@@ -1,0 +1,282 @@
+"""The gateway backend: the shared episode checks on local and gateway kernels, then what only a
+gateway can do wrong (token, kernel specs, max_kernels, the gateway dying: F12).
+
+A real ``jupyter kernelgateway`` runs on a free loopback port (see ``gateway.py``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import STEP_TIMEOUT
+from fastapi.testclient import TestClient
+from gateway import SECRET_VAR, GatewayProcess
+
+from kernel_env import KernelEnv, KernelError, check_env
+from kernel_env.errors import KernelStartError
+from kernel_env.kernel import GatewayConfig, GatewayKernel
+from kernel_env.kernel.factory import gateway_source, kernel_source_from, local_source
+from kernel_env.kernel.gateway import decode_message, encode_message
+from kernel_env.server import ServerSettings, create_app
+
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
+)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    gw = GatewayProcess(tmp_path_factory.mktemp("gateway"))
+    gw.start()
+    yield gw
+    gw.stop()
+
+
+def _config(gw: GatewayProcess, **options: object) -> GatewayConfig:
+    return GatewayConfig(url=gw.url, token=gw.token, **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["local", "gateway"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def env(request: pytest.FixtureRequest, backend: str) -> Iterator[KernelEnv]:
+    """A client whose kernels come from the backend under test; echoing LLM, T = 5 s."""
+    if backend == "local":
+        # Unsandboxed, like the gateway's kernels: tests signal the pid the kernel reports.
+        source = local_source(sandbox="none")
+    else:
+        source = gateway_source(_config(request.getfixturevalue("gateway")))
+    with KernelEnv(
+        kernel_source=source, llm_query_fn=lambda p: f"echo:{p}", step_timeout=STEP_TIMEOUT
+    ) as client:
+        yield client
+
+
+def _stdout(env: KernelEnv, code: str) -> str:
+    return env.execute(code).observation.result.stdout
+
+
+# -- the shared episode behaviour, on both backends ---------------------------------------
+
+
+def test_conformance(env: KernelEnv) -> None:
+    """The backend passes the reusable OpenEnv conformance check."""
+    check_env(env, close=False)
+
+
+def test_llm_query_travels_over_stdin(env: KernelEnv) -> None:
+    """llm_query and llm_query_batched reach the host callable over the stdin channel."""
+    env.reset()
+    res = env.execute("print(llm_query('hi'))").observation.result
+    assert res.stdout == "echo:hi\n", res
+    assert _stdout(env, "print(llm_query_batched(['a', 'b']))") == "['echo:a', 'echo:b']\n"
+    assert env.state().llm_calls == 3
+
+
+def test_rich_outputs_and_notebook_export(env: KernelEnv, tmp_path: Path) -> None:
+    """HTML and PNG displays arrive intact, and the episode exports as a valid notebook."""
+    env.reset(context="c")
+    result = env.execute(
+        "from IPython.display import HTML, Image, display\n"
+        "display(HTML('<b>bold</b>'))\n"
+        f"display(Image(data=bytes.fromhex('{PNG.hex()}')))\n"
+        "6 * 7"
+    ).observation.result
+    datas = [o["data"] for o in result.outputs]
+    assert datas[0]["text/html"] == "<b>bold</b>"
+    assert base64.b64decode(datas[1]["image/png"]) == PNG
+    assert datas[2]["text/plain"] == "42"
+    notebook = nbformat.read(env.export_notebook(tmp_path / "episode.ipynb"), as_version=4)
+    nbformat.validate(notebook)
+    assert any("display(HTML" in cell.source for cell in notebook.cells)
+
+
+def test_large_context_is_staged_intact(env: KernelEnv) -> None:
+    """A context above the inline limit (staged as a file) arrives byte for byte."""
+    context = "".join(f"line {i} ✓\n" for i in range(60_000))  # ~0.7 MB, non-ASCII
+    digest = hashlib.sha256(context.encode()).hexdigest()
+    env.reset(context=context)
+    code = "import hashlib; print(hashlib.sha256(context.encode()).hexdigest())"
+    assert _stdout(env, code).strip() == digest
+
+
+def test_f1_timeout_interrupts_and_keeps_state(env: KernelEnv) -> None:
+    """F1: `while True: pass` ends in a timeout observation; same kernel, state kept."""
+    env.reset()
+    env.execute("kept = 7")
+    res = env.execute("while True: pass").observation.result
+    assert res.timed_out and not res.kernel_restarted and not res.state_lost
+    assert _stdout(env, "kept").strip() == "7"
+
+
+def test_f3_killed_kernel_is_reported_and_replaced(env: KernelEnv) -> None:
+    """F3: a kernel SIGKILLed mid-step is reported as died (not a timeout); the next step works."""
+    env.reset(context="ctx")
+    pid = int(_stdout(env, "import os; print(os.getpid())"))
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    res = env.execute("import time; time.sleep(30)").observation.result
+    killer.join()
+    assert (res.exception or "").startswith("KernelDied") and res.state_lost
+    assert _stdout(env, "print(context.upper())") == "CTX\n"
+
+
+def test_f3_kernel_killed_between_steps(env: KernelEnv) -> None:
+    """F3: a kernel SIGKILLed while idle: the next step reports it died; the one after works."""
+    env.reset(context="ctx")
+    os.kill(int(_stdout(env, "import os; print(os.getpid())")), signal.SIGKILL)
+    time.sleep(1.5)  # the gateway notices within its time_to_dead (1 s) and restarts it
+    res = env.execute("kept = 1").observation.result
+    assert (res.exception or "").startswith("KernelDied") and res.state_lost
+    assert _stdout(env, "print(context, 'kept' in globals())") == "ctx False\n"
+
+
+# -- gateway only ----------------------------------------------------------------------------
+
+
+def test_f2_ignored_interrupt_restarts_over_rest(gateway: GatewayProcess) -> None:
+    """F2: a cell ignoring SIGINT is restarted over REST; helpers and context come back."""
+    with KernelEnv(
+        kernel_source=gateway_source(_config(gateway)), step_timeout=STEP_TIMEOUT
+    ) as env:
+        env.reset(context="still here")
+        env.execute("kept = 1")
+        res = env.execute(
+            "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass"
+        ).observation.result
+        assert res.timed_out and res.kernel_restarted and res.state_lost
+        assert _stdout(env, "print(context, 'kept' in globals())") == "still here False\n"
+        assert env.execute("FINAL('done')").done
+
+
+@pytest.mark.parametrize("kernel_name", ["kernel_env", "python3-bare"])
+def test_helpers_in_any_kernelspec(gateway: GatewayProcess, kernel_name: str) -> None:
+    """The deploy kernelspec loads the helpers itself; a kernel lacking kernel_env is sent them."""
+    source = gateway_source(_config(gateway, kernel_name=kernel_name))
+    with KernelEnv(kernel_source=source, llm_query_fn=str.upper) as env:
+        env.reset(context="abc")
+        importable = _stdout(env, "import importlib.util as u; print(u.find_spec('kernel_env'))")
+        assert (importable.strip() == "None") == (kernel_name == "python3-bare")
+        assert _stdout(env, "print(llm_query(context))") == "ABC\n"
+        assert "llm_query" not in env.execute("x = 1").observation.available_variables
+        assert env.execute("FINAL(len(context))").observation.metadata["final_answer"] == "3"
+
+
+async def test_kernel_sees_only_kernel_variables(gateway: GatewayProcess) -> None:
+    """KERNEL_* values reach the kernel; the gateway's own environment does not."""
+    async with GatewayKernel(_config(gateway, env={"KERNEL_ENV_EPISODE": "e1"})) as kernel:
+        result = await kernel.execute(
+            f"import os; print(os.environ.get('KERNEL_ENV_EPISODE'), '{SECRET_VAR}' in os.environ)"
+        )
+    assert result.stdout == "e1 False\n"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"token": "wrong"}, "refused our token"), ({"kernel_name": "nope"}, "no kernel spec 'nope'")],
+)
+async def test_start_errors_are_clear(gateway: GatewayProcess, options: dict, message: str) -> None:
+    """A wrong token or kernel name fails the start with a message that says so."""
+    config = GatewayConfig(**{"url": gateway.url, "token": gateway.token, **options})
+    with pytest.raises(KernelStartError, match=message):
+        await GatewayKernel(config).start()
+
+
+def test_refused_kernel_is_a_clear_error(tmp_path: Path) -> None:
+    """A gateway at its max_kernels refuses the next kernel: reset raises a clear error."""
+    gw = GatewayProcess(tmp_path, "--KernelGatewayApp.max_kernels=1")
+    gw.start()
+    try:
+        source = gateway_source(_config(gw))
+        with KernelEnv(kernel_source=source) as first, KernelEnv(kernel_source=source) as second:
+            first.reset()
+            with pytest.raises(KernelStartError, match="max_kernels"):
+                second.reset()
+            assert _stdout(first, "print(1 + 1)") == "2\n"
+    finally:
+        gw.stop()
+
+
+def test_f12_gateway_killed_mid_step_then_back(tmp_path: Path) -> None:
+    """F12: the gateway SIGKILLed mid-step fails the step within 10 s; once back, reset works."""
+    gw = GatewayProcess(tmp_path)
+    gw.start()
+    try:
+        with KernelEnv(kernel_source=gateway_source(_config(gw)), step_timeout=30) as env:
+            env.reset(context="x")
+            killer = threading.Timer(0.5, gw.kill)
+            killer.start()
+            started = time.monotonic()
+            try:
+                res = env.execute("import time; time.sleep(20)").observation.result
+            except KernelError as exc:
+                assert "gateway" in str(exc) or "channels" in str(exc)
+            else:
+                assert not res.success
+            killer.join()
+            assert time.monotonic() - started <= 10
+            gw.start()
+            env.reset(context="back")
+            assert _stdout(env, "print(context)") == "back\n"
+    finally:
+        gw.stop()
+
+
+def test_server_episode_on_gateway_kernels(gateway: GatewayProcess) -> None:
+    """The server's pool and /ws run episodes on gateway kernels when given a gateway source."""
+    settings = ServerSettings(pool_size=1, max_sessions=2, step_timeout=10.0)
+    app = create_app(settings, kernel_factory=gateway_source(_config(gateway)))
+    with TestClient(app) as client, client.websocket_connect("/ws") as ws:
+        ws.send_json({"type": "reset", "data": {"context": "Hello World"}})
+        assert ws.receive_json()["type"] == "observation"
+        ws.send_json({"type": "step", "data": {"code": "print(len(context))"}})
+        assert ws.receive_json()["data"]["observation"]["result"]["stdout"] == "11\n"
+
+
+# -- pure ------------------------------------------------------------------------------------
+
+
+def test_binary_frames_round_trip() -> None:
+    """Messages with buffers use Jupyter's binary WebSocket framing, and decode back."""
+    msg = {"header": {"msg_type": "execute_request"}, "content": {"code": "é"}, "channel": "shell"}
+    assert decode_message(encode_message(msg)) == msg
+    frame = encode_message(msg, [b"abc", b"", b"\x00" * 5])
+    back = decode_message(frame)
+    assert [bytes(b) for b in back.pop("buffers")] == [b"abc", b"", b"\x00" * 5]
+    assert back == msg
+
+
+def test_config_validation() -> None:
+    """Only KERNEL_* variables, http(s) URLs and non-empty tokens are accepted."""
+    with pytest.raises(ValueError, match="KERNEL_"):
+        GatewayConfig(url="http://h:1", env={"HF_TOKEN": "x"})
+    with pytest.raises(ValueError, match="http"):
+        GatewayConfig(url="ftp://h")
+    with pytest.raises(ValueError, match="token"):
+        GatewayConfig(url="http://h", token="")
+    config = GatewayConfig(url="https://h:9/base/", token="s3cret")
+    assert config.ws_url == "wss://h:9/base" and "s3cret" not in repr(config)
+
+
+def test_source_selection() -> None:
+    """No gateway URL: local kernels; a URL (and gateway_* fields): gateway kernels."""
+
+    class Settings:
+        gateway_url = "http://127.0.0.1:1"
+        gateway_token = ""
+        gateway_kernel_name = "kernel_env"
+
+    assert kernel_source_from(None).__name__ == "start_local_kernel"
+    assert kernel_source_from(Settings()).__name__ == "start_gateway_kernel"

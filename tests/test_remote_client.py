@@ -1,0 +1,181 @@
+"""KernelEnv / AsyncKernelEnv with a base_url: the same results as local mode, over /ws."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from serverkit import small_settings, thread_server
+
+from kernel_env import AsyncKernelEnv, KernelEnv, RemoteError, REPLAction
+from kernel_env.client import KernelEnv as KernelEnvClass
+from kernel_env.remote import RemoteSession, ws_url
+
+TOKEN = "remote-test-token"
+
+STEPS = [
+    REPLAction(code="words = context.split()\nprint(len(words))"),
+    REPLAction(code="1 / 0"),
+    REPLAction(code="total = sum(len(w) for w in words)\ntotal"),
+    REPLAction(code="import sys; print('err', file=sys.stderr)"),
+    REPLAction(code="print(SHOW_VARS())"),
+    REPLAction(code="FINAL(total)"),
+]
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with thread_server(small_settings(pool_size=2)) as base:
+        yield base
+
+
+@pytest.mark.parametrize(
+    ("base", "expected"),
+    [
+        ("http://h:1", "ws://h:1/ws"),
+        ("https://h:1/", "wss://h:1/ws"),
+        ("http://h:1/prefix/", "ws://h:1/prefix/ws"),
+        ("ws://h:1/ws", "ws://h:1/ws"),
+        ("h:8000", "ws://h:8000/ws"),
+    ],
+)
+def test_ws_url_rule(base: str, expected: str) -> None:
+    """http(s)://host:port[/prefix] maps to ws(s)://host:port[/prefix]/ws."""
+    assert ws_url(base) == expected
+
+
+def test_ws_url_rejects_other_schemes() -> None:
+    """A URL that is not http(s) or ws(s) is a ValueError."""
+    with pytest.raises(ValueError):
+        ws_url("ftp://h:1")
+
+
+def _comparable(result: Any) -> dict[str, Any]:
+    obs = result.observation
+    r = obs.result
+    return {
+        "stdout": r.stdout,
+        "stderr_tail": r.stderr.strip().splitlines()[-1:] if r.stderr else [],
+        "success": r.success,
+        "exception": r.exception,
+        "locals": r.locals_snapshot,
+        "outputs": [o.get("output_type") for o in r.outputs],
+        "vars": obs.available_variables,
+        "iteration": obs.iteration,
+        "context_length": obs.context_length,
+        "preview": obs.context_preview,
+        "done": result.done,
+        "reward": result.reward,
+        "final": obs.metadata.get("final_answer"),
+    }
+
+
+async def _episode(env: AsyncKernelEnv) -> tuple[list[dict[str, Any]], Any]:
+    results = [await env.reset(context="the quick brown fox", task_prompt="count letters",
+                               expected_answer="16")]
+    results += [await env.step(action) for action in STEPS]
+    return [_comparable(r) for r in results], await env.state()
+
+
+async def test_remote_gives_the_same_results_as_local(url: str) -> None:
+    """The same steps give the same observations and state locally and through the server."""
+    async with AsyncKernelEnv() as local:
+        local_obs, local_state = await _episode(local)
+    async with AsyncKernelEnv(url) as remote:
+        remote_obs, remote_state = await _episode(remote)
+    assert remote_obs == local_obs
+    assert remote_obs[-1]["done"] is True and remote_obs[-1]["final"] == "16"
+    assert remote_obs[-1]["reward"] == 1.0
+    fields = ("step_count", "context", "task_prompt", "iteration", "max_iterations",
+              "namespace_keys", "final_answer", "done", "reward")
+    assert {f: getattr(remote_state, f) for f in fields} == \
+        {f: getattr(local_state, f) for f in fields}
+
+
+def test_sync_client_round_trip(url: str) -> None:
+    """The synchronous KernelEnv works against a server: reset, execute, state, final answer."""
+    with KernelEnv(url) as env:
+        env.reset(context="Hello World", task_prompt="count chars")
+        assert env.execute("n = len(context); print(n)").observation.result.stdout == "11\n"
+        assert "n" in env.list_variables()
+        assert env.get_variable("n").observation.result.stdout == "11\n"
+        done = env.submit_final_answer("11")
+        assert done.done is True and done.observation.metadata["final_answer"] == "11"
+        assert env.state().final_answer == "11"
+
+
+async def test_error_frames_raise_remote_error_with_code(url: str) -> None:
+    """An error frame raises RemoteError carrying its code and data; the session goes on."""
+    async with AsyncKernelEnv(url) as env:
+        with pytest.raises(RemoteError) as raised:
+            await env.execute("1")
+        assert raised.value.code == "EXECUTION_ERROR"
+        assert raised.value.data["message"] == "Environment not initialized. Call reset() first."
+        with pytest.raises(RemoteError) as invalid:
+            await env.reset(max_iterations=0)
+        assert invalid.value.code == "VALIDATION_ERROR"
+        await env.reset()
+        assert (await env.execute("print(2)")).observation.result.stdout == "2\n"
+
+
+async def test_capacity_refusal_raises_capacity_reached() -> None:
+    """A full server's refusal surfaces as RemoteError(CAPACITY_REACHED) on the first call."""
+    with thread_server(small_settings(pool_size=0, max_sessions=1)) as base:
+        async with AsyncKernelEnv(base) as first, AsyncKernelEnv(base) as second:
+            await first.state()
+            with pytest.raises(RemoteError) as refused:
+                await second.state()
+            assert refused.value.code == "CAPACITY_REACHED"
+            assert refused.value.data["max_sessions"] == 1
+
+
+async def test_token_is_sent_and_required() -> None:
+    """With a server token, no token is refused as UNAUTHORIZED; the right one works."""
+    with thread_server(small_settings(pool_size=0, token=TOKEN)) as base:
+        with pytest.raises(RemoteError) as refused:
+            await RemoteSession.connect(base)
+        assert refused.value.code == "UNAUTHORIZED"
+        assert TOKEN not in str(refused.value)
+        async with AsyncKernelEnv(base, token=TOKEN) as env:
+            assert (await env.state()).step_count == 0
+
+
+async def test_a_late_reply_closes_the_connection_instead_of_shifting_replies(url: str) -> None:
+    """A reply later than message_timeout_s raises TIMEOUT and drops the (now shifted) socket."""
+    session = await RemoteSession.connect(url, message_timeout_s=0.5)
+    try:
+        await session.reset()
+        with pytest.raises(RemoteError) as late:
+            await session.step(REPLAction(code="import time; time.sleep(2)"))
+        assert late.value.code == "TIMEOUT"
+        with pytest.raises(RemoteError) as closed:
+            await session.state()
+        assert closed.value.code == "CONNECTION_CLOSED"
+    finally:
+        await session.close()
+
+
+async def test_unreachable_server_is_connection_error() -> None:
+    """Connecting to a port nobody listens on raises ConnectionError."""
+    with pytest.raises(ConnectionError):
+        await RemoteSession.connect("http://127.0.0.1:9", connect_timeout_s=2)
+
+
+async def test_many_remote_clients_at_once_get_their_own_outputs(url: str) -> None:
+    """Concurrent remote clients each see exactly their own outputs."""
+
+    async def run(tag: int) -> list[str]:
+        async with AsyncKernelEnv(url) as env:
+            await env.reset()
+            return [(await env.execute(f"print('{tag}:{i}')")).observation.result.stdout
+                    for i in range(10)]
+
+    results = await asyncio.gather(*(run(t) for t in range(6)))
+    assert results == [[f"{t}:{i}\n" for i in range(10)] for t in range(6)]
+
+
+def test_from_docker_image_is_a_lazy_classmethod() -> None:
+    """KernelEnv.from_docker_image exists and imports openenv only when called."""
+    assert isinstance(KernelEnvClass.__dict__["from_docker_image"], classmethod)

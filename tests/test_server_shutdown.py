@@ -1,0 +1,76 @@
+"""F10 and F11: a ``kernel-env serve`` process stopped with steps in flight, or killed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+
+import httpx
+from serverkit import alive, kernel_pids, metrics, serve_process, terminate, wait_until
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+
+async def _start_step(url: str, code: str) -> ClientConnection:
+    ws = await connect(url.replace("http", "ws") + "/ws")
+    await ws.send(json.dumps({"type": "reset"}))
+    assert json.loads(await ws.recv())["type"] == "observation"
+    await ws.send(json.dumps({"type": "step", "data": {"code": code}}))
+    return ws
+
+
+async def test_sigterm_lets_an_in_flight_step_answer_then_kills_every_kernel() -> None:
+    """F10: on SIGTERM a running step still gets its observation, then no kernel is left."""
+    with serve_process("--pool-size", "2") as server:
+        ws = await _start_step(server.url, "import time; time.sleep(2); print('finished')")
+        await asyncio.sleep(0.5)
+        kernels = kernel_pids(server.pid)
+        assert len(kernels) >= 2
+        terminate(server.process, signal.SIGTERM)
+        sent = time.monotonic()
+        reply = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert reply["type"] == "observation"
+        assert reply["data"]["observation"]["result"]["stdout"] == "finished\n"
+        assert time.monotonic() - sent < 10
+        with contextlib.suppress(ConnectionClosed):  # closed once the drain is over
+            await asyncio.wait_for(ws.recv(), 10)
+        assert await asyncio.to_thread(server.process.wait, 10) is not None
+        assert time.monotonic() - sent < 10
+        assert not [pid for pid in kernels if alive(pid)]
+
+
+async def test_sigterm_errors_a_step_that_outlives_the_drain() -> None:
+    """F10: a step outliving the drain gets SESSION_ERROR in time, then every kernel is gone."""
+    with serve_process("--pool-size", "1", "--drain-timeout", "2") as server:
+        ws = await _start_step(server.url, "import time; time.sleep(60)")
+        await asyncio.sleep(0.5)
+        kernels = kernel_pids(server.pid)
+        terminate(server.process, signal.SIGTERM)
+        sent = time.monotonic()
+        reply = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert reply["type"] == "error" and reply["data"]["code"] == "SESSION_ERROR"
+        assert "shutting down" in reply["data"]["message"]
+        assert await asyncio.to_thread(server.process.wait, 10) is not None
+        assert time.monotonic() - sent < 10
+        assert not [pid for pid in kernels if alive(pid)]
+        await ws.close()
+
+
+def test_sigkill_leaves_no_orphan_kernel_after_10_s() -> None:
+    """F11: after SIGKILL of the server, every kernel it started exits within 10 s."""
+    # ipykernel polls its parent (JPY_PARENT_PID, set by jupyter_client) and exits without it.
+    with serve_process("--pool-size", "2") as server:
+        sid = httpx.post(f"{server.url}/reset", json={}, timeout=30).headers["X-Session-Id"]
+        assert sid
+        # Wait for a full pool: a kernel killed half-way through its own start is another case.
+        assert wait_until(lambda: metrics(server.url)["pool_warm"] == 2
+                          and metrics(server.url)["pool_starting"] == 0, 30)
+        kernels = kernel_pids(server.pid)
+        assert len(kernels) == 3
+        terminate(server.process, signal.SIGKILL)
+        server.process.wait(10)
+        assert wait_until(lambda: not any(alive(pid) for pid in kernels), 10, interval=0.2), \
+            [pid for pid in kernels if alive(pid)]
