@@ -139,6 +139,7 @@ class SandboxedKernel(LocalKernel):
             "--dev", "/dev",
             "--proc", "/proc",  # this namespace's processes only
             "--size", size, "--tmpfs", "/tmp",  # hides every other kernel's runtime dir
+            *_keep_visible(),  # the interpreter and packages, when they live under /tmp
             "--bind", runtime, runtime,  # the connection file and IPC sockets
             "--size", size, "--tmpfs", work,  # the capped, private workspace
             "--chdir", work,
@@ -202,6 +203,32 @@ class SandboxedKernel(LocalKernel):
         cgroup, self._cgroup = self._cgroup, None
         if cgroup is not None:
             await asyncio.to_thread(_empty_and_remove, cgroup)
+
+
+def _keep_visible() -> list[str]:
+    """Read-only binds for what the kernel needs from under /tmp (a virtualenv or a checkout
+    there), which the private /tmp would otherwise hide."""
+    import sys
+
+    import kernel_env
+
+    needed = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        str(Path(kernel_env.__file__).resolve().parent.parent),
+        *sys.path,
+    }
+    tops = sorted(
+        p
+        for p in {os.path.realpath(p) for p in needed if p}
+        if p.startswith("/tmp/") and os.path.exists(p)
+    )
+    kept: list[str] = []
+    for path in tops:
+        if not any(path.startswith(k + "/") for k in kept):  # a parent is already bound
+            kept.append(path)
+    return [arg for path in kept for arg in ("--ro-bind", path, path)]
 
 
 def _mask(path: str) -> list[str]:
