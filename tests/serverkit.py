@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from fastapi.testclient import TestClient
 
+from kernel_env.server import create_app
 from kernel_env.server.runner import build_server
 from kernel_env.server.settings import ServerSettings
 
@@ -26,10 +28,21 @@ _URL = re.compile(r"serving (http://127\.0\.0\.1:\d+)")
 
 def small_settings(**overrides: object) -> ServerSettings:
     """Settings for tests: loopback, port 0, a small pool, quiet logs."""
-    values: dict[str, object] = {"host": "127.0.0.1", "port": 0, "pool_size": 1,
-                                 "max_sessions": 8, "step_timeout": 10.0, "log_level": "warning"}
+    values: dict[str, object] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "pool_size": 1,
+        "max_sessions": 8,
+        "step_timeout": 10.0,
+        "log_level": "warning",
+    }
     values.update(overrides)
     return ServerSettings(**values)  # type: ignore[arg-type]
+
+
+def make_client(**overrides: object) -> TestClient:
+    """An in-process client of the app (no port); its lifespan runs on entering ``with``."""
+    return TestClient(create_app(small_settings(**overrides)))
 
 
 @contextlib.contextmanager
@@ -66,8 +79,19 @@ class ServeProcess:
 def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[ServeProcess]:
     """``python -m kernel_env serve --port 0 ARGS`` as a subprocess, healthy; killed at exit."""
     log = Path(tempfile.mkstemp(prefix="kernel-env-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "kernel_env", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--log-level", "info", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kernel_env",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--log-level",
+        "info",
+        *args,
+    ]
     with open(log, "wb") as sink:
         process = subprocess.Popen(cmd, stdout=sink, stderr=sink, env=env)
     try:

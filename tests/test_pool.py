@@ -62,6 +62,7 @@ async def test_pool_refills_in_the_background() -> None:
         kernel = await pool.acquire()
         await until(lambda: pool.starting == 1)
         await until(lambda: pool.warm == 2)
+        assert pool.warm == 2 and pool.starting == 0
         await shut(kernel)
     finally:
         await pool.close()

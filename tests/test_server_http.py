@@ -9,17 +9,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import serverkit
 from fastapi.testclient import TestClient
-
-from kernel_env.server import ServerSettings, create_app
 
 TOKEN = "s3cret-token-for-tests"
 
 
 def make_client(**settings: Any) -> TestClient:
-    values: dict[str, Any] = {"pool_size": 1, "max_sessions": 64, "step_timeout": 10.0}
-    values.update(settings)
-    return TestClient(create_app(ServerSettings(**values)))
+    return serverkit.make_client(**{"max_sessions": 64, **settings})
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +49,14 @@ def test_health_is_healthy(client: TestClient) -> None:
 def test_metadata_has_name_and_description(client: TestClient) -> None:
     """GET /metadata carries OpenEnv's metadata fields."""
     data = client.get("/metadata").json()
-    assert set(data) == {"name", "description", "readme_content", "version", "author",
-                         "documentation_url"}
+    assert set(data) == {
+        "name",
+        "description",
+        "readme_content",
+        "version",
+        "author",
+        "documentation_url",
+    }
     assert data["name"] == "kernel_env"
 
 
@@ -118,8 +121,9 @@ def test_reset_returns_session_id_in_header_and_metadata(client: TestClient) -> 
 
 def test_step_and_state_round_trip(client: TestClient, session: str) -> None:
     """/step runs code in the session's kernel and /state reports it."""
-    step = client.post("/step", json={"action": {"code": "n = len(context); print(n)"}},
-                       headers=h(session))
+    step = client.post(
+        "/step", json={"action": {"code": "n = len(context); print(n)"}}, headers=h(session)
+    )
     assert step.status_code == 200
     obs = step.json()["observation"]
     assert obs["result"]["stdout"] == "11\n" and obs["iteration"] == 1
@@ -206,17 +210,27 @@ def test_metrics_count_sessions_and_steps(client: TestClient, session: str) -> N
     assert data["kernels_in_sessions"] >= 1 and data["steps"] >= 1
     assert data["truncations"] >= 1
     assert data["lost_outputs"] == 0
-    for key in ("pool_warm", "pool_starting", "timeouts", "restarts", "late_outputs",
-                "sessions_reaped", "rss_bytes"):
+    for key in (
+        "pool_warm",
+        "pool_starting",
+        "timeouts",
+        "restarts",
+        "late_outputs",
+        "sessions_reaped",
+        "rss_bytes",
+    ):
         assert key in data
 
 
-def test_late_output_is_counted_not_shown_in_the_next_step(client: TestClient,
-                                                            session: str) -> None:
+def test_late_output_is_counted_not_shown_in_the_next_step(
+    client: TestClient, session: str
+) -> None:
     """Output a thread prints after its cell ended is counted as late, never lost or misrouted."""
     before = client.get("/metrics").json()["late_outputs"]
-    code = "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), " \
-           "print('late'))).start()"
+    code = (
+        "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), "
+        "print('late'))).start()"
+    )
     client.post("/step", json={"action": {"code": code}}, headers=h(session))
     time.sleep(0.6)
     step = client.post("/step", json={"action": {"code": "print('next')"}}, headers=h(session))
@@ -261,17 +275,28 @@ def test_auth_token_is_required_and_never_echoed() -> None:
     with make_client(pool_size=0, token=TOKEN) as c:
         assert c.get("/health").status_code == 200  # providers poll it without credentials
         assert c.post("/mcp", json={}).status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
-                        {"Authorization": f"Basic {TOKEN}"}):
-            for method, path in (("POST", "/reset"), ("POST", "/step"), ("GET", "/state"),
-                                 ("GET", "/metrics")):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": TOKEN},
+            {"Authorization": f"Basic {TOKEN}"},
+        ):
+            for method, path in (
+                ("POST", "/reset"),
+                ("POST", "/step"),
+                ("GET", "/state"),
+                ("GET", "/metrics"),
+            ):
                 response = c.request(method, path, headers=headers, json={})
                 assert response.status_code == 401, (method, path, headers)
                 assert TOKEN not in response.text
         ok = c.post("/reset", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status_code == 200 and TOKEN not in ok.text
-        other = c.post("/step", json={"action": {"code": "1"}},
-                       headers={"Authorization": f"Bearer {TOKEN}", "X-Session-Id": "guess"})
+        other = c.post(
+            "/step",
+            json={"action": {"code": "1"}},
+            headers={"Authorization": f"Bearer {TOKEN}", "X-Session-Id": "guess"},
+        )
         assert other.status_code == 404
 
 
@@ -296,8 +321,9 @@ def test_oversize_code_and_context_are_clear_4xx(client: TestClient, session: st
         sid = c.post("/reset", json={}).headers["X-Session-Id"]
         response = c.post("/step", json={"action": {"code": "#" * 200}}, headers=h(sid))
         assert response.status_code == 422 and "exceeds" in response.text
-    one_mib = client.post("/step", json={"action": {"code": "#" * (1 << 20) + "#"}},
-                          headers=h(session))
+    one_mib = client.post(
+        "/step", json={"action": {"code": "#" * (1 << 20) + "#"}}, headers=h(session)
+    )
     assert one_mib.status_code == 422
 
 
@@ -312,16 +338,30 @@ def _fuzz_value(rng: random.Random, depth: int = 0) -> Any:
     if kind == "float":
         return rng.choice([0.0, -1.5, 1e308, 3.14])
     if kind == "str":
-        return "".join(rng.choice("ab\u00e9\u4e2d\U0001f600\x00\"'{}[]") for _ in range(
-            rng.randint(0, 12)))
+        return "".join(
+            rng.choice("ab\u00e9\u4e2d\U0001f600\x00\"'{}[]") for _ in range(rng.randint(0, 12))
+        )
     if kind == "bool":
         return rng.random() < 0.5
     if kind == "null":
         return None
     if kind == "list":
         return [_fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
-    keys = ["action", "code", "is_final", "final_answer", "metadata", "context", "seed",
-            "episode_id", "max_iterations", "timeout_s", "request_id", "x", ""]
+    keys = [
+        "action",
+        "code",
+        "is_final",
+        "final_answer",
+        "metadata",
+        "context",
+        "seed",
+        "episode_id",
+        "max_iterations",
+        "timeout_s",
+        "request_id",
+        "x",
+        "",
+    ]
     return {rng.choice(keys): _fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
 
 

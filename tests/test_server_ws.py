@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import serverkit
 from fastapi.testclient import TestClient
 from serverkit import small_settings, thread_server
 from starlette.websockets import WebSocketDisconnect
@@ -27,9 +28,7 @@ TOKEN = "ws-test-token"
 
 
 def make_client(**settings: Any) -> TestClient:
-    values: dict[str, Any] = {"pool_size": 1, "max_sessions": 16, "step_timeout": 10.0}
-    values.update(settings)
-    return TestClient(create_app(ServerSettings(**values)))
+    return serverkit.make_client(**{"max_sessions": 16, **settings})
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +75,9 @@ def test_reset_step_state_frames(client: TestClient) -> None:
         assert state["type"] == "state"
         assert state["data"]["step_count"] == 1 and "n" in state["data"]["namespace_keys"]
 
-        final = ask(ws, {"type": "step", "data": {"code": "", "is_final": True,
-                                                  "final_answer": "11"}})
+        final = ask(
+            ws, {"type": "step", "data": {"code": "", "is_final": True, "final_answer": "11"}}
+        )
         assert final["data"]["done"] is True
         assert final["data"]["metadata"]["final_answer"] == "11"
         assert final["data"]["observation"]["metadata"]["total_iterations"] == 2
@@ -94,8 +94,9 @@ def test_reset_frame_without_data_is_accepted(client: TestClient) -> None:
 def test_mcp_frame_answers_json_rpc(client: TestClient) -> None:
     """{"type": "mcp"} answers an mcp frame carrying a JSON-RPC error (no tools)."""
     with client.websocket_connect("/ws") as ws:
-        reply = ask(ws, {"type": "mcp", "data": {"jsonrpc": "2.0", "method": "tools/list",
-                                                 "id": 7}})
+        reply = ask(
+            ws, {"type": "mcp", "data": {"jsonrpc": "2.0", "method": "tools/list", "id": 7}}
+        )
         assert reply["type"] == "mcp"
         assert reply["data"]["jsonrpc"] == "2.0" and reply["data"]["id"] == 7
         assert reply["data"]["error"]["code"] == -32603
@@ -196,8 +197,10 @@ def test_execution_error_before_reset_and_after_done(client: TestClient) -> None
 
 def test_limits_are_validation_errors(client: TestClient) -> None:
     """B4: code over the limit and a context over the limit answer VALIDATION_ERROR."""
-    with make_client(pool_size=0, max_code_chars=100, max_context_chars=1000) as c, \
-            c.websocket_connect("/ws") as ws:
+    with (
+        make_client(pool_size=0, max_code_chars=100, max_context_chars=1000) as c,
+        c.websocket_connect("/ws") as ws,
+    ):
         reply = ask(ws, {"type": "reset", "data": {"context": "x" * 1001}})
         assert error_code(reply) == "VALIDATION_ERROR" and "exceeds" in reply["data"]["message"]
         ask(ws, {"type": "reset"})
@@ -237,8 +240,11 @@ def test_idle_session_is_reaped_and_answers_session_expired() -> None:
     """F13: an idle session is reaped, its kernel killed; later calls get "session expired"."""
     with make_client(pool_size=0, idle_ttl=0.5) as c, c.websocket_connect("/ws") as ws:
         ask(ws, {"type": "reset"})
-        pid = int(ask(ws, {"type": "step", "data": {"code": "import os; print(os.getpid())"}})
-                  ["data"]["observation"]["result"]["stdout"])
+        pid = int(
+            ask(ws, {"type": "step", "data": {"code": "import os; print(os.getpid())"}})["data"][
+                "observation"
+            ]["result"]["stdout"]
+        )
         deadline = time.monotonic() + 10
         while c.get("/metrics").json()["sessions_reaped"] < 1:
             assert time.monotonic() < deadline, "the session was never reaped"
@@ -262,8 +268,10 @@ def test_auth_rejects_missing_or_wrong_token_with_1008() -> None:
     """B5 over WS: no or wrong token closes the handshake with 1008; the right one works."""
     with make_client(pool_size=0, token=TOKEN) as c:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
-            with pytest.raises(WebSocketDisconnect) as refused, \
-                    c.websocket_connect("/ws", headers=headers):
+            with (
+                pytest.raises(WebSocketDisconnect) as refused,
+                c.websocket_connect("/ws", headers=headers),
+            ):
                 pass
             assert refused.value.code == 1008
         with c.websocket_connect("/ws", headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
@@ -272,8 +280,7 @@ def test_auth_rejects_missing_or_wrong_token_with_1008() -> None:
 
 def test_oversize_frame_closes_with_1009_in_process() -> None:
     """B4: a frame over max_message_bytes closes the socket with 1009."""
-    with make_client(pool_size=0, max_message_bytes=10_000) as c, \
-            c.websocket_connect("/ws") as ws:
+    with make_client(pool_size=0, max_message_bytes=10_000) as c, c.websocket_connect("/ws") as ws:
         ws.send_text(json.dumps({"type": "reset", "data": {"context": "x" * 20_000}}))
         with pytest.raises(WebSocketDisconnect) as closed:
             ws.receive_json()
@@ -285,8 +292,9 @@ def test_oversize_frame_closes_with_1009_in_process() -> None:
 
 @pytest.fixture(scope="module")
 def live_url() -> Iterator[str]:
-    with thread_server(small_settings(pool_size=2, max_sessions=8,
-                                      max_message_bytes=64 * 1024)) as url:
+    with thread_server(
+        small_settings(pool_size=2, max_sessions=8, max_message_bytes=64 * 1024)
+    ) as url:
         yield url
 
 
@@ -318,8 +326,11 @@ async def test_event_loop_stays_free_while_a_cell_runs(live_url: str) -> None:
         for ws in (slow, fast):
             await ws.send(json.dumps({"type": "reset"}))
             await ws.recv()
-        await slow.send(json.dumps({"type": "step", "data": {
-            "code": "import time; time.sleep(3); print('slow')"}}))
+        await slow.send(
+            json.dumps(
+                {"type": "step", "data": {"code": "import time; time.sleep(3); print('slow')"}}
+            )
+        )
         await asyncio.sleep(0.3)
         started = time.monotonic()
         await fast.send(json.dumps({"type": "step", "data": {"code": "print('fast')"}}))
@@ -359,14 +370,26 @@ def _fuzz_frame(rng: random.Random) -> str | bytes:
         return "[" * rng.randint(1000, 50_000)
     if roll < 0.15:
         return "".join(rng.choice('{}[]":,ab1 \\') for _ in range(rng.randint(0, 30)))
-    frame: Any = {"type": rng.choice(["reset", "step", "state", "mcp", "bogus", "", None, 7,
-                                      "STEP", ["step"]])}
+    frame: Any = {
+        "type": rng.choice(
+            ["reset", "step", "state", "mcp", "bogus", "", None, 7, "STEP", ["step"]]
+        )
+    }
     if rng.random() < 0.7:
-        frame["data"] = rng.choice([
-            None, 1, "s", [], {"code": rng.choice([1, None, [], "x = 1"])},
-            {"code": "pass", "is_final": "maybe"}, {"metadata": {"a": [[[[{}]]]]}},
-            {"context": 5}, {"seed": -3}, {"nested": json.loads("[" * 200 + "]" * 200)},
-        ])
+        frame["data"] = rng.choice(
+            [
+                None,
+                1,
+                "s",
+                [],
+                {"code": rng.choice([1, None, [], "x = 1"])},
+                {"code": "pass", "is_final": "maybe"},
+                {"metadata": {"a": [[[[{}]]]]}},
+                {"context": 5},
+                {"seed": -3},
+                {"nested": json.loads("[" * 200 + "]" * 200)},
+            ]
+        )
     if rng.random() < 0.2:
         frame[rng.choice(["extra", "id", "request_id"])] = rng.random()
     if frame.get("type") == "reset":  # never a valid reset: no kernel start per fuzz frame
@@ -409,8 +432,14 @@ async def test_fuzzed_frames_get_error_frames_while_a_healthy_session_works(
 
     replies, _ = await asyncio.gather(fuzz(), healthy())
     assert sum(replies.values()) == 2000
-    assert set(replies) <= {"INVALID_JSON", "UNKNOWN_TYPE", "VALIDATION_ERROR",
-                            "EXECUTION_ERROR", "state", "mcp"}
+    assert set(replies) <= {
+        "INVALID_JSON",
+        "UNKNOWN_TYPE",
+        "VALIDATION_ERROR",
+        "EXECUTION_ERROR",
+        "state",
+        "mcp",
+    }
     assert replies["INVALID_JSON"] and replies["UNKNOWN_TYPE"] and replies["VALIDATION_ERROR"]
     assert healthy_outputs == [f"{i}\n" for i in range(40)]
 
@@ -421,4 +450,3 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
