@@ -1,4 +1,9 @@
-"""``kernel-env``: the command line. ``serve`` runs the server; more subcommands come later.
+"""``kernel-env``: the command line.
+
+    kernel-env serve     the OpenEnv-compatible server (HTTP + WebSocket)
+    kernel-env run       one RLM episode driven by a model, with live progress
+    kernel-env export    a served episode as .ipynb (or a notebook as HTML)
+    kernel-env replay    a notebook's code cells re-run as a fresh episode, compared cell by cell
 
 Every ``serve`` flag also reads a ``KERNEL_ENV_<NAME>`` variable (e.g. ``KERNEL_ENV_POOL_SIZE``);
 a flag given on the command line wins. The bearer token is read from ``KERNEL_ENV_TOKEN`` only:
@@ -8,10 +13,16 @@ a flag would show it to anyone who can list processes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 import sys
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kernel_env.errors import KernelEnvError, RemoteError
 
 if TYPE_CHECKING:
     from kernel_env.server.settings import ServerSettings
@@ -25,8 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    command: int = args.run(args)
-    return command
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:
+        print("kernel-env: interrupted", file=sys.stderr)
+        return 130
+    return status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,11 +51,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(commands)
-    # Reserved for later: run (an agent episode), export (.ipynb), replay (a recorded episode).
+    _add_run(commands)
+    _add_export(commands)
+    _add_replay(commands)
     return parser
 
 
-def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _fail(command: str, problem: object) -> int:
+    print(f"kernel-env {command}: {problem}", file=sys.stderr)
+    return 2
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve",
         help="run the OpenEnv-compatible HTTP + WebSocket server",
@@ -68,6 +90,21 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--max-context-chars", type=int, help="largest reset context")
     add("--max-code-chars", type=int, help="largest code of one step")
     add("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    add("--sandbox", choices=["auto", "bwrap", "none"],
+        help="local kernels under bubblewrap: auto (where it works; default), bwrap (required), "
+        "none")
+    add("--gateway-url", metavar="URL",
+        help="run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead")
+    add("--gateway-token", metavar="TOKEN",
+        help="the gateway's auth token (prefer KERNEL_ENV_GATEWAY_TOKEN: flags are visible to "
+        "other users of this host)")
+    add("--gateway-kernel-name", metavar="NAME", help="the gateway's kernel spec (default python3)")
+    add("--llm-base-url", metavar="URL",
+        help="OpenAI-compatible endpoint answering the kernels' llm_query (key: "
+        "KERNEL_ENV_LLM_API_KEY)")
+    add("--llm-model", metavar="MODEL", help="model name sent to --llm-base-url")
+    add("--llm-max-calls", type=int, metavar="N", help="LLM calls per episode at most")
+    add("--llm-max-tokens", type=int, metavar="N", help="LLM tokens per episode at most")
     serve.set_defaults(run=_serve)
 
 
@@ -90,14 +127,21 @@ def _serve(args: argparse.Namespace) -> int:
             "max_context_chars",
             "max_code_chars",
             "log_level",
+            "sandbox",
+            "gateway_url",
+            "gateway_token",
+            "gateway_kernel_name",
+            "llm_base_url",
+            "llm_model",
+            "llm_max_calls",
+            "llm_max_tokens",
         )
     }
     try:
         settings = ServerSettings.from_env(**explicit)
         server, sock, settings = build_server(settings)
-    except (ValueError, OSError) as exc:
-        print(f"kernel-env serve: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, RuntimeError) as exc:
+        return _fail("serve", exc)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -111,9 +155,330 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status_line(settings: ServerSettings) -> str:
+    from kernel_env.kernel.factory import describe_backend
+
     auth = "bearer token required" if settings.token else "no auth"
+    if settings.llm_base_url:
+        llm = f"llm_query -> {settings.llm_model} at {settings.llm_base_url}"
+    else:
+        llm = "llm_query: no model configured (a reset may bring an hf_token)"
     return (
         f"kernel-env: serving {settings.url} (WebSocket {settings.url.replace('http', 'ws', 1)}"
         f"/ws); warming {settings.pool_size} kernel(s); max {settings.max_sessions} sessions, "
-        f"step timeout {settings.step_timeout:g} s, idle TTL {settings.idle_ttl:g} s, {auth}"
+        f"step timeout {settings.step_timeout:g} s, idle TTL {settings.idle_ttl:g} s, {auth}\n"
+        f"kernel-env: {describe_backend(settings)}; {llm}"
     )
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export",
+        help="download a served episode as .ipynb, or turn a notebook into HTML",
+        description="SOURCE is a session id on a kernel-env server (--url): its current or last "
+        "episode is written as a notebook, with its context file and child episodes beside it. "
+        "Or SOURCE is an .ipynb file and --html writes it as a web page. The server's token "
+        "is read from KERNEL_ENV_TOKEN.",
+    )
+    export.add_argument("source", metavar="SOURCE", help="a session id, or an .ipynb file")
+    export.add_argument("-o", "--output", metavar="PATH",
+                        help="where to write (default: <session id>.ipynb, or SOURCE.html)")
+    export.add_argument("--url", default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
+                        help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})")
+    export.add_argument("--html", action="store_true",
+                        help="also write an HTML page (needs nbconvert: kernel-env[html])")
+    export.set_defaults(run=_export)
+
+
+_DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _export(args: argparse.Namespace) -> int:
+    from kernel_env.notebook import write_html
+
+    source = Path(args.source)
+    try:
+        if source.suffix == ".ipynb":
+            if not args.html:
+                return _fail("export", f"{source} is already a notebook; add --html for a web page")
+            if not source.is_file():
+                return _fail("export", f"no such notebook: {source}")
+            print(write_html(source, args.output))
+            return 0
+        notebook = _download(args.url, args.source, Path(args.output or f"{args.source}.ipynb"))
+        print(notebook)
+        if args.html:
+            print(write_html(notebook))
+    except (OSError, ValueError, RuntimeError, KernelEnvError) as exc:
+        return _fail("export", exc)
+    return 0
+
+
+def _download(url: str, session_id: str, target: Path) -> Path:
+    """Fetch a session's export.zip and unpack it beside ``target``."""
+    import httpx
+
+    from kernel_env.notebook import extract_export
+    from kernel_env.remote import http_url
+
+    if not target.name.endswith(".ipynb"):
+        target = target.with_name(target.name + ".ipynb")
+    token = os.environ.get("KERNEL_ENV_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx.get(
+            f"{http_url(url)}/sessions/{session_id}/export.zip",
+            params={"name": target.name},
+            headers=headers,
+            timeout=60.0,
+            trust_env=False,
+        )
+    except httpx.TransportError as exc:
+        raise ConnectionError(f"cannot reach {url}: {exc}") from None
+    if response.status_code != 200:
+        raise RemoteError(f"HTTP {response.status_code}: {_detail(response)}", code="EXPORT")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    extract_export(response.content, target.parent)
+    return target
+
+
+def _detail(response: Any) -> str:
+    try:
+        return str(response.json().get("detail", response.text))[:300]
+    except ValueError:
+        return str(response.text)[:300]
+
+
+# -- replay ------------------------------------------------------------------------------
+
+
+def _add_replay(commands: argparse._SubParsersAction) -> None:
+    replay = commands.add_parser(
+        "replay",
+        help="re-run a notebook's code cells as a fresh episode and compare their outputs",
+        description="Each code cell becomes a step of a new local episode; llm_query answers "
+        "from the responses recorded in the notebook. Exit status 0 when every cell's outputs "
+        "match the recorded ones, 1 otherwise.",
+    )
+    replay.add_argument("notebook", type=Path, help="an .ipynb file (e.g. one kernel-env exported)")
+    replay.add_argument("--step-timeout", type=float, default=30.0,
+                        help="seconds a cell may run (default 30)")
+    replay.add_argument("--sandbox", choices=["auto", "bwrap", "none"], default="auto",
+                        help="run the kernel under bubblewrap (default: where it works)")
+    replay.set_defaults(run=_replay)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from kernel_env.kernel.factory import local_source
+    from kernel_env.replay import CellReport, replay_notebook
+
+    def show(cell: CellReport) -> None:
+        print(f"  cell {cell.index:>3}  {cell.verdict:<9} {cell.source_head}", flush=True)
+
+    if not args.notebook.is_file():
+        return _fail("replay", f"no such notebook: {args.notebook}")
+    print(f"replaying {args.notebook}", flush=True)
+    try:
+        report = replay_notebook(
+            args.notebook,
+            step_timeout=args.step_timeout,
+            kernel_source=local_source(args.sandbox),
+            on_cell=show,
+        )
+    except (OSError, ValueError, RuntimeError, KernelEnvError) as exc:
+        return _fail("replay", exc)
+    counts = ", ".join(f"{n} {verdict}" for verdict, n in sorted(report.counts().items()))
+    verdict = "all cells match" if report.all_match else "MISMATCH"
+    print(f"{verdict}: {counts or 'no code cells'}")
+    if report.final_answer is not None:
+        print(f"final answer: {report.final_answer}")
+    return 0 if report.all_match else 1
+
+
+# -- run ---------------------------------------------------------------------------------
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
+    run = commands.add_parser(
+        "run",
+        help="solve a task over a context file with a model, the RLM way",
+        description="A root model sees the context's size and a preview, writes code that runs "
+        "in a kernel, and calls llm_query on pieces, until it gives a final answer. Progress "
+        "goes to stderr; the answer and the paths of the exported notebook and trajectory to "
+        "stdout. The API key is read from an environment variable, never a flag.",
+    )
+    add = run.add_argument
+    add("--context", required=True, metavar="FILE", help="a UTF-8 text file, or - for stdin")
+    add("--task", required=True, help="what to find out about the context")
+    add("--model", required=True, help="the root model")
+    add("--base-url", metavar="URL",
+        default=os.environ.get("KERNEL_ENV_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
+        or "https://api.openai.com/v1",
+        help="OpenAI-compatible endpoint (default $KERNEL_ENV_LLM_BASE_URL, $OPENAI_BASE_URL, "
+        "or OpenAI's)")
+    add("--sub-model", metavar="MODEL", help="the model behind llm_query (default: --model)")
+    add("--api-key-env", metavar="VAR",
+        help="variable holding the API key (default: the first set of KERNEL_ENV_LLM_API_KEY, "
+        "OPENAI_API_KEY, HF_TOKEN)")
+    add("--max-iterations", type=int, default=20, help="root-model turns at most (default 20)")
+    add("--time-limit", type=float, metavar="S", help="seconds for the whole run")
+    add("--max-llm-calls", type=int, metavar="N", help="llm_query calls at most")
+    add("--max-llm-tokens", type=int, metavar="N", help="llm_query tokens at most")
+    add("--step-timeout", type=float, default=60.0, help="seconds a cell may run (default 60)")
+    add("--expected-answer", help="score the answer against this (the reward is printed)")
+    add("--output", type=Path, default=Path("runs"),
+        help="directory for the notebook and trajectory (default ./runs)")
+    add("--name", help="file name stem of the outputs (default run-<date>-<time>)")
+    add("--sandbox", choices=["auto", "bwrap", "none"], default="auto",
+        help="local kernels under bubblewrap (default: where it works)")
+    add("--gateway-url", metavar="URL",
+        help="run the kernel on a Jupyter (Enterprise) Gateway (token: KERNEL_ENV_GATEWAY_TOKEN)")
+    add("--gateway-kernel-name", metavar="NAME", help="the gateway's kernel spec")
+    run.set_defaults(run=_run)
+
+
+_KEY_VARIABLES = ("KERNEL_ENV_LLM_API_KEY", "OPENAI_API_KEY", "HF_TOKEN")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kernel_env.notebook import safe_path
+
+    if args.max_iterations < 1:
+        return _fail("run", "--max-iterations must be at least 1")
+    try:
+        context = _read_context(args.context)
+        stem = args.name or time.strftime("run-%Y%m%d-%H%M%S")
+        args.output.mkdir(parents=True, exist_ok=True)
+        notebook = safe_path(args.output, f"{stem}.ipynb")
+        trajectory = safe_path(args.output, f"{stem}.trajectory.jsonl")
+    except (OSError, ValueError) as exc:
+        return _fail("run", exc)
+    names = [args.api_key_env] if args.api_key_env else list(_KEY_VARIABLES)
+    key = next((os.environ[n] for n in names if os.environ.get(n)), None)
+    return asyncio.run(_run_episode(args, context, key, notebook, trajectory))
+
+
+def _read_context(source: str) -> str:
+    if source == "-":
+        return sys.stdin.read()
+    return Path(source).read_text(encoding="utf-8", errors="replace")
+
+
+async def _run_episode(
+    args: argparse.Namespace, context: str, key: str | None, notebook: Path, trajectory: Path
+) -> int:
+    from types import SimpleNamespace
+
+    from kernel_env.agent import run_agent
+    from kernel_env.client import AsyncKernelEnv
+    from kernel_env.environment import EnvConfig
+    from kernel_env.kernel.factory import describe_backend, kernel_source_from
+    from kernel_env.llm import OpenAIBackend, Usage
+
+    kernels = SimpleNamespace(
+        sandbox=args.sandbox,
+        gateway_url=args.gateway_url,
+        gateway_token=os.environ.get("KERNEL_ENV_GATEWAY_TOKEN") or None,
+        gateway_kernel_name=args.gateway_kernel_name,
+    )
+    root = OpenAIBackend(args.base_url, args.model, api_key=key)
+    sub = OpenAIBackend(args.base_url, args.sub_model or args.model, api_key=key)
+    config = EnvConfig(step_timeout=args.step_timeout, llm_max_calls=args.max_llm_calls,
+                       llm_max_tokens=args.max_llm_tokens)
+    env = AsyncKernelEnv(config=config, kernel_source=kernel_source_from(kernels),
+                         llm_backend=sub)
+    usage = Usage()
+    progress = _Progress(env, usage, args.max_iterations)
+    _say(f"{len(context):,} characters of context; root model {args.model} at {args.base_url}; "
+         f"{describe_backend(kernels)}")
+    outcome: Any = None
+    try:
+        heartbeat = asyncio.create_task(progress.heartbeat())
+        try:
+            outcome = await run_agent(
+                env, root, context=context, task=args.task, max_iterations=args.max_iterations,
+                time_limit=args.time_limit, usage=usage, on_iteration=progress.iteration,
+                trajectory_path=trajectory, expected_answer=args.expected_answer,
+            )
+        finally:
+            heartbeat.cancel()
+    except (KernelEnvError, OSError, ValueError) as exc:
+        _say(f"the run failed: {exc}")
+    finally:
+        exported = await _export_quietly(env, notebook)
+        await env.close()
+        await root.aclose()
+        await sub.aclose()
+    return _report(outcome, progress, exported, trajectory)
+
+
+async def _export_quietly(env: Any, notebook: Path) -> Path | None:
+    """The episode as a notebook, if there is one (a run that failed early has none)."""
+    try:
+        exported: Path = await env.export_notebook(notebook)
+    except (KernelEnvError, OSError, ValueError) as exc:
+        _say(f"no notebook written: {exc}")
+        return None
+    return exported
+
+
+def _report(outcome: Any, progress: _Progress, notebook: Path | None, trajectory: Path) -> int:
+    if outcome is not None:
+        reward = "" if outcome.reward is None else f", reward {outcome.reward:g}"
+        _say(f"stopped: {outcome.stop_reason} after {outcome.iterations} iteration(s), "
+             f"{outcome.elapsed:.1f} s{reward}; {progress.totals()}")
+        print(f"answer: {outcome.answer if outcome.answer is not None else '(none)'}")
+    if notebook is not None:
+        print(f"notebook: {notebook}")
+    if trajectory.exists():
+        print(f"trajectory: {trajectory}")
+    return 0 if outcome is not None and outcome.answer is not None else 1
+
+
+def _say(message: str) -> None:
+    print(f"kernel-env run: {message}", file=sys.stderr, flush=True)
+
+
+class _Progress:
+    """One line per iteration (and a heartbeat while one runs long), on stderr."""
+
+    HEARTBEAT = 15.0  # seconds without a line before "still working"
+
+    def __init__(self, env: Any, usage: Any, max_iterations: int) -> None:
+        self.env, self.usage, self.max_iterations = env, usage, max_iterations
+        self.started = time.monotonic()
+        self.last_line = self.started
+        self.index = 0
+        self.sub_usage: dict[str, Any] = {}
+
+    async def iteration(self, turn: Any) -> None:
+        self.index = turn.index
+        self.sub_usage = (await self.env.state()).llm_usage
+        cells = f"{len(turn.code_blocks)} cell(s)" if turn.kind == "turn" else "asked to answer"
+        done = f"; final answer: {_short(turn.final_answer)}" if turn.final_answer else ""
+        self._line(f"iteration {turn.index}/{self.max_iterations}: {cells}; {self.totals()}"
+                   f"; {turn.elapsed:.1f} s{done}")
+
+    def totals(self) -> str:
+        sub = self.sub_usage
+        return (f"root model {self.usage.calls} call(s) / {self.usage.total_tokens:,} tokens, "
+                f"sub-calls {sub.get('calls', 0)} / {sub.get('total_tokens', 0):,} tokens")
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            if now - self.last_line >= self.HEARTBEAT:
+                self._line(f"still working on iteration {self.index + 1} "
+                           f"({now - self.started:.0f} s elapsed)")
+
+    def _line(self, text: str) -> None:
+        self.last_line = time.monotonic()
+        _say(text)
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -20,7 +20,7 @@ from kernel_env.errors import ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.llm import LLMBackend
 from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
-from kernel_env.notebook import write_notebook
+from kernel_env.notebook import extract_export, write_notebook
 from kernel_env.rubric import Rewards
 
 if TYPE_CHECKING:
@@ -212,15 +212,28 @@ class AsyncKernelEnv:
     async def export_notebook(self, path: str | os.PathLike[str]) -> Path:
         """Write the current (or last) episode as a notebook at ``path``; returns the path.
 
-        A large ``context`` goes to a ``<name>.context.txt`` file next to it."""
+        A large ``context`` goes to a ``<name>.context.txt`` file next to it, and child
+        episodes of ``rlm_query`` to ``<name>.child-<step>-<n>.ipynb``. A remote episode is
+        downloaded from the server (``GET /sessions/{id}/export.zip``)."""
         target = Path(path)
+        if not target.name.endswith(".ipynb"):
+            target = target.with_name(target.name + ".ipynb")
         if self.environment is None:
-            raise NotImplementedError("notebook export of a remote episode: use the server's "
-                                      "GET /sessions/{id}/notebook")
+            await self._download_export(target)
+            return target.resolve()
         record = self.environment.record
         if record is None:
             raise ResetNeeded("no episode to export; call reset() first")
         return await asyncio.to_thread(write_notebook, record, target.parent, target.name)
+
+    async def _download_export(self, target: Path) -> None:
+        from kernel_env.remote import RemoteSession
+
+        session = await self._connect()
+        assert isinstance(session, RemoteSession)  # a client without an environment is remote
+        data = await session.export_zip(target.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(extract_export, data, target.parent)
 
     async def close(self) -> None:
         """End the episode and release its kernel (or connection); idempotent."""

@@ -8,9 +8,12 @@ timing, a readable summary of the step's LLM calls, and a closing cell with the 
 
 from __future__ import annotations
 
+import io
 import os
 import platform
 import re
+import tempfile
+import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,10 @@ __all__ = [
     "cells_match",
     "child_notebook_name",
     "episode_to_notebook",
+    "export_zip",
+    "extract_export",
     "normalize_outputs",
+    "notebook_name",
     "recorded_steps",
     "safe_path",
     "write_html",
@@ -311,18 +317,53 @@ def write_notebook(record: EpisodeRecord, directory: str | os.PathLike[str], nam
     return path
 
 
-def write_html(notebook_path: str | os.PathLike[str]) -> Path:
-    """An HTML page of a notebook, next to it, for sharing a rollout (needs the ``html`` extra:
-    nbconvert)."""
+def notebook_name(episode_id: str) -> str:
+    """A file name for an episode's notebook: its id, with anything unsafe replaced."""
+    stem = _SAFE_NAME.sub("_", episode_id).strip("._")[:120]
+    return f"{stem or 'episode'}.ipynb"
+
+
+def export_zip(record: EpisodeRecord, name: str) -> bytes:
+    """Everything :func:`write_notebook` writes (the notebook, its context sidecar, child
+    episodes' notebooks), as the bytes of a zip archive with the files at its top level."""
+    with tempfile.TemporaryDirectory(prefix="kernel-env-export-") as tmp:
+        write_notebook(record, tmp, name)
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+            for file in sorted(Path(tmp).iterdir()):
+                archive.write(file, file.name)
+        return buffer.getvalue()
+
+
+def extract_export(data: bytes, directory: str | os.PathLike[str]) -> list[Path]:
+    """Unpack an :func:`export_zip` archive into ``directory``; every member name must be a
+    plain file name inside it (B3: ``..``, absolute paths and the like are refused)."""
+    written = []
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        members = archive.infolist()
+        targets = [safe_path(directory, member.filename) for member in members]
+        for member, target in zip(members, targets, strict=True):
+            if target.parent != Path(directory).resolve():
+                raise ExportPathError(f"{member.filename!r} is not a plain file name")
+            target.write_bytes(archive.read(member))
+            written.append(target)
+    return written
+
+
+def write_html(
+    notebook_path: str | os.PathLike[str], target: str | os.PathLike[str] | None = None
+) -> Path:
+    """An HTML page of a notebook (at ``target``, default next to it with ``.html``), for
+    sharing a rollout (needs the ``html`` extra: nbconvert)."""
     try:
         from nbconvert import HTMLExporter
     except ImportError as exc:
         raise RuntimeError("HTML export needs nbconvert: pip install 'kernel-env[html]'") from exc
     source = Path(notebook_path)
     body, _ = HTMLExporter().from_notebook_node(nbformat.read(source, as_version=4))
-    target = source.with_suffix(".html")
-    target.write_text(body, encoding="utf-8")
-    return target
+    out = Path(target) if target is not None else source.with_suffix(".html")
+    out.write_text(body, encoding="utf-8")
+    return out
 
 
 # -- comparing a re-run with the record ------------------------------------------------------

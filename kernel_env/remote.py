@@ -14,6 +14,7 @@ import json
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
@@ -21,7 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from kernel_env.errors import RemoteError
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, StepResult
 
-__all__ = ["RemoteSession", "ws_url"]
+__all__ = ["RemoteSession", "http_url", "ws_url"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -40,12 +41,28 @@ def ws_url(base_url: str) -> str:
     return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
+def http_url(base_url: str) -> str:
+    """The server's HTTP root for any URL :func:`ws_url` accepts (``.../ws`` removed)."""
+    parts = urlsplit(ws_url(base_url))
+    scheme = "https" if parts.scheme == "wss" else "http"
+    return urlunsplit((scheme, parts.netloc, parts.path.removesuffix("/ws"), "", ""))
+
+
 class RemoteSession:
     """One connection = one server-side session. Use :meth:`connect` to create one."""
 
-    def __init__(self, ws: ClientConnection, *, message_timeout_s: float) -> None:
+    def __init__(
+        self,
+        ws: ClientConnection,
+        *,
+        message_timeout_s: float,
+        base_url: str | None = None,
+        token: str | None = None,
+    ) -> None:
         self._ws: ClientConnection | None = ws
         self._message_timeout = message_timeout_s
+        self._base_url = base_url
+        self._token = token
         self._lock = asyncio.Lock()  # one request in flight: replies carry no correlation id
         self.session_id: str | None = None
 
@@ -82,7 +99,7 @@ class RemoteSession:
             raise ConnectionError(f"cannot open {url}: HTTP {status}") from exc
         except (OSError, TimeoutError, WebSocketException) as exc:
             raise ConnectionError(f"cannot connect to {url}: {exc}") from exc
-        return cls(ws, message_timeout_s=message_timeout_s)
+        return cls(ws, message_timeout_s=message_timeout_s, base_url=base_url, token=token)
 
     async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
         reply = await self._request({"type": "reset", "data": kwargs}, "observation")
@@ -99,6 +116,26 @@ class RemoteSession:
     async def state(self) -> REPLState:
         reply = await self._request({"type": "state"}, "state")
         return _lenient(REPLState, reply)
+
+    async def export_zip(self, name: str) -> bytes:
+        """The episode's notebook (named ``name``), context file and child episodes as a zip,
+        from ``GET /sessions/{id}/export.zip``."""
+        if self.session_id is None or self._base_url is None:
+            raise RemoteError("no episode to export: call reset() first", code="NO_EPISODE")
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        url = f"{http_url(self._base_url)}/sessions/{self.session_id}/export.zip"
+        async with httpx.AsyncClient(timeout=self._message_timeout, trust_env=False) as http:
+            try:
+                response = await http.get(url, params={"name": name}, headers=headers)
+            except httpx.TransportError as exc:
+                raise ConnectionError(f"cannot fetch {url}: {exc}") from exc
+        if response.status_code != 200:
+            raise RemoteError(
+                f"notebook export failed: HTTP {response.status_code}: {response.text[:300]}",
+                code="EXPORT_FAILED",
+                data={"status": response.status_code},
+            )
+        return response.content
 
     async def close(self) -> None:
         """Tell the server to end the session and close the socket; idempotent."""

@@ -15,6 +15,7 @@ from typing import Any
 import nbformat
 
 from kernel_env.client import KernelEnv
+from kernel_env.environment import KernelSource
 from kernel_env.notebook import RECORDED_MAGIC, cells_match, recorded_steps
 
 __all__ = ["CellReport", "ReplayReport", "replay_notebook"]
@@ -73,14 +74,25 @@ def _context(nb: Any, path: Path) -> str:
     return str(meta.get("context") or "")
 
 
-def replay_notebook(path: str | Path, *, step_timeout: float = 30.0) -> ReplayReport:
-    """Run ``path``'s code cells as a fresh episode and compare each cell's outputs."""
+def replay_notebook(
+    path: str | Path,
+    *,
+    step_timeout: float = 30.0,
+    kernel_source: KernelSource | None = None,
+    on_cell: Callable[[CellReport], Any] | None = None,
+) -> ReplayReport:
+    """Run ``path``'s code cells as a fresh episode and compare each cell's outputs.
+
+    ``kernel_source``: where the kernel comes from (default: a local one, sandboxed where
+    available); ``on_cell`` is called with each cell's report as soon as it is known."""
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     meta = nb.metadata.get("kernel_env", {})
     steps = recorded_steps(nb)
     report = ReplayReport(str(path))
-    with KernelEnv(llm_query_fn=_recorded_llm(nb), step_timeout=step_timeout) as env:
+    with KernelEnv(
+        llm_query_fn=_recorded_llm(nb), step_timeout=step_timeout, kernel_source=kernel_source
+    ) as env:
         env.reset(
             context=_context(nb, path),
             task_prompt=str(meta.get("task_prompt") or ""),
@@ -101,4 +113,6 @@ def replay_notebook(path: str | Path, *, step_timeout: float = 30.0) -> ReplayRe
                 done = result.done
                 report.final_answer = result.observation.metadata.get("final_answer")
             report.cells.append(CellReport(index, verdict, head))
+            if on_cell is not None:
+                on_cell(report.cells[-1])
     return report

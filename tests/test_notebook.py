@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -85,10 +88,36 @@ def test_export_rerun_and_replay(tmp_path: Path, context: str) -> None:
     html = write_html(path)
     assert "Count the words." in html.read_text()
 
+    # `kernel-env replay`: the cells as a fresh episode, reported cell by cell.
+    replay = subprocess.run(
+        [sys.executable, "-m", "kernel_env", "replay", str(path), "--step-timeout", "10"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "all cells match: 7 match, 2 recorded" in replay.stdout
+    assert "final answer: 6" in replay.stdout
+    assert len(re.findall(r"^  cell +\d+  (match|recorded) ", replay.stdout, re.M)) == 9
+
+
+def test_replay_reports_a_mismatch(tmp_path: Path) -> None:
+    """A notebook whose recorded output differs from what its code prints: the replay says
+    which cell, and `kernel-env replay` exits 1."""
+    env = KernelEnv(step_timeout=5)
+    try:
+        env.reset(context="abc")
+        env.execute("print(len(context))")
+        env.execute("print('same')")
+        path = env.export_notebook(tmp_path / "edited.ipynb")
+    finally:
+        env.close()
+    nb = nbformat.read(path, as_version=4)
+    recorded_steps(nb)[0].outputs[0]["text"] = "4\n"  # the episode printed 3
+    nbformat.write(nb, path)
     report = replay_notebook(path, step_timeout=10)
-    assert report.all_match, report.cells
-    assert report.counts() == {"match": 7, "recorded": 2}
-    assert report.final_answer == "6"
+    assert [c.verdict for c in report.cells] == ["mismatch", "match"]
+    replay = subprocess.run([sys.executable, "-m", "kernel_env", "replay", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert replay.returncode == 1 and "MISMATCH: 1 match, 1 mismatch" in replay.stdout
 
 
 def test_live_llm_in_own_notebook(tmp_path: Path) -> None:

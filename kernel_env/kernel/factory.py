@@ -20,7 +20,13 @@ from kernel_env.kernel.gateway import GatewayConfig, GatewayKernel
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
 
-__all__ = ["BackendSettings", "gateway_source", "kernel_source_from", "local_source"]
+__all__ = [
+    "BackendSettings",
+    "describe_backend",
+    "gateway_source",
+    "kernel_source_from",
+    "local_source",
+]
 
 KernelSource = Callable[[], Awaitable[Kernel]]
 
@@ -104,3 +110,20 @@ def kernel_source_from(settings: BackendSettings | None = None) -> KernelSource:
         if value is not None and value != "":
             options[name] = value
     return gateway_source(GatewayConfig(**options))
+
+
+def describe_backend(settings: BackendSettings | None = None) -> str:
+    """Where :func:`kernel_source_from` would run kernels, in words (for a status line)."""
+    url = getattr(settings, "gateway_url", None) if settings is not None else None
+    if url:
+        name = getattr(settings, "gateway_kernel_name", None) or "python3"
+        return f"kernels on the gateway {url} (kernel spec {name!r})"
+    sandbox = getattr(settings, "sandbox", "auto") or "auto"
+    if sandbox == "none":
+        return "local kernels, NOT sandboxed (sandbox=none)"
+    problem = sandbox_problem()
+    if problem is None:
+        return "local kernels, sandboxed (bubblewrap)"
+    if sandbox == "bwrap":
+        return f"local kernels: the required sandbox is unavailable ({problem})"
+    return f"local kernels, NOT sandboxed: {problem}"

@@ -1,7 +1,8 @@
 """``create_app(settings)``: the FastAPI app of ``kernel-env serve``.
 
 OpenEnv's routes (``/health``, ``/metadata``, ``/schema``, ``/reset``, ``/step``, ``/state``,
-``/mcp``, ``WS /ws``) plus ``/metrics`` and session routes. Handlers are thin: sessions live in
+``/mcp``, ``WS /ws``) plus ``/metrics`` and session routes (close, and the episode as a
+notebook). Handlers are thin: sessions live in
 ``sessions``, frames in ``protocol``, and exceptions map to responses in one place
 (``_install_error_handlers``).
 
@@ -13,9 +14,11 @@ Unlike OpenEnv's stateless HTTP, ``/reset`` opens a *session*: its id comes back
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Request, Response, status
@@ -26,9 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kernel_env import __version__
 from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
-from kernel_env.kernel import Kernel, LocalKernel
+from kernel_env.kernel.factory import kernel_source_from
+from kernel_env.llm import LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
+from kernel_env.notebook import ExportPathError, export_zip, notebook_name, write_notebook
 from kernel_env.pool import KernelFactory, KernelPool
+from kernel_env.record import EpisodeRecord
+from kernel_env.recursion import BackendForToken
 from kernel_env.server import metrics, protocol
 from kernel_env.server.auth import BearerAuth, require_token
 from kernel_env.server.limits import BodyLimit
@@ -42,7 +49,13 @@ from kernel_env.server.sessions import (
 from kernel_env.server.settings import ServerSettings
 from kernel_env.server.websocket import websocket_endpoint
 
-__all__ = ["API_VERSION", "SESSION_HEADER", "Runtime", "create_app", "start_local_kernel"]
+__all__ = [
+    "API_VERSION",
+    "SESSION_HEADER",
+    "Runtime",
+    "create_app",
+    "llm_backend_from",
+]
 
 API_VERSION = "1.0.0"  # OpenEnv's HTTP standard profile "openenv-http/1.x"
 SESSION_HEADER = "X-Session-Id"
@@ -59,11 +72,27 @@ session.
 """
 
 
-async def start_local_kernel() -> Kernel:
-    """The default kernel factory: a local ipykernel over IPC, started and ready."""
-    kernel = LocalKernel()
-    await kernel.start()
-    return kernel
+def llm_backend_from(settings: ServerSettings) -> LLMBackend | None:
+    """The server's model for ``llm_query``, when ``llm_base_url`` is set."""
+    if not settings.llm_base_url or not settings.llm_model:
+        return None
+    return OpenAIBackend(settings.llm_base_url, settings.llm_model, api_key=settings.llm_api_key)
+
+
+def _token_backends(settings: ServerSettings) -> BackendForToken:
+    """A reset's ``hf_token`` -> that episode's backend: Hugging Face's router (or
+    ``hf_router_url``) with the token as key. The token lives in that backend only."""
+
+    def build(token: str, model: str | None) -> LLMBackend:
+        model = model or settings.llm_model
+        if not model:
+            raise ValueError("a reset with hf_token needs llm_model (or the server's "
+                             "llm_model setting) to name the model to call")
+        if settings.hf_router_url is None:
+            return huggingface_router(token, model)
+        return OpenAIBackend(settings.hf_router_url, model, api_key=token)
+
+    return build
 
 
 class Runtime:
@@ -72,13 +101,22 @@ class Runtime:
     def __init__(self, settings: ServerSettings, kernel_factory: KernelFactory) -> None:
         self.settings = settings
         self.pool = KernelPool(kernel_factory, size=settings.pool_size)
+        self.llm = llm_backend_from(settings)
         config = EnvConfig(
             step_timeout=settings.step_timeout,
             max_code_chars=settings.max_code_chars,
             max_context_chars=settings.max_context_chars,
+            llm_max_calls=settings.llm_max_calls,
+            llm_max_tokens=settings.llm_max_tokens,
         )
+        token_backends = _token_backends(settings)
         self.sessions = SessionManager(
-            lambda: KernelEnvironment(config, kernel_source=self.pool.acquire),
+            lambda: KernelEnvironment(
+                config,
+                kernel_source=self.pool.acquire,
+                llm_backend=self.llm,
+                backend_for_token=token_backends,
+            ),
             max_sessions=settings.max_sessions,
             idle_ttl=settings.idle_ttl,
         )
@@ -96,6 +134,8 @@ class Runtime:
     async def close(self) -> None:
         await self.sessions.close()
         await self.pool.close()
+        if self.llm is not None:
+            await self.llm.aclose()
 
 
 class StepRequest(BaseModel):
@@ -120,12 +160,14 @@ class StepResponse(BaseModel):
 def create_app(
     settings: ServerSettings | None = None, *, kernel_factory: KernelFactory | None = None
 ) -> FastAPI:
-    """The app. ``kernel_factory`` starts the kernels (default: local ipykernels)."""
+    """The app. ``kernel_factory`` starts the kernels (default: from the settings: local
+    kernels, sandboxed per ``settings.sandbox``, or a gateway's when ``gateway_url`` is set)."""
     settings = settings or ServerSettings()
+    factory = kernel_factory or kernel_source_from(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = Runtime(settings, kernel_factory or start_local_kernel)
+        runtime = Runtime(settings, factory)
         app.state.runtime = runtime
         await runtime.start()
         try:
@@ -264,10 +306,49 @@ def _add_episode_routes(app: FastAPI) -> None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     @app.get("/sessions/{session_id}/notebook", tags=["Sessions"], dependencies=auth,
-             summary="The session's episodes as .ipynb (not implemented yet)")
-    async def notebook(session_id: str) -> JSONResponse:
-        return JSONResponse({"detail": "notebook export is not implemented yet"},
-                            status_code=status.HTTP_501_NOT_IMPLEMENTED)
+             summary="The session's current (or last) episode as a Jupyter notebook",
+             description="A context larger than 10,000 characters is not inlined: the "
+             "notebook reads it from `<name>.context.txt` beside it, and child episodes are "
+             "separate notebooks; `GET /sessions/{id}/export.zip` has them all.",
+             response_class=Response,
+             responses={200: {"content": {NOTEBOOK_MEDIA_TYPE: {}}}})
+    async def notebook(request: Request, session_id: str) -> Response:
+        session = _runtime(request).sessions.get(session_id)
+        name, body = await session.export(_notebook_text)
+        return Response(body, media_type=NOTEBOOK_MEDIA_TYPE,
+                        headers=_attachment(name))
+
+    @app.get("/sessions/{session_id}/export.zip", tags=["Sessions"], dependencies=auth,
+             summary="The episode's notebook, context file and child episodes, zipped",
+             response_class=Response,
+             responses={200: {"content": {"application/zip": {}}}})
+    async def export(request: Request, session_id: str, name: str | None = None) -> Response:
+        """``name``: the notebook's file name in the archive (default: the episode id)."""
+        session = _runtime(request).sessions.get(session_id)
+        if name is not None and (not name or Path(name).name != name or name[0] == "."):
+            raise ExportPathError(f"name must be a plain file name, got {name!r}")
+
+        def archive(record: EpisodeRecord) -> bytes:
+            return export_zip(record, name or notebook_name(record.episode_id))
+
+        body = await session.export(archive)
+        return Response(body, media_type="application/zip",
+                        headers=_attachment("episode.zip"))
+
+
+NOTEBOOK_MEDIA_TYPE = "application/x-ipynb+json"
+
+
+def _notebook_text(record: EpisodeRecord) -> tuple[str, str]:
+    """The episode's notebook file name and text (written in a private temporary directory:
+    what a sidecar or child notebook would be is not sent here; export.zip has them)."""
+    name = notebook_name(record.episode_id)
+    with tempfile.TemporaryDirectory(prefix="kernel-env-export-") as tmp:
+        return name, write_notebook(record, tmp, name).read_text(encoding="utf-8")
+
+
+def _attachment(filename: str) -> dict[str, str]:
+    return {"Content-Disposition": f'attachment; filename="{filename}"'}
 
 
 def _require_session(runtime: Runtime, session_id: str | None) -> Session:

@@ -26,9 +26,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
 
 from kernel_env.environment import KernelEnvironment
-from kernel_env.errors import KernelEnvError
+from kernel_env.errors import KernelEnvError, ResetNeeded
 from kernel_env.kernel import Kernel
 from kernel_env.models import REPLAction, REPLObservation, REPLState
+from kernel_env.record import EpisodeRecord
 
 __all__ = [
     "CapacityReached",
@@ -131,6 +132,17 @@ class Session:
 
     async def step(self, action: REPLAction) -> REPLObservation:
         return await self._run(lambda: self.env.step(action))
+
+    async def export(self, export: Callable[[EpisodeRecord], T]) -> T:
+        """``export(record)`` of the current (or last) episode, in a thread, between steps."""
+
+        async def run() -> T:
+            record = self.env.record
+            if record is None:
+                raise ResetNeeded("no episode to export: call reset first")
+            return await asyncio.to_thread(export, record)
+
+        return await self._run(run)
 
     def state(self) -> REPLState:
         # Not serialized behind a running step: the state is a snapshot, read at once.

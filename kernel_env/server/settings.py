@@ -37,6 +37,19 @@ class ServerSettings:
     max_context_chars: int = 128 * _MiB  # reset(context=...)
     max_code_chars: int = 1 * _MiB  # one step's code
     log_level: str = "info"
+    # Where kernels run: local (sandboxed per `sandbox`), or on a Jupyter (Enterprise) Gateway.
+    sandbox: str = "auto"  # auto | bwrap | none
+    gateway_url: str | None = None
+    gateway_token: str | None = field(default=None, repr=False)
+    gateway_kernel_name: str | None = None  # None: the gateway's "python3"
+    # The model behind the kernels' llm_query (an OpenAI-compatible endpoint). A reset with an
+    # hf_token uses Hugging Face's router with that token for that episode instead.
+    llm_base_url: str | None = None
+    llm_model: str | None = None
+    llm_api_key: str | None = field(default=None, repr=False)
+    hf_router_url: str | None = None  # where hf_token episodes go; None: Hugging Face's router
+    llm_max_calls: int | None = None  # per-episode budget (children's calls included)
+    llm_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -48,8 +61,16 @@ class ServerSettings:
                      "max_context_chars", "max_code_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.token is not None and not self.token:
-            raise ValueError("token must not be empty (leave it unset to disable auth)")
+        for name in ("token", "gateway_token", "llm_api_key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must not be empty (leave it unset for none)")
+        if self.sandbox not in ("auto", "bwrap", "none"):
+            raise ValueError(f"sandbox must be auto, bwrap or none, got {self.sandbox!r}")
+        if self.llm_base_url and not self.llm_model:
+            raise ValueError("llm_base_url needs llm_model (the model name to request)")
+        for name in ("llm_max_calls", "llm_max_tokens"):
+            if (value := getattr(self, name)) is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
 
     @classmethod
     def from_env(
@@ -77,14 +98,17 @@ class ServerSettings:
 
 
 def _parse(name: str, type_name: str, raw: str) -> Any:
-    """A variable's text as the field's type; an unparseable value is an error, not ignored."""
+    """A variable's text as the field's type; an unparseable value is an error, not ignored.
+    An empty variable leaves an optional setting unset."""
+    optional = type_name.endswith("| None")
+    if optional and not raw.strip():
+        return None
+    base = type_name.removesuffix("| None").strip()
     try:
-        if type_name == "int":
+        if base == "int":
             return int(raw)
-        if type_name == "float":
+        if base == "float":
             return float(raw)
     except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}: expected {type_name}, got {raw!r}") from None
-    if name == "token":
-        return raw or None
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}: expected {base}, got {raw!r}") from None
     return raw
