@@ -239,7 +239,6 @@ def _download(url: str, session_id: str, target: Path) -> Path:
         raise ConnectionError(f"cannot reach {url}: {exc}") from None
     if response.status_code != 200:
         raise RemoteError(f"HTTP {response.status_code}: {_detail(response)}", code="EXPORT")
-    target.parent.mkdir(parents=True, exist_ok=True)
     extract_export(response.content, target.parent)
     return target
 

@@ -232,7 +232,6 @@ class AsyncKernelEnv:
         session = await self._connect()
         assert isinstance(session, RemoteSession)  # a client without an environment is remote
         data = await session.export_zip(target.name)
-        target.parent.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(extract_export, data, target.parent)
 
     async def close(self) -> None:

@@ -338,16 +338,17 @@ def export_zip(record: EpisodeRecord, name: str) -> bytes:
 def extract_export(data: bytes, directory: str | os.PathLike[str]) -> list[Path]:
     """Unpack an :func:`export_zip` archive into ``directory``; every member name must be a
     plain file name inside it (B3: ``..``, absolute paths and the like are refused)."""
-    written = []
+    root = Path(directory).resolve()
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         members = archive.infolist()
-        targets = [safe_path(directory, member.filename) for member in members]
+        targets = [safe_path(root, member.filename) for member in members]
         for member, target in zip(members, targets, strict=True):
-            if target.parent != Path(directory).resolve():
+            if target.parent != root:
                 raise ExportPathError(f"{member.filename!r} is not a plain file name")
+        root.mkdir(parents=True, exist_ok=True)
+        for member, target in zip(members, targets, strict=True):
             target.write_bytes(archive.read(member))
-            written.append(target)
-    return written
+    return targets
 
 
 def write_html(

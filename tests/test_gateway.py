@@ -20,6 +20,7 @@ import pytest
 from conftest import STEP_TIMEOUT
 from fastapi.testclient import TestClient
 from gateway import SECRET_VAR, GatewayProcess
+from serverkit import serve_process
 
 from kernel_env import KernelEnv, KernelError, check_env
 from kernel_env.errors import KernelStartError
@@ -235,14 +236,41 @@ def test_f12_gateway_killed_mid_step_then_back(tmp_path: Path) -> None:
 
 
 def test_server_episode_on_gateway_kernels(gateway: GatewayProcess) -> None:
-    """The server's pool and /ws run episodes on gateway kernels when given a gateway source."""
-    settings = ServerSettings(pool_size=1, max_sessions=2, step_timeout=10.0)
-    app = create_app(settings, kernel_factory=gateway_source(_config(gateway)))
-    with TestClient(app) as client, client.websocket_connect("/ws") as ws:
+    """Settings with a gateway URL: the server's pool and /ws run episodes on its kernels."""
+    settings = ServerSettings(pool_size=1, max_sessions=2, step_timeout=10.0,
+                              gateway_url=gateway.url, gateway_token=gateway.token,
+                              gateway_kernel_name="kernel_env")
+    with TestClient(create_app(settings)) as client, client.websocket_connect("/ws") as ws:
         ws.send_json({"type": "reset", "data": {"context": "Hello World"}})
         assert ws.receive_json()["type"] == "observation"
         ws.send_json({"type": "step", "data": {"code": "print(len(context))"}})
         assert ws.receive_json()["data"]["observation"]["result"]["stdout"] == "11\n"
+        ws.send_json({"type": "step", "data": {"code": PARENT}})
+        assert ws.receive_json()["data"]["observation"]["result"]["stdout"] == _pid(gateway)
+
+
+def test_serve_gateway_flags(gateway: GatewayProcess) -> None:
+    """`kernel-env serve --gateway-url ... --gateway-kernel-name ...` with the token from
+    KERNEL_ENV_GATEWAY_TOKEN: the status line names the gateway, episodes run there, and the
+    token is never logged."""
+    env = {**os.environ, "KERNEL_ENV_GATEWAY_TOKEN": gateway.token}
+    with serve_process("--gateway-url", gateway.url, "--gateway-kernel-name", "kernel_env",
+                       "--pool-size", "1", env=env) as server:
+        with KernelEnv(server.url) as client:
+            client.reset(context="abc")
+            assert client.execute("print(context[::-1])").observation.result.stdout == "cba\n"
+            assert client.execute(PARENT).observation.result.stdout == _pid(gateway)
+        log = server.log.read_text(errors="replace")
+    assert f"kernels on the gateway {gateway.url} (kernel spec 'kernel_env')" in log
+    assert gateway.token not in log
+
+
+PARENT = "import os; print(os.getppid())"  # a gateway kernel is the gateway's child
+
+
+def _pid(gw: GatewayProcess) -> str:
+    assert gw.process is not None
+    return f"{gw.process.pid}\n"
 
 
 # -- pure ------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from serverkit import make_client, serve_process
 
 from kernel_env import KernelEnv
 from kernel_env.kernel import Kernel, LocalKernel
@@ -197,3 +198,27 @@ async def test_churn_leaves_nothing_behind(tmp_path: Path) -> None:
     assert len(os.listdir("/proc/self/fd")) <= baseline
     cgroups = Path("/sys/fs/cgroup/pids/kernel_env")
     assert not cgroups.exists() or [p for p in cgroups.iterdir() if p.is_dir()] == []
+
+
+UID = "import os; print(os.getuid())"
+
+
+def _served_uid(**settings: object) -> str:
+    with make_client(**settings) as client, client.websocket_connect("/ws") as ws:
+        ws.send_json({"type": "reset", "data": {"context": "x"}})
+        assert ws.receive_json()["type"] == "observation"
+        ws.send_json({"type": "step", "data": {"code": UID}})
+        return str(ws.receive_json()["data"]["observation"]["result"]["stdout"])
+
+
+def test_served_kernels_are_sandboxed_by_default() -> None:
+    """The server's kernels run in the sandbox (as nobody) unless sandbox="none" is asked."""
+    assert _served_uid() == "65534\n"
+    assert _served_uid(sandbox="none") == f"{os.getuid()}\n"
+
+
+def test_serve_says_whether_kernels_are_sandboxed() -> None:
+    for args, status in [((), "local kernels, sandboxed (bubblewrap)"),
+                         (("--sandbox", "none"), "local kernels, NOT sandboxed (sandbox=none)")]:
+        with serve_process(*args, "--pool-size", "0") as server:
+            assert status in server.log.read_text(), server.log.read_text()

@@ -197,11 +197,6 @@ def test_closed_session_answers_410(client: TestClient) -> None:
     assert client.delete("/sessions/never-existed").status_code == 404
 
 
-def test_notebook_route_is_reserved(client: TestClient, session: str) -> None:
-    """GET /sessions/{id}/notebook exists and answers 501 for now."""
-    assert client.get(f"/sessions/{session}/notebook").status_code == 501
-
-
 def test_metrics_count_sessions_and_steps(client: TestClient, session: str) -> None:
     """GET /metrics reports sessions, kernels, pool and step counters."""
     client.post("/step", json={"action": {"code": "print('x' * 20000)"}}, headers=h(session))

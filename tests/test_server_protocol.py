@@ -126,12 +126,12 @@ def test_mcp_response_is_always_json_rpc(payload: object, code: int) -> None:
 def test_settings_read_env_but_explicit_arguments_win() -> None:
     """KERNEL_ENV_* fill unset settings; an explicit argument always wins."""
     env = {"KERNEL_ENV_POOL_SIZE": "7", "KERNEL_ENV_STEP_TIMEOUT": "12.5",
-           "KERNEL_ENV_TOKEN": "tok", "KERNEL_ENV_PORT": "9000"}
+           "KERNEL_ENV_TOKEN": "tok-7f3a", "KERNEL_ENV_PORT": "9000"}
     settings = ServerSettings.from_env(env, port=8123, pool_size=None)
     assert settings.port == 8123
     assert settings.pool_size == 7 and settings.step_timeout == 12.5
-    assert settings.token == "tok"
-    assert "tok" not in repr(settings)
+    assert settings.token == "tok-7f3a"
+    assert "tok-7f3a" not in repr(settings)
 
 
 def test_settings_reject_bad_values() -> None:
@@ -142,6 +142,27 @@ def test_settings_reject_bad_values() -> None:
         ServerSettings(step_timeout=0)
     with pytest.raises(TypeError):
         ServerSettings.from_env({}, no_such_setting=1)
+
+
+def test_backend_and_llm_settings_from_env() -> None:
+    """Gateway, sandbox and LLM settings read KERNEL_ENV_*; an empty variable means unset;
+    secrets stay out of repr."""
+    env = {"KERNEL_ENV_GATEWAY_URL": "http://gw:8888", "KERNEL_ENV_GATEWAY_TOKEN": "gw-secret",
+           "KERNEL_ENV_GATEWAY_KERNEL_NAME": "", "KERNEL_ENV_SANDBOX": "none",
+           "KERNEL_ENV_LLM_BASE_URL": "http://llm/v1", "KERNEL_ENV_LLM_MODEL": "m",
+           "KERNEL_ENV_LLM_API_KEY": "sk-secret", "KERNEL_ENV_LLM_MAX_CALLS": "50",
+           "KERNEL_ENV_LLM_MAX_TOKENS": ""}
+    settings = ServerSettings.from_env(env)
+    assert (settings.gateway_url, settings.gateway_token) == ("http://gw:8888", "gw-secret")
+    assert settings.gateway_kernel_name is None and settings.llm_max_tokens is None
+    assert (settings.sandbox, settings.llm_model, settings.llm_max_calls) == ("none", "m", 50)
+    assert "gw-secret" not in repr(settings) and "sk-secret" not in repr(settings)
+    with pytest.raises(ValueError, match="sandbox"):
+        ServerSettings(sandbox="chroot")
+    with pytest.raises(ValueError, match="llm_model"):
+        ServerSettings(llm_base_url="http://llm/v1")
+    with pytest.raises(ValueError, match="KERNEL_ENV_LLM_MAX_CALLS"):
+        ServerSettings.from_env({"KERNEL_ENV_LLM_MAX_CALLS": "lots"})
 
 
 def test_default_step_timeout_is_below_the_client_wait() -> None:

@@ -1,0 +1,103 @@
+"""The server's model: llm_query in served kernels reaches the configured OpenAI-compatible
+endpoint, and a reset's hf_token reaches only that episode's backend (S1 over the server)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+from fake_openai import FakeOpenAI
+from serverkit import serve_process, small_settings, thread_server
+
+from kernel_env import KernelEnv
+from kernel_env.errors import RemoteError
+
+HF_TOKEN = "hf_episode_secret_4242"
+API_KEY = "sk-server-secret-1717"
+
+# Searches the kernel for the token, which it builds from its reverse (so that neither the
+# code nor, after the `del`, the namespace holds it).
+SNOOP = r"""
+import glob, os
+SECRET = REVERSED[::-1]
+hits = [k for k, v in os.environ.items() if SECRET in v or SECRET in k]
+for path in glob.glob('/proc/*/environ') + glob.glob('/tmp/**', recursive=True):
+    try:
+        if SECRET.encode() in open(path, 'rb').read():
+            hits.append(path)
+    except OSError:
+        pass
+print('hits:', hits)
+del SECRET
+"""
+
+
+def test_llm_query_uses_the_servers_model() -> None:
+    with FakeOpenAI(lambda body: f"{body['model']} says hi") as fake:
+        settings = small_settings(llm_base_url=fake.url, llm_model="served-model",
+                                  llm_api_key=API_KEY)
+        with thread_server(settings) as url, KernelEnv(url) as env:
+            env.reset(context="x")
+            out = env.execute("print(llm_query('hello'))").observation.result
+            assert out.stdout == "served-model says hi\n", out
+            usage = env.state().llm_usage
+    assert usage["calls"] == 1 and usage["total_tokens"] > 0
+    assert fake.requests[0].headers["authorization"] == f"Bearer {API_KEY}"
+    assert "hello" in json.dumps(fake.requests[0].body)
+
+
+def test_hf_token_reaches_only_its_backend(tmp_path: Path) -> None:
+    """S1: the token authorizes the episode's calls and appears nowhere else: not in the
+    kernel (environment, /proc, files), observations, state, the notebook, or server logs."""
+    with FakeOpenAI(lambda body: "router answer") as fake:
+        env_vars = {**os.environ, "KERNEL_ENV_HF_ROUTER_URL": fake.url}
+        with serve_process("--log-level", "debug", env=env_vars) as server:
+            with KernelEnv(server.url) as env:
+                first = env.reset(context="x", hf_token=HF_TOKEN, llm_model="org/model")
+                seen = [first.observation.model_dump_json()]
+                for code in [f"REVERSED = {HF_TOKEN[::-1]!r}", SNOOP, "print(llm_query('q'))"]:
+                    seen.append(env.execute(code).observation.model_dump_json())
+                assert '"stdout":"hits: []\\n"' in seen[2], seen[2]
+                assert '"stdout":"router answer\\n"' in seen[3], seen[3]
+                seen.append(env.state().model_dump_json())
+                notebook = env.export_notebook(tmp_path / "episode.ipynb")
+            log = server.log.read_text(errors="replace")
+    request = fake.requests[0]
+    assert request.headers["authorization"] == f"Bearer {HF_TOKEN}"
+    assert request.body["model"] == "org/model"
+    exported = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert notebook.exists() and "router answer" in exported
+    for place, text in [("observations/state", "".join(seen)), ("export", exported),
+                        ("server log", log)]:
+        assert HF_TOKEN not in text, place
+
+
+def test_hf_token_without_a_model_is_a_clear_error() -> None:
+    with thread_server(small_settings()) as url, KernelEnv(url) as env:
+        try:
+            env.reset(context="x", hf_token=HF_TOKEN)
+        except RemoteError as exc:
+            assert "llm_model" in str(exc) and HF_TOKEN not in str(exc)
+        else:
+            raise AssertionError("a reset with hf_token and no model must fail")
+        env.reset(context="y")  # the session is still usable
+        assert env.execute("print(context)").observation.result.stdout == "y\n"
+
+
+def test_served_llm_settings_come_from_the_environment() -> None:
+    """KERNEL_ENV_LLM_* configure `kernel-env serve`; the status line names the model and
+    never the key."""
+    with FakeOpenAI(lambda body: "ok") as fake:
+        env_vars = {**os.environ, "KERNEL_ENV_LLM_BASE_URL": fake.url,
+                    "KERNEL_ENV_LLM_MODEL": "env-model", "KERNEL_ENV_LLM_API_KEY": API_KEY}
+        with serve_process(env=env_vars) as server:
+            with KernelEnv(server.url) as env:
+                env.reset(context="x")
+                assert env.execute("llm_query('a')").observation.result.stdout == "'ok'\n"
+            log = server.log.read_text(errors="replace")
+            assert httpx.get(f"{server.url}/health").status_code == 200
+    assert f"llm_query -> env-model at {fake.url}" in log
+    assert API_KEY not in log
+    assert fake.requests[0].body["model"] == "env-model"
