@@ -1,7 +1,7 @@
 # kernel_env — the targets the README and CI call.
 #   make serve   install what is needed, then run the server (kernel-env serve)
 #   make test    install what is needed, then run the test suite
-#   make bench   run the benchmarks (prints a table)
+#   make bench   run the server benchmarks (prints a table); benchmarks/README.md has the rest
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -48,7 +48,11 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check kernel_env tests benchmarks
 	$(BIN)/mypy kernel_env
 
-bench: $(VENV)/.installed-dev
+$(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-dev
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/bench_server.py
 
 clean:
