@@ -148,6 +148,7 @@ class HostCalls:
         """A user's batch function answers the whole batch; each prompt counts as one call."""
         for _ in prompts:
             self.usage.start(self.budget)  # refuses the batch when it would not fit
+        assert self.batch_fn is not None  # only called when the user gave one
         t0 = time.perf_counter()
         responses = [str(r) for r in await _call(self.batch_fn, prompts)]
         if len(responses) != len(prompts):
@@ -178,7 +179,7 @@ def _parse(text: str) -> tuple[str, dict[str, Any]]:
     op = request["op"]
     if op.endswith("_batched"):
         prompts = args.get("prompts")
-        if not _strings(prompts) or len(prompts) > MAX_BATCH:
+        if not isinstance(prompts, list) or not _strings(prompts) or len(prompts) > MAX_BATCH:
             raise RequestError(f"prompts must be a list of at most {MAX_BATCH} strings")
         return op, {"prompts": list(prompts), "model": model}
     if not isinstance(args.get("prompt"), str):

@@ -347,7 +347,7 @@ _NO_INPUT = (
 )
 
 
-def _no_input(prompt: str = "") -> str:
+def _no_input(prompt: object = "") -> str:
     __tracebackhide__ = True  # IPython leaves this frame out of the traceback
     raise EOFError(_NO_INPUT.format("input()"))
 

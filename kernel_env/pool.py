@@ -151,7 +151,7 @@ class KernelPool:
         finally:
             # The slot is free only now, after the kernel is placed or shut down: close()
             # waits for the tasks in _starts, so none may be running a shutdown unseen.
-            self._starts.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._starts.discard(asyncio.current_task())
             self._need.set()
 
     async def _start_and_place(self) -> None:
