@@ -114,6 +114,26 @@ def test_s1_no_secrets_visible(monkeypatch, senv: KernelEnv) -> None:
         assert secret not in res.stdout
 
 
+def test_s1_server_users_files_are_hidden(senv: KernelEnv) -> None:
+    """The kernel's file access is checked against the server's uid (the user namespace maps
+    to it), so the server user's home and the password hashes are hidden from it."""
+    secret = Path.home() / f".kernel-env-test-secret-{os.getpid()}"
+    secret.write_text("server-user-private")
+    secret.chmod(0o600)
+    try:
+        senv.reset()
+        res = senv.execute(
+            "import os\n"
+            "try: shadow = repr(open('/etc/shadow').read())\n"
+            "except OSError: shadow = 'blocked'\n"
+            f"print(os.path.exists({str(secret)!r}), shadow in ('blocked', repr('')))\n"
+            "import kernel_env, sys; print('interpreter ok')"
+        ).observation.result
+    finally:
+        secret.unlink()
+    assert res.stdout == "False True\ninterpreter ok\n", res
+
+
 def test_s2_episodes_cannot_reach_each_other() -> None:
     """S2: from episode A, B's processes, connection file and sockets are out of reach."""
     with sandboxed() as a, sandboxed() as b:
@@ -174,6 +194,8 @@ def test_workspace_quota(tmp_path: Path) -> None:
     assert "quota" in res.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~2 min alone; a loaded 2-core machine takes longer
 async def test_churn_leaves_nothing_behind(tmp_path: Path) -> None:
     """200 reset/close cycles: no kernel process, runtime file, cgroup or fd is left over."""
     from kernel_env import AsyncKernelEnv

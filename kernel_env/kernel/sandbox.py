@@ -39,10 +39,12 @@ _NOBODY = "65534"
 GiB = 1024**3
 
 # Credentials that commonly sit in the (otherwise readable) host filesystem: masked inside.
-_SENSITIVE = (
-    "~/.ssh", "~/.aws", "~/.config", "~/.docker", "~/.kube", "~/.netrc", "~/.git-credentials",
-    "~/.cache/huggingface", "~/.huggingface", "~/.pypirc", "~/.bash_history", "/home",
-)  # fmt: skip
+# Inside the sandbox the kernel's files are checked against the server's own uid (the user
+# namespace maps "nobody" inside to it), so what that user can read, the kernel could read too.
+# Hidden: every home directory (credentials, shell history, other projects) and the password
+# hashes; what the interpreter needs from a hidden directory is bound back read-only.
+_HIDDEN_DIRS = ("/tmp", "~", "/root", "/home")
+_HIDDEN_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/sudoers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,13 +141,12 @@ class SandboxedKernel(LocalKernel):
             "--dev", "/dev",
             "--proc", "/proc",  # this namespace's processes only
             "--size", size, "--tmpfs", "/tmp",  # hides every other kernel's runtime dir
-            *_keep_visible(),  # the interpreter and packages, when they live under /tmp
+            *_hide(),  # homes and password hashes
+            *_keep_visible(),  # the interpreter and packages, if they live in a hidden place
             "--bind", runtime, runtime,  # the connection file and IPC sockets
             "--size", size, "--tmpfs", work,  # the capped, private workspace
             "--chdir", work,
         ]  # fmt: skip
-        for path in _SENSITIVE:
-            args += _mask(os.path.expanduser(path))
         for path in self.limits.extra_ro_binds:
             args += ["--ro-bind", path, path]
         return [*args, "--"]
@@ -205,9 +206,23 @@ class SandboxedKernel(LocalKernel):
             await asyncio.to_thread(_empty_and_remove, cgroup)
 
 
+def _hidden_dirs() -> list[str]:
+    dirs = {os.path.realpath(os.path.expanduser(d)) for d in _HIDDEN_DIRS}
+    return sorted(d for d in dirs if d != "/" and os.path.isdir(d))
+
+
+def _hide() -> list[str]:
+    """tmpfs over the hidden directories (/tmp is already one) and /dev/null over the files."""
+    args = [a for d in _hidden_dirs() if d != "/tmp" for a in ("--tmpfs", d)]
+    for file in _HIDDEN_FILES:
+        if os.path.exists(file):
+            args += ["--ro-bind", "/dev/null", file]
+    return args
+
+
 def _keep_visible() -> list[str]:
-    """Read-only binds for what the kernel needs from under /tmp (a virtualenv or a checkout
-    there), which the private /tmp would otherwise hide."""
+    """Read-only binds for what the kernel needs from a hidden directory (an interpreter under
+    ~/.pyenv, a virtualenv or a checkout in /tmp or a home), which would otherwise vanish."""
     import sys
 
     import kernel_env
@@ -219,24 +234,17 @@ def _keep_visible() -> list[str]:
         str(Path(kernel_env.__file__).resolve().parent.parent),
         *sys.path,
     }
+    hidden = _hidden_dirs()
     tops = sorted(
         p
         for p in {os.path.realpath(p) for p in needed if p}
-        if p.startswith("/tmp/") and os.path.exists(p)
+        if any(p.startswith(d + "/") for d in hidden) and os.path.exists(p)
     )
     kept: list[str] = []
     for path in tops:
         if not any(path.startswith(k + "/") for k in kept):  # a parent is already bound
             kept.append(path)
     return [arg for path in kept for arg in ("--ro-bind", path, path)]
-
-
-def _mask(path: str) -> list[str]:
-    if os.path.isdir(path):
-        return ["--tmpfs", path]
-    if os.path.exists(path):
-        return ["--ro-bind", "/dev/null", path]
-    return []
 
 
 def _empty_and_remove(cgroup: Path, attempts: int = 50) -> None:
