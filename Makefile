@@ -45,7 +45,7 @@ test: $(VENV)/.installed-dev system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check kernel_env tests benchmarks
+	$(BIN)/ruff check kernel_env tests benchmarks examples
 	$(BIN)/mypy kernel_env
 
 $(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-dev

@@ -41,6 +41,7 @@ __all__ = [
     "format_observation",
     "run_agent",
     "text_final",
+    "turn_feedback",
 ]
 
 StopReason = Literal["final", "max_iterations", "time_limit", "budget", "env_limit"]

@@ -224,6 +224,7 @@ class AsyncKernelEnv:
         record = self.environment.record
         if record is None:
             raise ResetNeeded("no episode to export; call reset() first")
+        target.parent.mkdir(parents=True, exist_ok=True)
         return await asyncio.to_thread(write_notebook, record, target.parent, target.name)
 
     async def _download_export(self, target: Path) -> None:
