@@ -474,9 +474,12 @@ def _pre_run_cell(info: Any = None) -> None:
         return
     _episode.restore_helpers()
     _install_streams(_episode)
-    # ipykernel rebinds input/getpass to the frontend before each cell; take them back.
-    builtins.input = _no_input
-    getpass.getpass = _no_getpass
+    if _episode.hosted:
+        # An episode's host answers only its own stdin requests: ipykernel rebinds input and
+        # getpass to the frontend before each cell; take them back. (In a user's own notebook
+        # input() keeps working.)
+        builtins.input = _no_input
+        getpass.getpass = _no_getpass
 
 
 def state() -> _JSONState:

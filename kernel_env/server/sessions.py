@@ -224,6 +224,7 @@ class SessionManager:
         self.opened_total = 0
         self.reaped_total = 0
         self.closed_counters = Counters()
+        self._shutting: set[Session] = set()  # removed from _sessions, kernel still closing
 
     @property
     def active(self) -> int:
@@ -288,6 +289,7 @@ class SessionManager:
             session.closed = error or SessionClosed("the session was closed")
         if self._sessions.pop(session.id, None) is None:
             return
+        self._shutting.add(session)  # counted in counters() until its own are added below
         self._gone[session.id] = session.closed
         while len(self._gone) > _REMEMBER_GONE:
             self._gone.popitem(last=False)
@@ -307,6 +309,7 @@ class SessionManager:
         if kernel is not None and session.env.kernel is None:
             session.done_kernels.add(_kernel_counters(kernel))
         self.closed_counters.add(session.counters())
+        self._shutting.discard(session)
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, give in-flight ones ``timeout`` s to answer, cancel the rest
@@ -339,7 +342,7 @@ class SessionManager:
     def counters(self) -> Counters:
         total = Counters()
         total.add(self.closed_counters)
-        for session in self.sessions():
+        for session in [*self.sessions(), *self._shutting]:
             total.add(session.counters())
         return total
 
