@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serverkit import make_client, serve_process
+from serverkit import make_client, serve_process, wait_until
 
 from kernel_env import KernelEnv
 from kernel_env.kernel import Kernel, LocalKernel
-from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
+from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, launch_guard, sandbox_problem
 
 pytestmark = pytest.mark.skipif(
     sandbox_problem() is not None, reason=f"sandbox unavailable: {sandbox_problem()}"
@@ -220,6 +222,35 @@ async def test_churn_leaves_nothing_behind(tmp_path: Path) -> None:
     assert len(os.listdir("/proc/self/fd")) <= baseline
     cgroups = Path("/sys/fs/cgroup/pids/kernel_env")
     assert not cgroups.exists() or [p for p in cgroups.iterdir() if p.is_dir()] == []
+
+
+def test_launch_guard_ties_the_kernel_to_its_parent() -> None:
+    """A parent killed right after starting a kernel's command takes that command with it
+    (bwrap's own --die-with-parent comes too late for a kill in its first milliseconds), and
+    a command whose parent is not the expected one does not start."""
+    script = (
+        "import os, signal, subprocess, sys\n"
+        "from kernel_env.kernel.sandbox import launch_guard\n"
+        "child = subprocess.Popen([*launch_guard(), 'sleep', '60'])\n"
+        "print(child.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60)
+    child = int(parent.stdout)
+    gone = wait_until(lambda: not _running(child), timeout=10)
+    assert gone, f"pid {child} outlived its parent"
+    wrong = subprocess.run([*launch_guard(parent=1), "echo", "started"], capture_output=True,
+                           text=True, timeout=10)
+    assert wrong.returncode != 0 and "started" not in wrong.stdout
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's reaping is left
 
 
 UID = "import os; print(os.getuid())"

@@ -30,7 +30,7 @@ from jupyter_client.kernelspec import KernelSpec
 
 from kernel_env.kernel.local import LocalKernel
 
-__all__ = ["SandboxLimits", "SandboxedKernel", "sandbox_problem"]
+__all__ = ["SandboxLimits", "SandboxedKernel", "launch_guard", "sandbox_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class SandboxedKernel(LocalKernel):
         # bwrap's reaper, pid 1, which the kernel app treats as "no parent to watch".
         # --die-with-parent ends the sandbox with the server instead.
         kernel = [*self._argv, "--IPKernelApp.parent_handle=1"]
-        return [*self._cgroup_prefix(), *self._prlimit(), *self._bwrap(), *kernel]
+        cgroup = self._cgroup if self.limits.processes is not None else None
+        return [*launch_guard(cgroup), *self._prlimit(), *self._bwrap(), *kernel]
 
     def _bwrap(self) -> list[str]:
         runtime, work = str(self.runtime_dir), str(self.workdir)
@@ -161,13 +162,6 @@ class SandboxedKernel(LocalKernel):
         ]
         args = [f"{flag}={value}" for flag, value in pairs if value is not None]
         return [shutil.which("prlimit") or "prlimit", *args, "--"] if args else []
-
-    def _cgroup_prefix(self) -> list[str]:
-        """A shell that moves itself into the kernel's pids cgroup, then execs the rest."""
-        if self.limits.processes is None or self._cgroup is None:
-            return []
-        procs = self._cgroup / "cgroup.procs"
-        return ["/bin/sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "kernel-env-cgroup"]
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -204,6 +198,26 @@ class SandboxedKernel(LocalKernel):
         cgroup, self._cgroup = self._cgroup, None
         if cgroup is not None:
             await asyncio.to_thread(_empty_and_remove, cgroup)
+
+
+def launch_guard(cgroup: Path | None = None, parent: int | None = None) -> list[str]:
+    """A prefix for the kernel's command that ties it to this process (``parent``).
+
+    bwrap's ``--die-with-parent`` only takes effect once bwrap runs: a server killed in the
+    milliseconds before would leave the kernel behind. So ``setpriv`` asks for SIGKILL on the
+    parent's death first, then a shell checks that the parent is still this process (and joins
+    the kernel's pids cgroup), then execs the rest."""
+    steps = []
+    setpriv = shutil.which("setpriv")
+    prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+    if setpriv:
+        steps.append(f'[ "$PPID" = "{parent or os.getpid()}" ]')
+    if cgroup is not None:
+        steps.append(f'echo $$ > "{cgroup / "cgroup.procs"}"')
+    if not steps:
+        return []
+    script = " && ".join([*steps, 'exec "$@"'])
+    return [*prefix, "/bin/sh", "-c", script, "kernel-env-launch"]
 
 
 def _hidden_dirs() -> list[str]:
