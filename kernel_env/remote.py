@@ -60,7 +60,7 @@ class RemoteSession:
         token: str | None = None,
     ) -> None:
         self._ws: ClientConnection | None = ws
-        self._message_timeout = message_timeout_s
+        self.message_timeout_s = message_timeout_s  # how long a request waits for its reply
         self._base_url = base_url
         self._token = token
         self._lock = asyncio.Lock()  # one request in flight: replies carry no correlation id
@@ -124,7 +124,7 @@ class RemoteSession:
             raise RemoteError("no episode to export: call reset() first", code="NO_EPISODE")
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         url = f"{http_url(self._base_url)}/sessions/{self.session_id}/export.zip"
-        async with httpx.AsyncClient(timeout=self._message_timeout, trust_env=False) as http:
+        async with httpx.AsyncClient(timeout=self.message_timeout_s, trust_env=False) as http:
             try:
                 response = await http.get(url, params={"name": name}, headers=headers)
             except httpx.TransportError as exc:
@@ -154,12 +154,12 @@ class RemoteSession:
                 raise RemoteError("the connection is closed", code="CONNECTION_CLOSED")
             try:
                 await ws.send(json.dumps(frame))
-                raw: str | bytes = await asyncio.wait_for(ws.recv(), self._message_timeout)
+                raw: str | bytes = await asyncio.wait_for(ws.recv(), self.message_timeout_s)
             except TimeoutError:
                 # The reply may still come, and would answer the *next* request: drop the socket.
                 await self._abandon()
                 raise RemoteError(
-                    f"no reply within {self._message_timeout:g} s; the connection was closed",
+                    f"no reply within {self.message_timeout_s:g} s; the connection was closed",
                     code="TIMEOUT",
                 ) from None
             except ConnectionClosed as exc:

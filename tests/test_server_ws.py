@@ -238,7 +238,10 @@ def test_factory_error_when_no_kernel_can_start() -> None:
 
 def test_idle_session_is_reaped_and_answers_session_expired() -> None:
     """F13: an idle session is reaped, its kernel killed; later calls get "session expired"."""
-    with make_client(pool_size=0, idle_ttl=0.5) as c, c.websocket_connect("/ws") as ws:
+    # Unsandboxed: the test watches the kernel's own pid (a sandboxed kernel sees its own pid
+    # namespace); the sandbox's teardown has its own tests.
+    with make_client(pool_size=0, idle_ttl=0.5, sandbox="none") as c, \
+            c.websocket_connect("/ws") as ws:
         ask(ws, {"type": "reset"})
         pid = int(
             ask(ws, {"type": "step", "data": {"code": "import os; print(os.getpid())"}})["data"][
