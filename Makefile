@@ -57,3 +57,9 @@ bench: $(VENV)/.installed-bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist *.egg-info
+
+# Build the Docker image with no network and run episodes in it (scripts/docker-smoke.sh);
+# exits 77 with a "SKIP:" line where Docker itself cannot run.
+.PHONY: docker-smoke
+docker-smoke: $(VENV)/.installed-dev
+	PYTHON=$(abspath $(BIN)/python) bash scripts/docker-smoke.sh

@@ -392,3 +392,16 @@ def test_fuzzed_bodies_never_get_5xx(client: TestClient, session: str) -> None:
             assert response.status_code < 500, (path, body[:200], response.text[:300])
     assert client.get("/health").status_code == 200
     assert statuses.get(422, 0) > 100  # most fuzz is invalid, and said so
+
+
+def test_module_level_app_for_asgi_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`uvicorn kernel_env.server.app:app` (and openenv.yaml) get an app configured from the
+    KERNEL_ENV_* variables."""
+    import kernel_env.server.app as module
+
+    monkeypatch.setattr(module, "_APP", [])
+    monkeypatch.setenv("KERNEL_ENV_POOL_SIZE", "0")
+    monkeypatch.setenv("KERNEL_ENV_MAX_SESSIONS", "3")
+    with TestClient(module.app) as c:
+        assert c.get("/health").json() == {"status": "healthy"}
+        assert c.get("/metrics").json()["max_sessions"] == 3

@@ -81,6 +81,13 @@ def sandbox_problem() -> str | None:
         "--gid",
         _NOBODY,
         "--die-with-parent",
+        # What every kernel's launch mounts: a container may allow namespaces but not these.
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/tmp",
         "true",
     ]
     try:

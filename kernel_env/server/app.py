@@ -414,3 +414,16 @@ def _install_error_handlers(app: FastAPI) -> None:
         (KernelError, kernel),
     ]:
         app.add_exception_handler(exc_type, handler)
+
+
+_APP: list[FastAPI] = []
+
+
+def __getattr__(name: str) -> Any:
+    """``kernel_env.server.app:app``, for ASGI servers and OpenEnv's manifest: an app with
+    settings from the ``KERNEL_ENV_*`` variables, built on first use."""
+    if name == "app":
+        if not _APP:
+            _APP.append(create_app(ServerSettings.from_env()))
+        return _APP[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,185 @@
+"""The client half of scripts/docker-smoke.sh: talks to a kernel-env container from the host.
+
+    python scripts/docker_smoke_client.py health URL [--since T]     wait for GET /health
+    python scripts/docker_smoke_client.py episode URL [--sandboxed]  one episode + its notebook
+    python scripts/docker_smoke_client.py from-image IMAGE           the same, via from_docker_image
+
+``episode`` sends the server's bearer token from ``KERNEL_ENV_TOKEN`` when it is set (never on
+the command line). Each command prints one line of facts and exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kernel_env import KernelEnv
+
+CONTEXT = "Hello World"
+NOTEBOOK_TYPE = "application/x-ipynb+json"
+
+# Runs inside the episode's kernel: its uid, the secret-looking variables in its environment,
+# how many processes it can see whose environment holds the server's token variable, and what
+# its pid 1 is (bubblewrap's own PID namespace, or the container's). One JSON line.
+PROBE_CODE = """\
+import glob as _glob, json as _json, os as _os
+def _environ_with_token():
+    found = 0
+    for path in _glob.glob("/proc/[0-9]*/environ"):
+        try:
+            found += b"KERNEL_ENV_TOKEN=" in open(path, "rb").read()
+        except OSError:
+            pass
+    return found
+print(_json.dumps({
+    "uid": _os.getuid(),
+    "secret_vars": sorted(k for k in _os.environ if "TOKEN" in k or "API_KEY" in k),
+    "environ_with_token": _environ_with_token(),
+    "pid_1": open("/proc/1/cmdline", "rb").read().split(b"\\0")[0].decode(),
+}))
+"""
+
+
+class SmokeFailure(AssertionError):
+    """The container did not behave as the image promises."""
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise SmokeFailure(message)
+
+
+def wait_for_health(url: str, timeout: float, since: float | None) -> float:
+    """Seconds from ``since`` (a wall-clock time; default now) until ``GET url/health``
+    answers 200. Imports nothing of kernel_env, so it starts polling at once."""
+    start = time.time() if since is None else since
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return time.time() - start
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise SmokeFailure(f"{url}/health did not answer 200 within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def run_episode(env: KernelEnv) -> tuple[str, dict[str, Any]]:
+    """One short episode with a final answer; returns its session id and the kernel's probe."""
+    result = env.reset(context=CONTEXT, task_prompt="How many characters?", expected_answer="11")
+    session_id = result.observation.metadata.get("session_id")
+    check(bool(session_id), f"no session_id in the reset observation: {result.observation}")
+    step = env.execute("n = len(context)\nn")
+    check(step.observation.result.stdout.strip() == "11", f"len(context): {step.observation}")
+    probe = env.execute(PROBE_CODE)
+    check(probe.observation.result.success, f"probe cell failed: {probe.observation}")
+    facts = json.loads(probe.observation.result.stdout.strip().splitlines()[-1])
+    final = env.execute("FINAL(n)")
+    check(final.done and final.reward == 1.0, f"FINAL(n): done={final.done} reward={final.reward}")
+    return str(session_id), facts
+
+
+def fetch_notebook(url: str, session_id: str, token: str | None) -> dict[str, Any]:
+    """``GET /sessions/{id}/notebook``, checked to be the episode just run."""
+    request = urllib.request.Request(f"{url}/sessions/{session_id}/notebook")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        media_type = response.headers.get_content_type()
+        notebook = json.load(response)
+    check(media_type == NOTEBOOK_TYPE, f"notebook media type {media_type!r}")
+    check(notebook.get("nbformat") == 4, "the notebook is not nbformat 4")
+    sources = ["".join(cell.get("source", "")) for cell in notebook.get("cells", [])]
+    check(any("len(context)" in source for source in sources), "the step's cell is missing")
+    check(any("FINAL(n)" in source for source in sources), "the final cell is missing")
+    return notebook
+
+
+def check_kernel_facts(facts: dict[str, Any], sandboxed: bool) -> None:
+    check(not facts["secret_vars"], f"the kernel sees secret variables {facts['secret_vars']}")
+    check(facts["uid"] != 0, "the kernel runs as root")
+    if sandboxed:
+        # Inside bubblewrap the kernel is `nobody` in its own PID namespace: the server's
+        # process, and so its environment, is out of sight.
+        check(facts["uid"] == 65534, f"sandboxed kernel uid {facts['uid']}, expected 65534")
+        check("tini" not in facts["pid_1"], f"the kernel sees the container's pid 1: {facts}")
+        check(facts["environ_with_token"] == 0, "the kernel can read the server's token")
+
+
+def episode(url: str, sandboxed: bool) -> str:
+    from kernel_env import KernelEnv
+
+    token = os.environ.get("KERNEL_ENV_TOKEN") or None
+    with KernelEnv(base_url=url, token=token) as env:
+        session_id, facts = run_episode(env)
+        notebook = fetch_notebook(url, session_id, token)
+    check_kernel_facts(facts, sandboxed)
+    cells = len(notebook["cells"])
+    seen = facts["environ_with_token"]
+    return (
+        f"episode ok: session {session_id}, notebook {cells} cells, kernel uid {facts['uid']}, "
+        f"processes whose environment the kernel reads with the token variable: {seen}"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def from_image(image: str) -> str:
+    """The episode through ``KernelEnv.from_docker_image``, which starts (and, on close,
+    stops) its own container of ``image``."""
+    from kernel_env import KernelEnv
+
+    port = free_port()
+    env = KernelEnv.from_docker_image(image, port=port)
+    try:
+        session_id, facts = run_episode(env)
+        notebook = fetch_notebook(f"http://127.0.0.1:{port}", session_id, None)
+    finally:
+        env.close()
+    check_kernel_facts(facts, sandboxed=False)
+    cells = len(notebook["cells"])
+    return f"from_docker_image ok: port {port}, notebook {cells} cells, kernel uid {facts['uid']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    health = commands.add_parser("health")
+    health.add_argument("url")
+    health.add_argument("--timeout", type=float, default=60.0)
+    health.add_argument("--since", type=float, help="count from this Unix time")
+    run = commands.add_parser("episode")
+    run.add_argument("url")
+    run.add_argument("--sandboxed", action="store_true", help="expect bubblewrap kernels")
+    image = commands.add_parser("from-image")
+    image.add_argument("image")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "health":
+            print(f"{wait_for_health(args.url, args.timeout, args.since):.2f}")
+        elif args.command == "episode":
+            print(episode(args.url, args.sandboxed))
+        else:
+            print(from_image(args.image))
+    except SmokeFailure as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
