@@ -14,7 +14,7 @@ from serverkit import serve_process, small_settings, thread_server
 from kernel_env import KernelEnv
 from kernel_env.errors import RemoteError
 
-HF_TOKEN = "hf_episode_secret_4242"
+HF_TOKEN = "hf_episode_" + "secret_4242"  # in two parts: a search for it finds no source file
 API_KEY = "sk-server-secret-1717"
 
 # Searches the kernel for the token, which it builds from its reverse (so that neither the

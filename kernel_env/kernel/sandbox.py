@@ -187,6 +187,7 @@ class SandboxedKernel(LocalKernel):
                 "no writable pids cgroup at %s: the process count is not capped", _CGROUP_ROOT
             )
             return None
+        _sweep_stale_cgroups()
         path = _CGROUP_ROOT / "kernel_env" / self.kernel_id
         path.mkdir(parents=True, exist_ok=True)
         (path / "pids.max").write_text(str(self.limits.processes))
@@ -266,6 +267,25 @@ def _keep_visible() -> list[str]:
         if not any(path.startswith(k + "/") for k in kept):  # a parent is already bound
             kept.append(path)
     return [arg for path in kept for arg in ("--ro-bind", path, path)]
+
+
+_STALE_CGROUP_AGE = 60.0  # seconds: younger ones may belong to a kernel still being launched
+
+
+def _sweep_stale_cgroups() -> None:
+    """Remove the empty cgroups a server killed with SIGKILL left behind (its kernels died
+    with it, but nobody removed their cgroups). A cgroup with a process in it stays."""
+    import time
+
+    parent = _CGROUP_ROOT / "kernel_env"
+    if not parent.is_dir():
+        return
+    now = time.time()
+    for cgroup in parent.iterdir():
+        with contextlib.suppress(OSError):  # gone meanwhile, or busy: rmdir refuses
+            old = cgroup.is_dir() and now - cgroup.stat().st_mtime > _STALE_CGROUP_AGE
+            if old and not (cgroup / "cgroup.procs").read_text().split():
+                cgroup.rmdir()
 
 
 def _empty_and_remove(cgroup: Path, attempts: int = 50) -> None:
