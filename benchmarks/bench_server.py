@@ -60,15 +60,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def children(pid: int) -> list[int]:
-    found = []
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (a sandboxed kernel runs under two bwrap processes)."""
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
             except (OSError, ValueError, IndexError):
                 continue
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
     return found
 
 
@@ -281,7 +288,7 @@ async def p6(server: Server, sessions: int, steps: int) -> dict[str, Any]:
             else:
                 misrouted += 1
 
-    kernels = children(server.process.pid)
+    kernels = descendants(server.process.pid)
     cpu0 = (cpu_seconds(server.process.pid), sum(map(cpu_seconds, kernels)), time.process_time())
     t0 = time.perf_counter()
     await asyncio.gather(*(run(tag, ws) for tag, ws in enumerate(sockets)))
