@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernel_env.errors import KernelEnvError, RemoteError
+from kernel_env.errors import KernelEnvError
 
 if TYPE_CHECKING:
     from kernel_env.server.settings import ServerSettings
@@ -218,36 +218,15 @@ def _export(args: argparse.Namespace) -> int:
 
 def _download(url: str, session_id: str, target: Path) -> Path:
     """Fetch a session's export.zip and unpack it beside ``target``."""
-    import httpx
-
     from kernel_env.notebook import extract_export
-    from kernel_env.remote import http_url
+    from kernel_env.remote import fetch_export
 
     if not target.name.endswith(".ipynb"):
         target = target.with_name(target.name + ".ipynb")
     token = os.environ.get("KERNEL_ENV_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        response = httpx.get(
-            f"{http_url(url)}/sessions/{session_id}/export.zip",
-            params={"name": target.name},
-            headers=headers,
-            timeout=60.0,
-            trust_env=False,
-        )
-    except httpx.TransportError as exc:
-        raise ConnectionError(f"cannot reach {url}: {exc}") from None
-    if response.status_code != 200:
-        raise RemoteError(f"HTTP {response.status_code}: {_detail(response)}", code="EXPORT")
-    extract_export(response.content, target.parent)
+    data = asyncio.run(fetch_export(url, session_id, target.name, token=token))
+    extract_export(data, target.parent)
     return target
-
-
-def _detail(response: Any) -> str:
-    try:
-        return str(response.json().get("detail", response.text))[:300]
-    except ValueError:
-        return str(response.text)[:300]
 
 
 # -- replay ------------------------------------------------------------------------------

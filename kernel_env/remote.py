@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from kernel_env.errors import RemoteError
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, StepResult
 
-__all__ = ["RemoteSession", "http_url", "ws_url"]
+__all__ = ["RemoteSession", "fetch_export", "http_url", "ws_url"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -46,6 +46,30 @@ def http_url(base_url: str) -> str:
     parts = urlsplit(ws_url(base_url))
     scheme = "https" if parts.scheme == "wss" else "http"
     return urlunsplit((scheme, parts.netloc, parts.path.removesuffix("/ws"), "", ""))
+
+
+async def fetch_export(
+    base_url: str, session_id: str, name: str, *, token: str | None, timeout: float = 60.0
+) -> bytes:
+    """``GET /sessions/{session_id}/export.zip?name=...``: the zip's bytes, or a clear error."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = f"{http_url(base_url)}/sessions/{session_id}/export.zip"
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+        try:
+            response = await http.get(url, params={"name": name}, headers=headers)
+        except httpx.TransportError as exc:
+            raise ConnectionError(f"cannot reach {url}: {exc}") from exc
+    if response.status_code != 200:
+        try:
+            detail = str(response.json().get("detail", response.text))
+        except ValueError:
+            detail = response.text
+        raise RemoteError(
+            f"notebook export failed: HTTP {response.status_code}: {detail[:300]}",
+            code="EXPORT_FAILED",
+            data={"status": response.status_code},
+        )
+    return response.content
 
 
 class RemoteSession:
@@ -122,20 +146,8 @@ class RemoteSession:
         from ``GET /sessions/{id}/export.zip``."""
         if self.session_id is None or self._base_url is None:
             raise RemoteError("no episode to export: call reset() first", code="NO_EPISODE")
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
-        url = f"{http_url(self._base_url)}/sessions/{self.session_id}/export.zip"
-        async with httpx.AsyncClient(timeout=self.message_timeout_s, trust_env=False) as http:
-            try:
-                response = await http.get(url, params={"name": name}, headers=headers)
-            except httpx.TransportError as exc:
-                raise ConnectionError(f"cannot fetch {url}: {exc}") from exc
-        if response.status_code != 200:
-            raise RemoteError(
-                f"notebook export failed: HTTP {response.status_code}: {response.text[:300]}",
-                code="EXPORT_FAILED",
-                data={"status": response.status_code},
-            )
-        return response.content
+        return await fetch_export(self._base_url, self.session_id, name, token=self._token,
+                                  timeout=self.message_timeout_s)
 
     async def close(self) -> None:
         """Tell the server to end the session and close the socket; idempotent."""
