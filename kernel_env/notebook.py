@@ -34,6 +34,7 @@ __all__ = [
     "extract_export",
     "normalize_outputs",
     "notebook_name",
+    "notebook_text",
     "recorded_steps",
     "safe_path",
     "write_html",
@@ -302,19 +303,32 @@ def write_notebook(record: EpisodeRecord, directory: str | os.PathLike[str], nam
     if not name.endswith(".ipynb"):
         name += ".ipynb"
     path = safe_path(directory, name)
-    context_file = None
-    if len(record.context) > INLINE_CONTEXT_CHARS:
-        sidecar = safe_path(directory, path.stem + ".context.txt")
-        sidecar.write_text(record.context, encoding="utf-8")
-        context_file = sidecar.name
-    nb = episode_to_notebook(record, context_file=context_file, stem=path.stem)
-    nbformat.validate(nb)
-    # nbformat.writes would validate the whole notebook a second time.
-    path.write_text(nbformat.v4.writes(nb), encoding="utf-8")
+    if _uses_sidecar(record):
+        safe_path(directory, _sidecar_name(path.stem)).write_text(record.context, "utf-8")
+    path.write_text(notebook_text(record, path.name), encoding="utf-8")
     for step in record.steps:
         for n, child in enumerate(_children(step), 1):
             write_notebook(child, directory, child_notebook_name(path.stem, step.index, n))
     return path
+
+
+def notebook_text(record: EpisodeRecord, name: str) -> str:
+    """The validated text of the notebook :func:`write_notebook` writes as ``name`` (it refers
+    to the context sidecar and child notebooks by their names beside it)."""
+    stem = Path(name).stem
+    context_file = _sidecar_name(stem) if _uses_sidecar(record) else None
+    nb = episode_to_notebook(record, context_file=context_file, stem=stem)
+    nbformat.validate(nb)
+    # nbformat.writes would validate the whole notebook a second time.
+    return str(nbformat.v4.writes(nb))
+
+
+def _uses_sidecar(record: EpisodeRecord) -> bool:
+    return len(record.context) > INLINE_CONTEXT_CHARS
+
+
+def _sidecar_name(stem: str) -> str:
+    return f"{stem}.context.txt"
 
 
 def notebook_name(episode_id: str) -> str:

@@ -14,7 +14,6 @@ Unlike OpenEnv's stateless HTTP, ``/reset`` opens a *session*: its id comes back
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,7 +31,7 @@ from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
 from kernel_env.kernel.factory import kernel_source_from
 from kernel_env.llm import LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
-from kernel_env.notebook import ExportPathError, export_zip, notebook_name, write_notebook
+from kernel_env.notebook import ExportPathError, export_zip, notebook_name, notebook_text
 from kernel_env.pool import KernelFactory, KernelPool
 from kernel_env.record import EpisodeRecord
 from kernel_env.recursion import BackendForToken
@@ -340,11 +339,9 @@ NOTEBOOK_MEDIA_TYPE = "application/x-ipynb+json"
 
 
 def _notebook_text(record: EpisodeRecord) -> tuple[str, str]:
-    """The episode's notebook file name and text (written in a private temporary directory:
-    what a sidecar or child notebook would be is not sent here; export.zip has them)."""
+    """The episode's notebook file name and text (its sidecar and children: export.zip)."""
     name = notebook_name(record.episode_id)
-    with tempfile.TemporaryDirectory(prefix="kernel-env-export-") as tmp:
-        return name, write_notebook(record, tmp, name).read_text(encoding="utf-8")
+    return name, notebook_text(record, name)
 
 
 def _attachment(filename: str) -> dict[str, str]:
