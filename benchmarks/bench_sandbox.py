@@ -11,25 +11,16 @@ import statistics
 import time
 from pathlib import Path
 
+from bench_server import descendants
+
 from kernel_env.kernel import Kernel, LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
 
 
 def _rss_kib(pid: int) -> int:
     """RSS of a process and all its descendants (the sandbox's bwrap processes included)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(") ", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
+    total = 0
+    for p in [pid, *descendants(pid)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):

@@ -34,14 +34,6 @@ PNG = base64.b64decode(
 )
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    gw = GatewayProcess(tmp_path_factory.mktemp("gateway"))
-    gw.start()
-    yield gw
-    gw.stop()
-
-
 def _config(gw: GatewayProcess, **options: object) -> GatewayConfig:
     return GatewayConfig(url=gw.url, token=gw.token, **options)  # type: ignore[arg-type]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -43,14 +42,6 @@ _OUTSIDE_SETTINGS = (
     "KERNEL_ENV_GATEWAY_TOKEN",
     "KERNEL_ENV_GATEWAY_KERNEL_NAME",
 )
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    gw = GatewayProcess(tmp_path_factory.mktemp("notebook-gateway"))
-    gw.start()
-    yield gw
-    gw.stop()
 
 
 def _execute(path: Path, workdir: Path) -> NotebookNode:
