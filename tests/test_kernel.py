@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from pathlib import Path
 
+import pytest
+
+from kernel_env.errors import KernelStartError
 from kernel_env.kernel import LocalKernel
 
 
@@ -86,3 +90,31 @@ async def test_shutdown_is_idempotent_and_kills_process() -> None:
     # A zombie until reaped is acceptable; a running process is not.
     with open(f"/proc/{pid}/stat") as f:
         assert f.read().split()[2] == "Z"
+
+
+async def test_runtime_root_too_long_for_sockets_is_a_clear_error(tmp_path: Path) -> None:
+    """A runtime root whose socket paths would not fit a unix address is refused up front."""
+    root = tmp_path / ("r" * 90)
+    root.mkdir()
+    kernel = LocalKernel(runtime_root=str(root))
+    with pytest.raises(KernelStartError, match="too long for the kernel's IPC sockets"):
+        await kernel.start()
+    assert kernel.pid is None and list(root.iterdir()) == []
+
+
+async def test_shutdown_kills_the_process_when_jupyter_client_cannot(tmp_path: Path) -> None:
+    """A kernel whose manager fails to shut it down (as after a half-failed start) is still
+    killed and reaped: no process left running, no Popen left for the garbage collector."""
+    kernel = LocalKernel(runtime_root=str(tmp_path))
+    await kernel.start()
+    pid = kernel.pid
+    assert pid is not None
+
+    async def failing_shutdown(**kwargs: object) -> None:
+        raise RuntimeError("injected: no control socket")
+
+    kernel._km.shutdown_kernel = failing_shutdown
+    await kernel.shutdown()
+    with pytest.raises(ProcessLookupError):  # reaped, not even a zombie
+        os.kill(pid, 0)
+    assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ client's export_notebook, and `kernel-env export` (B3 for the names a client may
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import zipfile
@@ -103,6 +104,8 @@ def test_remote_client_exports_through_the_server(tmp_path: Path) -> None:
         assert (tmp_path / "remote.context.txt").read_text() == BIG
 
         sid = env.reset(context="abc").observation.metadata["session_id"]
+        # Hex ids: never read as an option when typed on a command line (no leading "-").
+        assert re.fullmatch(r"[0-9a-f]{32}", sid)
         env.execute("print(context * 2)")
         cli = subprocess.run(
             [sys.executable, "-m", "kernel_env", "export", sid, "--url", url,

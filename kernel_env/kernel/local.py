@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 _RECV_REARM = 0.25  # seconds; see LocalKernel._pump
 
+# A unix socket path holds at most 107 bytes on Linux. jupyter_client names the IPC sockets
+# "<runtime dir>/kernel-ipc-<n>", n = 1..5 in a fresh dir; allow two digits.
+_SOCKET_PATH_MAX = 107
+_SOCKET_SUFFIX = "/kernel-ipc-99"
+
 # Settings measured to matter: no ANSI colours in tracebacks (the model reads them), no
 # history database (an sqlite file per kernel, and a lock shared between kernels).
 _KERNEL_FLAGS = (
@@ -123,9 +128,9 @@ class LocalKernel(Kernel):
 
     async def _launch(self) -> None:
         # mkdtemp creates the directory with mode 0700: only we can reach the sockets.
-        self._dir = Path(
-            tempfile.mkdtemp(prefix=f"kernel-env-{self.kernel_id}-", dir=self._runtime_root)
-        )
+        # A short name: the socket paths inside it must fit a unix socket address.
+        self._dir = Path(tempfile.mkdtemp(prefix=f"ke-{self.kernel_id}-", dir=self._runtime_root))
+        _check_socket_path(self._dir, self.kernel_id)
         self.workdir.mkdir()
         self._km = _KernelManager(
             self._kernel_spec(), transport="ipc", connection_file=str(self._dir / "kernel.json")
@@ -150,8 +155,11 @@ class LocalKernel(Kernel):
         await self._stop_client()
         km, self._km = self._km, None
         if km is not None:
-            with contextlib.suppress(Exception):  # already dead is fine: we only want it gone
+            try:
                 await km.shutdown_kernel(now=True)
+            except Exception as exc:  # already dead is fine: we only want it gone
+                log.debug("kernel %s: shutdown: %r", self.kernel_id, exc)
+                await _kill_process(km)
             await km.cleanup_resources()
             # The manager made its own zmq context (our client used it too): close it now
             # rather than leave it to the garbage collector.
@@ -242,3 +250,30 @@ class LocalKernel(Kernel):
         if self._kc is not None:
             self._kc.stop_channels()
             self._kc = None
+
+
+def _check_socket_path(runtime_dir: Path, kernel_id: str) -> None:
+    """Refuse a runtime dir whose socket paths would not fit a unix socket address."""
+    longest = len(os.fsencode(runtime_dir)) + len(_SOCKET_SUFFIX)
+    if longest > _SOCKET_PATH_MAX:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise KernelStartError(
+            f"runtime dir {str(runtime_dir)!r} is too long for the kernel's IPC sockets "
+            f"({longest} > {_SOCKET_PATH_MAX} bytes): choose a shorter runtime_root",
+            kernel_id=kernel_id,
+        )
+
+
+async def _kill_process(km: AsyncKernelManager) -> None:
+    """Kill and reap a kernel process that ``shutdown_kernel`` could not stop.
+
+    A start that failed half-way leaves a process but no control socket, and shutdown's
+    interrupt fails before it reaches the kill.
+    """
+    provisioner = km.provisioner
+    if provisioner is None or not provisioner.has_process:
+        return
+    with contextlib.suppress(Exception):
+        await provisioner.kill()
+    with contextlib.suppress(Exception):
+        await provisioner.wait()

@@ -243,7 +243,7 @@ class SessionManager:
             raise SessionClosed(_SHUTTING_DOWN)
         if len(self._sessions) >= self.max_sessions:
             raise CapacityReached(len(self._sessions), self.max_sessions)
-        session = Session(self, secrets.token_urlsafe(16), kind, self._env_factory())
+        session = Session(self, secrets.token_hex(16), kind, self._env_factory())
         self._sessions[session.id] = session
         self.opened_total += 1
         return session
