@@ -253,10 +253,10 @@ class LocalKernel(Kernel):
 
 
 def _check_socket_path(runtime_dir: Path, kernel_id: str) -> None:
-    """Refuse a runtime dir whose socket paths would not fit a unix socket address."""
+    """Refuse a runtime dir whose socket paths would not fit a unix socket address
+    (the failed start's shutdown removes the dir)."""
     longest = len(os.fsencode(runtime_dir)) + len(_SOCKET_SUFFIX)
     if longest > _SOCKET_PATH_MAX:
-        shutil.rmtree(runtime_dir, ignore_errors=True)
         raise KernelStartError(
             f"runtime dir {str(runtime_dir)!r} is too long for the kernel's IPC sockets "
             f"({longest} > {_SOCKET_PATH_MAX} bytes): choose a shorter runtime_root",
