@@ -44,7 +44,8 @@ class RuntimeParent:
 
     def make_kernel_dir(self, kernel_id: str, gid: int | None = None) -> Path:
         """A kernel's runtime dir: 0700, or 0750 with group ``gid`` (a kernel's own uid)."""
-        path = Path(tempfile.mkdtemp(prefix=f"ke-{kernel_id}-", dir=self.path))
+        path = self.path / kernel_id  # unique (random), in a directory only we can write
+        path.mkdir(mode=0o700)
         if gid is not None:
             os.chown(path, -1, gid)
             os.chmod(path, 0o750)

