@@ -572,3 +572,64 @@ def test_health_and_metadata_say_which_limits_hold() -> None:
         assert {"backend", "sandbox", "kernel_uid", "memory", "processes", "cpu", "disk",
                 "network"} <= set(info)
     assert json.dumps(health["kernels"]) == json.dumps(metadata["kernels"])
+
+
+# -- the unprivileged host ---------------------------------------------------------------------
+
+UNPRIVILEGED_SERVER = """\
+import os, sys
+from kernel_env import KernelEnv
+from kernel_env.kernel.factory import local_source
+source = local_source("bwrap", extra_env={"PYTHONPATH": os.environ["PYTHONPATH"]})
+with KernelEnv(kernel_source=source, step_timeout=30) as env:
+    env.reset()
+    print(env.execute(sys.argv[1]).observation.result.stdout, end="")
+"""
+
+UNPRIVILEGED_PROBE = """\
+import glob, os, sys
+blob = ''
+for p in glob.glob('/proc/*/environ'):
+    try: blob += open(p).read()
+    except OSError: pass
+runtime = os.path.dirname(sys.argv[sys.argv.index('-f') + 1])
+try:
+    open(os.path.join(runtime, 'x'), 'w'); wrote = 'WROTE'
+except OSError as e:
+    wrote = f'refused {e.errno}'
+print(os.getuid(), 'token' if 'unpriv-secret-token' in blob else 'no-token',
+      'home' if os.path.exists(os.environ['SECRET_FILE']) else 'no-home', wrote)
+"""
+
+
+@needs_sandbox
+def test_unprivileged_server_sandboxes_its_kernels(tmp_path: Path) -> None:
+    """A server run by an ordinary user (here a fresh uid, with Debian's own python3): its
+    kernels are "nobody" in their own namespaces, cannot find its token in any process
+    environment nor its home's files, and cannot write their runtime dir."""
+    python = Path("/usr/bin/python3.11")
+    if not ROOT or not python.exists() or sys.version_info[:2] != (3, 11):
+        pytest.skip("needs root (to become another uid) and a system python3.11 beside ours")
+    uid = 1_900_200_000 + os.getpid() % 1000
+    home = Path(f"/tmp/ke-unpriv-home-{os.getpid()}")
+    home.mkdir(mode=0o700)
+    try:
+        secret = home / "credentials"
+        secret.write_text("private")
+        os.chown(home, uid, uid)
+        os.chown(secret, uid, uid)
+        site = next(p for p in sys.path if p.endswith("site-packages") and ".venv" in p)
+        repo = str(Path(__file__).resolve().parent.parent)
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": f"{repo}:{site}",
+               "KERNEL_ENV_TOKEN": "unpriv-secret-token",
+               "SECRET_FILE": str(secret)}  # a name the probe reads, not a secret itself
+        probe = UNPRIVILEGED_PROBE.replace("os.environ['SECRET_FILE']", repr(str(secret)))
+        out = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", str(python),
+             "-c", UNPRIVILEGED_SERVER, probe],
+            capture_output=True, text=True, timeout=180, env=env, cwd="/tmp",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout == "65534 no-token no-home refused 30\n", out.stdout
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -357,8 +357,10 @@ def _reachable_by_kernel_uid(python: str, runtime_parent: str) -> bool:
     import kernel_env
 
     needed = [python, os.path.realpath(python), sys.prefix, sys.base_prefix,
-              str(Path(kernel_env.__file__).parent), runtime_parent]
+              str(Path(kernel_env.__file__).parent)]
     missing = [path for path in needed if not privilege.reachable(path)]
+    if not privilege.reachable(runtime_parent, list_dir=False):  # traversed, never listed
+        missing.append(runtime_parent)
     if missing:
         log.warning(
             "unsandboxed kernels run as ROOT: a kernel's own uid cannot reach %s (a directory "

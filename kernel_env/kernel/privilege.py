@@ -140,10 +140,10 @@ def _setpriv() -> str:
     return path
 
 
-def reachable(path: str) -> bool:
+def reachable(path: str, *, list_dir: bool = True) -> bool:
     """Whether a uid that is neither the owner nor in the group of anything on the way can
     reach ``path``: every directory above it searchable by "others", and the path itself
-    readable (and searchable, if a directory) by them."""
+    readable by them (a directory: searchable, and listable unless ``list_dir`` is false)."""
     try:
         real = Path(os.path.realpath(path))
         for parent in reversed(real.parents):
@@ -152,5 +152,8 @@ def reachable(path: str) -> bool:
         mode = real.stat().st_mode
     except OSError:
         return False
-    needed = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+    if stat.S_ISDIR(mode):
+        needed = stat.S_IXOTH | (stat.S_IROTH if list_dir else 0)
+    else:
+        needed = stat.S_IROTH
     return mode & needed == needed
