@@ -92,8 +92,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--max-code-chars", type=int, help="largest code of one step")
     add("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     add("--sandbox", choices=["auto", "bwrap", "none"],
-        help="local kernels under bubblewrap: auto (where it works; default), bwrap (required), "
-        "none")
+        help="local kernels under bubblewrap: bwrap (required; default), auto (unsandboxed "
+        "where it cannot run), none")
     add("--gateway-url", metavar="URL",
         help="run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead")
     add("--gateway-token", metavar="TOKEN",

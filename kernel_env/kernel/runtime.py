@@ -71,7 +71,7 @@ def runtime_parent(root: str | None = None) -> RuntimeParent:
 def sweep_dead_parents(root: str | None = None) -> list[Path]:
     """Remove the runtime parents under ``root`` whose process is gone; return them."""
     base = Path(root or tempfile.gettempdir())
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = [p for p in base.iterdir() if p.name.startswith(_PREFIX)]
     except OSError:
