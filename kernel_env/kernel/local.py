@@ -34,7 +34,7 @@ from kernel_env.kernel.base import Kernel
 from kernel_env.kernel.cgroups import KernelCgroup
 from kernel_env.kernel.runtime import runtime_parent, write_file
 
-__all__ = ["LocalKernel", "describe_isolation", "kernel_argv", "minimal_environ"]
+__all__ = ["LocalKernel", "describe_isolation", "kernel_argv", "launch_guard", "minimal_environ"]
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,6 @@ class LocalKernel(Kernel):
         procs = self._cgroup_procs()
         if not procs and self._lease is None:
             return list(self._argv)
-        from kernel_env.kernel.sandbox import launch_guard
-
         return [*launch_guard(procs), *self._drop(), *self._argv]
 
     def _environ(self) -> dict[str, str]:
@@ -183,8 +181,8 @@ class LocalKernel(Kernel):
         self._lease = await asyncio.to_thread(self._lease_uid)
         gid = self._lease.gid if self._lease is not None else None
         parent = runtime_parent(self._runtime_root)
-        # mkdtemp creates the directory with mode 0700 (0750 with the kernel's own group: it
-        # reads its connection file and staged files, and writes nothing there).
+        # Mode 0700 (0750 with the kernel's own group: it reads its connection file and
+        # staged files, and writes nothing there).
         self._dir = parent.make_kernel_dir(self.kernel_id, gid)
         _check_socket_path(self._ipc_prefix(), self.kernel_id)
         self._prepare_dirs()
@@ -336,6 +334,41 @@ class LocalKernel(Kernel):
         if self._kc is not None:
             self._kc.stop_channels()
             self._kc = None
+
+
+def launch_guard(
+    cgroup_procs: list[Path] | Path | None = None,
+    parent: int | None = None,
+    *,
+    staged: list[tuple[str, str]] | None = None,
+) -> list[str]:
+    """A prefix for the kernel's command that ties it to this process (``parent``).
+
+    bwrap's ``--die-with-parent`` only takes effect once bwrap runs: a server killed in the
+    milliseconds before would leave the kernel behind. So ``setpriv`` asks for SIGKILL on the
+    parent's death first, then a shell checks that the parent is still this process, joins
+    the kernel's cgroups, and execs the rest.
+
+    ``staged``: ``(host path, mount point)`` pairs bind-mounted first, in a private mount
+    namespace, so that a kernel running as an unprivileged uid can reach paths it could not
+    (these run as root: only a privileged server passes any)."""
+    if isinstance(cgroup_procs, Path):
+        cgroup_procs = [cgroup_procs]
+    steps = []
+    setpriv = shutil.which("setpriv")
+    prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+    if setpriv:
+        steps.append(f'[ "$PPID" = "{parent or os.getpid()}" ]')
+    for procs in cgroup_procs or []:
+        steps.append(f'echo $$ > "{procs}"')
+    if staged:
+        unshare = shutil.which("unshare") or "unshare"
+        prefix += [unshare, "--mount", "--propagation", "private", "--"]
+        steps += [f'mount --bind "{source}" "{target}"' for source, target in staged]
+    if not steps:
+        return []
+    script = " && ".join([*steps, 'exec "$@"'])
+    return [*prefix, "/bin/sh", "-c", script, "kernel-env-launch"]
 
 
 def _check_socket_path(ipc_prefix: str, kernel_id: str) -> None:

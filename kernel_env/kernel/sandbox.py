@@ -46,7 +46,7 @@ from jupyter_client.kernelspec import KernelSpec
 from kernel_env.errors import KernelStartError
 from kernel_env.kernel import privilege
 from kernel_env.kernel.cgroups import KernelCgroup, available_controllers, cgroup_version
-from kernel_env.kernel.local import LocalKernel, _KernelManager
+from kernel_env.kernel.local import LocalKernel, _KernelManager, launch_guard
 
 __all__ = [
     "SandboxLimits",
@@ -390,41 +390,6 @@ def _sweep_dead_keeps(root: Path) -> None:
     for server in root.iterdir():
         if server.name.isdigit() and not Path(f"/proc/{server.name}").exists():
             shutil.rmtree(server, ignore_errors=True)  # empty mount points only
-
-
-def launch_guard(
-    cgroup_procs: list[Path] | Path | None = None,
-    parent: int | None = None,
-    *,
-    staged: list[tuple[str, str]] | None = None,
-) -> list[str]:
-    """A prefix for the kernel's command that ties it to this process (``parent``).
-
-    bwrap's ``--die-with-parent`` only takes effect once bwrap runs: a server killed in the
-    milliseconds before would leave the kernel behind. So ``setpriv`` asks for SIGKILL on the
-    parent's death first, then a shell checks that the parent is still this process, joins
-    the kernel's cgroups, and execs the rest.
-
-    ``staged``: ``(host path, mount point)`` pairs bind-mounted first, in a private mount
-    namespace, so that a kernel running as an unprivileged uid can reach paths it could not
-    (these run as root: only a privileged server passes any)."""
-    if isinstance(cgroup_procs, Path):
-        cgroup_procs = [cgroup_procs]
-    steps = []
-    setpriv = shutil.which("setpriv")
-    prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-    if setpriv:
-        steps.append(f'[ "$PPID" = "{parent or os.getpid()}" ]')
-    for procs in cgroup_procs or []:
-        steps.append(f'echo $$ > "{procs}"')
-    if staged:
-        unshare = shutil.which("unshare") or "unshare"
-        prefix += [unshare, "--mount", "--propagation", "private", "--"]
-        steps += [f'mount --bind "{source}" "{target}"' for source, target in staged]
-    if not steps:
-        return []
-    script = " && ".join([*steps, 'exec "$@"'])
-    return [*prefix, "/bin/sh", "-c", script, "kernel-env-launch"]
 
 
 def _hidden_dirs() -> list[str]:
