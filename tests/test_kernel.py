@@ -104,10 +104,10 @@ async def test_runtime_root_too_long_for_sockets_is_a_clear_error(tmp_path: Path
     assert len(parents) == 1 and os.listdir(parents[0]) == [".lock"]
 
 
-async def test_shutdown_kills_the_process_when_jupyter_client_cannot(tmp_path: Path) -> None:
+async def test_shutdown_kills_the_process_when_jupyter_client_cannot() -> None:
     """A kernel whose manager fails to shut it down (as after a half-failed start) is still
     killed and reaped: no process left running, no Popen left for the garbage collector."""
-    kernel = LocalKernel(runtime_root=str(tmp_path))
+    kernel = LocalKernel()
     await kernel.start()
     pid = kernel.pid
     assert pid is not None
@@ -119,4 +119,4 @@ async def test_shutdown_kills_the_process_when_jupyter_client_cannot(tmp_path: P
     await kernel.shutdown()
     with pytest.raises(ProcessLookupError):  # reaped, not even a zombie
         os.kill(pid, 0)
-    assert list(tmp_path.iterdir()) == []
+    assert kernel.runtime_dir is None
