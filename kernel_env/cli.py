@@ -105,7 +105,22 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--llm-model", metavar="MODEL", help="model name sent to --llm-base-url")
     add("--llm-max-calls", type=int, metavar="N", help="LLM calls per episode at most")
     add("--llm-max-tokens", type=int, metavar="N", help="LLM tokens per episode at most")
+    add("--llm-allowed-models", type=_names, metavar="M1,M2",
+        help="models a cell may name in llm_query(model=...) besides --llm-model")
+    add("--max-prompt-chars", type=int, metavar="N", help="largest llm_query prompt")
+    add("--max-kernels", type=int, metavar="N",
+        help="kernels at most: sessions', warm ones and rlm_query children (default "
+        "max-sessions + pool-size)")
+    add("--allowed-hosts", type=_names, metavar="H1,H2",
+        help="Host names accepted (default: the bound address, localhost, 127.0.0.1, [::1]; "
+        "* for any)")
+    add("--allowed-origins", type=_names, metavar="O1,O2",
+        help="web origins allowed to call the server (CORS); none by default")
     serve.set_defaults(run=_serve)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -135,6 +150,11 @@ def _serve(args: argparse.Namespace) -> int:
             "llm_model",
             "llm_max_calls",
             "llm_max_tokens",
+            "llm_allowed_models",
+            "max_prompt_chars",
+            "max_kernels",
+            "allowed_hosts",
+            "allowed_origins",
         )
     }
     try:

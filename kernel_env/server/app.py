@@ -20,8 +20,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Header, HTTPException, Request, Response, status
+from fastapi import Body, FastAPI, Header, HTTPException, Request, Response, status
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -36,7 +37,8 @@ from kernel_env.pool import KernelFactory, KernelPool
 from kernel_env.record import EpisodeRecord
 from kernel_env.recursion import BackendForToken
 from kernel_env.server import metrics, protocol
-from kernel_env.server.auth import BearerAuth, require_token
+from kernel_env.server.auth import AuthGate, BearerAuth
+from kernel_env.server.guard import BrowserGuard, HostPolicy
 from kernel_env.server.limits import BodyLimit
 from kernel_env.server.sessions import (
     CapacityReached,
@@ -182,12 +184,38 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.auth = BearerAuth(settings.token)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_message_bytes)
+    _add_middleware(app, settings)
     _install_error_handlers(app)
     _add_info_routes(app)
     _add_episode_routes(app)
     app.add_api_websocket_route("/ws", websocket_endpoint)
     return app
+
+
+PUBLIC_PATHS = ("/health", "/metadata", "/schema", "/openapi.json", "/docs",
+                "/docs/oauth2-redirect", "/redoc", "/mcp")
+_SMALL_BODY = 1 << 20  # any route but /reset and /step: a small JSON document
+
+
+def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
+    """Outermost first: browser policy (Host, Origin), CORS if configured, the token, then the
+    body limit, so a body is read only from an allowed, authenticated request."""
+    # Added innermost first (each add_middleware wraps everything added before it).
+    step_bytes = min(settings.max_message_bytes, 6 * settings.max_code_chars + (64 << 10))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_message_bytes,
+                       per_path={"/reset": settings.max_message_bytes, "/step": step_bytes},
+                       default_bytes=min(settings.max_message_bytes, _SMALL_BODY))
+    app.add_middleware(AuthGate, auth=app.state.auth, public=PUBLIC_PATHS)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=[SESSION_HEADER])
+    hosts = settings.allowed_hosts
+    if hosts is None and settings.token and settings.host.strip("[]") in ("0.0.0.0", "::"):
+        hosts = ("*",)  # a public server with a token: the token, not the name, admits
+    policy = HostPolicy.for_bind(settings.host, hosts or settings.host_allowlist,
+                                 settings.allowed_origins)
+    app.add_middleware(BrowserGuard, policy=policy)
 
 
 def _runtime(request: Request) -> Runtime:
@@ -227,8 +255,7 @@ def _add_info_routes(app: FastAPI) -> None:
     async def mcp(request: Request) -> JSONResponse:
         return JSONResponse(protocol.mcp_response(await request.body()))
 
-    @app.get("/metrics", tags=["Operations"], summary="Server counters",
-             dependencies=[Depends(require_token)])
+    @app.get("/metrics", tags=["Operations"], summary="Server counters")
     async def get_metrics(request: Request) -> dict[str, Any]:
         runtime = _runtime(request)
         return metrics.collect(runtime.sessions, runtime.pool, runtime.started)
@@ -243,10 +270,8 @@ SessionHeader = Annotated[str | None, Header(
 
 
 def _add_episode_routes(app: FastAPI) -> None:
-    auth = [Depends(require_token)]
-
     @app.post("/reset", tags=["Environment Control"], response_model=StepResponse,
-              dependencies=auth, summary="Start an episode (opens a session if none is named)",
+              summary="Start an episode (opens a session if none is named)",
               description=_SESSIONS_DOC)
     async def reset(
         request: Request,
@@ -270,7 +295,7 @@ def _add_episode_routes(app: FastAPI) -> None:
         return _observation_response(obs, session)
 
     @app.post("/step", tags=["Environment Control"], response_model=StepResponse,
-              dependencies=auth, summary="Run one action in the session's episode",
+              summary="Run one action in the session's episode",
               description="Requires the `X-Session-Id` header from `POST /reset`; without it, "
               "400. An invalid action is 422.\n" + _SESSIONS_DOC)
     async def step(
@@ -282,7 +307,7 @@ def _add_episode_routes(app: FastAPI) -> None:
             obs = await session.step(body.action)
         return _observation_response(obs, session)
 
-    @app.get("/state", tags=["State Management"], response_model=REPLState, dependencies=auth,
+    @app.get("/state", tags=["State Management"], response_model=REPLState,
              summary="The session's episode state",
              description="Requires the `X-Session-Id` header from `POST /reset`.")
     async def state(request: Request, session_id: SessionHeader = None) -> Response:
@@ -293,7 +318,7 @@ def _add_episode_routes(app: FastAPI) -> None:
             else current.model_dump_json()
         return Response(body, media_type="application/json")
 
-    @app.delete("/sessions/{session_id}", tags=["Sessions"], dependencies=auth,
+    @app.delete("/sessions/{session_id}", tags=["Sessions"],
                 status_code=status.HTTP_204_NO_CONTENT, summary="Close a session (idempotent)")
     async def close_session(request: Request, session_id: str) -> Response:
         runtime = _runtime(request)
@@ -304,7 +329,7 @@ def _add_episode_routes(app: FastAPI) -> None:
         await runtime.sessions.close_session(session)
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
-    @app.get("/sessions/{session_id}/notebook", tags=["Sessions"], dependencies=auth,
+    @app.get("/sessions/{session_id}/notebook", tags=["Sessions"],
              summary="The session's current (or last) episode as a Jupyter notebook",
              description="A context larger than 10,000 characters is not inlined: the "
              "notebook reads it from `<name>.context.txt` beside it, and child episodes are "
@@ -317,7 +342,7 @@ def _add_episode_routes(app: FastAPI) -> None:
         return Response(body, media_type=NOTEBOOK_MEDIA_TYPE,
                         headers=_attachment(name))
 
-    @app.get("/sessions/{session_id}/export.zip", tags=["Sessions"], dependencies=auth,
+    @app.get("/sessions/{session_id}/export.zip", tags=["Sessions"],
              summary="The episode's notebook, context file and child episodes, zipped",
              response_class=Response,
              responses={200: {"content": {"application/zip": {}}}})

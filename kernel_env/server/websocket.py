@@ -41,16 +41,13 @@ log = logging.getLogger(__name__)
 # every other session's pings and steps while json works through it.
 _OFF_LOOP_BYTES = 1 << 20
 
-_CLOSE_NORMAL, _CLOSE_POLICY, _CLOSE_TOO_BIG = 1000, 1008, 1009
+_CLOSE_NORMAL, _CLOSE_TOO_BIG = 1000, 1009
 _CLOSE_RESTART, _CLOSE_TRY_LATER = 1012, 1013
 
 
 async def websocket_endpoint(websocket: WebSocket) -> None:
+    # Host, Origin and the token were checked before the handshake (guard, auth).
     runtime: Runtime = websocket.app.state.runtime
-    if not websocket.app.state.auth.allows(websocket.headers.get("authorization")):
-        # Closing before accept refuses the handshake (HTTP 403; 1008 in-process).
-        await websocket.close(code=_CLOSE_POLICY, reason="missing or invalid bearer token")
-        return
     await websocket.accept()
     try:
         session = runtime.sessions.open("ws")
