@@ -186,7 +186,14 @@ class KernelEnvironment:
             params["context"] = record.context
         else:
             data = record.context.encode("utf-8")
-            params["context_path"] = await kernel.stage_file(".kernel_env_context.txt", data)
+            try:
+                params["context_path"] = await kernel.stage_file(".kernel_env_context.txt", data)
+            except OSError as exc:  # the kernel put something in the way (a dir, a symlink)
+                raise KernelError(
+                    f"episode setup failed: the context could not be staged ({exc.strerror})",
+                    kernel_id=kernel.kernel_id,
+                    episode_id=record.episode_id,
+                ) from None
         code = f"{_KERNEL}.setup({json.dumps(json.dumps(params))})"
         # Well below the 60 s an OpenEnv client waits for the reset's reply.
         result = await kernel.execute(code, silent=True, timeout=15.0)
@@ -223,6 +230,7 @@ class KernelEnvironment:
             user_expressions={"state": STATE_EXPRESSION},
         )
         if execution.restarted:
+            self.stats.restarts += 1  # counted before the setup, which may fail
             await self._setup_kernel()
         state = _state_from(execution) or await self._query_state()
         self._names = list(state.get("names") or [])
@@ -289,7 +297,6 @@ class KernelEnvironment:
         record, _ = self._require()
         self.stats.steps += 1
         self.stats.timeouts += result.timed_out
-        self.stats.restarts += result.kernel_restarted
         self._total_time += result.execution_time
         calls = self._calls.take_calls()
         iteration = len(record.steps) + 1

@@ -282,17 +282,19 @@ def _add_episode_routes(app: FastAPI) -> None:
         # Every field the caller set, hf_token included (ResetOptions never dumps it).
         kwargs = {name: getattr(options, name) for name in options.model_fields_set} \
             if options is not None else {}
+        _require_text(kwargs)
         session = runtime.sessions.get(session_id) if session_id else None
         new = session is None
         session = session or runtime.sessions.open("http")
         try:
             async with runtime.sessions.request(session):
                 obs = await session.reset(kwargs)
+            # Built here, inside the try: a reply that cannot be built is a failed reset too.
+            return _observation_response(obs, session)
         except BaseException:
             if new:  # a session whose first reset failed is of no use to anyone
                 await asyncio.shield(runtime.sessions.close_soon(session))
             raise
-        return _observation_response(obs, session)
 
     @app.post("/step", tags=["Environment Control"], response_model=StepResponse,
               summary="Run one action in the session's episode",
@@ -349,8 +351,10 @@ def _add_episode_routes(app: FastAPI) -> None:
     async def export(request: Request, session_id: str, name: str | None = None) -> Response:
         """``name``: the notebook's file name in the archive (default: the episode id)."""
         session = _runtime(request).sessions.get(session_id)
-        if name is not None and (not name or Path(name).name != name or name[0] == "."):
-            raise ExportPathError(f"name must be a plain file name, got {name!r}")
+        if name is not None and (not name or Path(name).name != name or name[0] == "."
+                                 or len(name.encode()) > _MAX_NAME_BYTES):
+            raise ExportPathError(f"name must be a plain file name of at most "
+                                  f"{_MAX_NAME_BYTES} bytes, got {name[:80]!r}")
 
         def archive(record: EpisodeRecord) -> bytes:
             return export_zip(record, name or notebook_name(record.episode_id))
@@ -361,6 +365,20 @@ def _add_episode_routes(app: FastAPI) -> None:
 
 
 NOTEBOOK_MEDIA_TYPE = "application/x-ipynb+json"
+# File names are at most 255 bytes; the export adds ".context.txt" or ".child-N-M.ipynb".
+_MAX_NAME_BYTES = 200
+
+
+def _require_text(kwargs: dict[str, Any]) -> None:
+    """Refuse strings that are not text (lone surrogates such as "\\ud800", which JSON allows
+    but UTF-8 cannot carry) before a session opens: they would fail later, half-way."""
+    for key, value in kwargs.items():
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{key} is not valid Unicode text (a lone surrogate at "
+                                 f"position {exc.start})") from None
 
 
 def _notebook_text(record: EpisodeRecord) -> tuple[str, str]:
