@@ -30,7 +30,7 @@ from kernel_env import __version__
 from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
 from kernel_env.kernel.factory import kernel_source_from
-from kernel_env.llm import LLMBackend, OpenAIBackend, huggingface_router
+from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.notebook import ExportPathError, export_zip, notebook_name, notebook_text
 from kernel_env.pool import KernelFactory, KernelPool
@@ -85,10 +85,9 @@ def _token_backends(settings: ServerSettings) -> BackendForToken:
     ``hf_router_url``) with the token as key. The token lives in that backend only."""
 
     def build(token: str, model: str | None) -> LLMBackend:
-        model = model or settings.llm_model
-        if not model:
-            raise ValueError("a reset with hf_token needs llm_model (or the server's "
-                             "llm_model setting) to name the model to call")
+        # As OpenEnv's repl_env: without llm_model, its default model (the reset's
+        # observation metadata says which model was used).
+        model = model or settings.llm_model or HF_DEFAULT_MODEL
         if settings.hf_router_url is None:
             return huggingface_router(token, model)
         return OpenAIBackend(settings.hf_router_url, model, api_key=token)
@@ -101,7 +100,8 @@ class Runtime:
 
     def __init__(self, settings: ServerSettings, kernel_factory: KernelFactory) -> None:
         self.settings = settings
-        self.pool = KernelPool(kernel_factory, size=settings.pool_size)
+        self.pool = KernelPool(kernel_factory, size=settings.pool_size,
+                               max_kernels=settings.kernel_limit)
         self.llm = llm_backend_from(settings)
         config = EnvConfig(
             step_timeout=settings.step_timeout,
@@ -109,6 +109,8 @@ class Runtime:
             max_context_chars=settings.max_context_chars,
             llm_max_calls=settings.llm_max_calls,
             llm_max_tokens=settings.llm_max_tokens,
+            llm_allowed_models=settings.llm_allowed_models,
+            max_prompt_chars=settings.max_prompt_chars,
         )
         token_backends = _token_backends(settings)
         self.sessions = SessionManager(
