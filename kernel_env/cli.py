@@ -209,6 +209,8 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
                         help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})")
     export.add_argument("--html", action="store_true",
                         help="also write an HTML page (needs nbconvert: kernel-env[html])")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace files of the same names (refused by default)")
     export.set_defaults(run=_export)
 
 
@@ -227,7 +229,8 @@ def _export(args: argparse.Namespace) -> int:
                 return _fail("export", f"no such notebook: {source}")
             print(write_html(source, args.output))
             return 0
-        notebook = _download(args.url, args.source, Path(args.output or f"{args.source}.ipynb"))
+        notebook = _download(args.url, args.source, Path(args.output or f"{args.source}.ipynb"),
+                             overwrite=args.overwrite)
         print(notebook)
         if args.html:
             print(write_html(notebook))
@@ -236,16 +239,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _download(url: str, session_id: str, target: Path) -> Path:
-    """Fetch a session's export.zip and unpack it beside ``target``."""
-    from kernel_env.notebook import extract_export
+def _download(url: str, session_id: str, target: Path, *, overwrite: bool) -> Path:
+    """Fetch a session's export.zip and unpack it beside ``target`` (only the episode's own
+    files: see kernel_env.archive)."""
+    from kernel_env.archive import extract_export
     from kernel_env.remote import fetch_export
 
     if not target.name.endswith(".ipynb"):
         target = target.with_name(target.name + ".ipynb")
     token = os.environ.get("KERNEL_ENV_TOKEN")
     data = asyncio.run(fetch_export(url, session_id, target.name, token=token))
-    extract_export(data, target.parent)
+    extract_export(data, target.parent, stem=target.stem, overwrite=overwrite)
     return target
 
 
