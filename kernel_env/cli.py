@@ -125,7 +125,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: `kernel-env --help` should not pay for FastAPI and uvicorn.
-    from kernel_env.server.runner import build_server
+    from kernel_env.server.runner import build_server, return_freed_memory
     from kernel_env.server.settings import ServerSettings
 
     explicit = {
@@ -165,6 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    return_freed_memory()
     print(_status_line(settings), file=sys.stderr, flush=True)
     if not settings.token and settings.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kernel-env: WARNING: {settings.host} is reachable from other hosts and no "

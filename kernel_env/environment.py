@@ -62,8 +62,9 @@ class EnvConfig:
     rlm_max_iterations: int = 10  # default for a child episode's agent loop
     # What one episode keeps of its cells' outputs (observations, record, export); each cell
     # is bounded first by the kernel and by kernel_env.outputs.MAX_STEP_OUTPUT*.
+    # A server holds one record per open session: 16 M chars x max_sessions bounds its memory.
     max_episode_outputs: int = 5_000
-    max_episode_output_chars: int = 64_000_000
+    max_episode_output_chars: int = 16_000_000
     display_count: int = DEFAULT_DISPLAY_COUNT  # rich outputs a cell sends, at most
     display_chars: int = DEFAULT_DISPLAY_CHARS  # ... and their chars
     max_prompt_chars: int = 1_000_000  # one llm_query prompt
@@ -220,6 +221,7 @@ class KernelEnvironment:
             "output_cap": self.config.kernel_output_cap,
             "display_count": self.config.display_count,
             "display_chars": self.config.display_chars,
+            "max_prompt_chars": self.config.max_prompt_chars,
         }
         if len(record.context) <= self.config.inline_context_chars:
             params["context"] = record.context

@@ -29,7 +29,8 @@ MAX_BATCH = 10_000
 MAX_PROMPT_CHARS = 1_000_000  # one prompt; the default of HostCalls.max_prompt_chars
 # What an episode's record keeps of its calls' prompts and responses, in chars; past it, a
 # call keeps a marker instead (the answer still reaches the kernel).
-MAX_KEPT_CHARS = 64_000_000
+MAX_KEPT_CHARS = 16_000_000
+_OFF_LOOP_CHARS = 1 << 20  # requests bigger than this are parsed in a thread
 _MAX_ERROR_CHARS = 2_000
 _OPS = ("llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched")
 
@@ -98,8 +99,11 @@ class HostCalls:
             # Plain input() that slipped past the kernel-side guard: EOF, the kernel raises.
             return "\x04"
         try:
-            op, args = _parse(prompt[len(REQUEST_TAG) :])
-            result = await self._dispatch(op, args)
+            text = prompt[len(REQUEST_TAG) :]
+            # A 15 MB prompt's JSON must not stall every other session's steps.
+            parsed = await asyncio.to_thread(_parse, text) if len(text) > _OFF_LOOP_CHARS \
+                else _parse(text)
+            result = await self._dispatch(*parsed)
         except RequestError as exc:
             return json.dumps({"ok": False, "error": f"bad request: {exc}"})
         except Exception as exc:

@@ -124,6 +124,19 @@ class _Episode:
                 return response
         raise KernelEnvError(f"{op}: no recorded response for this prompt: {prompt[:80]!r}")
 
+    def check_prompt(self, prompt: Any) -> str:
+        """The prompt as text, refused here (not sent) when over the host's limit; the host
+        checks again, this only saves sending megabytes to be refused."""
+        __tracebackhide__ = True
+        text = str(prompt)
+        limit = self.setup_params.get("max_prompt_chars")
+        if self.hosted and isinstance(limit, int) and len(text) > limit:
+            raise KernelEnvError(
+                f"prompt of {len(text):,} chars exceeds the limit of {limit:,}; split it "
+                "(llm_query_batched) or shorten it"
+            )
+        return text
+
     # -- per-cell bookkeeping ----------------------------------------------------------------
 
     def restore_helpers(self) -> None:
@@ -458,7 +471,8 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def llm_query(prompt: str, model: str | None = None) -> str:
         """Ask a language model; returns its answer as a string."""
-        return str(episode.call_host("llm_query", prompt=str(prompt), model=model))
+        return str(episode.call_host("llm_query", prompt=episode.check_prompt(prompt),
+                                     model=model))
 
     def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """Ask a model many prompts concurrently. Order is kept; a failed item is "Error: ..."."""
@@ -470,7 +484,8 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
     def rlm_query(prompt: str, model: str | None = None) -> str:
         """Ask a recursive sub-agent. Without an agent configured on the host, this is a plain
         llm_query."""
-        return str(episode.call_host("rlm_query", prompt=str(prompt), model=model))
+        return str(episode.call_host("rlm_query", prompt=episode.check_prompt(prompt),
+                                     model=model))
 
     def rlm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """rlm_query over many prompts concurrently; order kept, failures as "Error: ..."."""

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kernel_env.errors import KernelEnvError
+from kernel_env.outputs import output_size
 from kernel_env.server.protocol import (
     ErrorCode,
     Frame,
@@ -110,14 +111,24 @@ async def _answer(request: Request, session: Session) -> Frame:
 
 async def _send(websocket: WebSocket, frame: Frame) -> bool:
     """Send one frame; False when the client is gone."""
-    data = frame.get("data") or {}
-    size = len(data.get("context") or "") if frame["type"] == "state" else 0
-    text = await _off_loop_if_big(size, json.dumps, frame)
+    text = await _off_loop_if_big(_frame_size(frame), json.dumps, frame)
     try:
         await websocket.send_text(text)
     except (WebSocketDisconnect, RuntimeError, OSError):
         return False
     return True
+
+
+def _frame_size(frame: Frame) -> int:
+    """About how many chars ``frame`` encodes to, counting only what can be big: a state's
+    context, an observation's outputs (up to the step's output budget, several MB)."""
+    data = frame.get("data") or {}
+    if frame["type"] == "state":
+        return len(data.get("context") or "")
+    if frame["type"] != "observation":
+        return 0
+    result = (data.get("observation") or {}).get("result") or {}
+    return sum(output_size(o) for o in result.get("outputs") or [])
 
 
 async def _refuse(websocket: WebSocket, frame: Frame, code: int) -> None:
