@@ -117,14 +117,15 @@ def test_a_zip_bomb_is_refused_with_flat_memory(tmp_path: Path) -> None:
     bomb = tmp_path / "bomb.zip"
     bomb.write_bytes(_bomb("ep.context.txt", 600 << 20))
     assert bomb.stat().st_size < 2 << 20
+    # VmHWM, not ru_maxrss: the latter keeps the forking parent's size across exec.
     probe = (
-        "import resource, sys\n"
+        "import re\n"
         "from kernel_env.archive import ArchiveError, extract_export\n"
         "try:\n"
         f"    extract_export(open({str(bomb)!r}, 'rb').read(), {str(tmp_path / 'out')!r})\n"
         "except ArchiveError as exc:\n"
         "    print('refused:', exc)\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             timeout=60)

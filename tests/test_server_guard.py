@@ -149,3 +149,14 @@ def test_blank_token_is_a_startup_error() -> None:
     )
     assert result.returncode == 2
     assert "KERNEL_ENV_TOKEN is set but blank" in result.stderr
+
+
+def test_with_a_token_any_name_is_served_but_foreign_origins_are_not(token_server: str) -> None:
+    """A server with a token is reachable under any name (a Space, a Service): the token
+    admits. A foreign Origin is refused all the same."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    named = httpx.get(f"{token_server}/metrics", headers={**auth, "Host": "x.hf.space"},
+                      timeout=10)
+    assert named.status_code == 200
+    evil = httpx.get(f"{token_server}/metrics", headers={**auth, "Origin": EVIL}, timeout=10)
+    assert evil.status_code == 403

@@ -213,8 +213,10 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
                            allow_methods=["*"], allow_headers=["*"],
                            expose_headers=[SESSION_HEADER])
     hosts = settings.allowed_hosts
-    if hosts is None and settings.token and settings.host.strip("[]") in ("0.0.0.0", "::"):
-        hosts = ("*",)  # a public server with a token: the token, not the name, admits
+    if hosts is None and settings.token:
+        # With a token, the token admits, whatever name the server is reached by (a Space, a
+        # Service, a proxy); the Host check is what guards a server that has none.
+        hosts = ("*",)
     policy = HostPolicy.for_bind(settings.host, hosts or settings.host_allowlist,
                                  settings.allowed_origins)
     app.add_middleware(BrowserGuard, policy=policy)
