@@ -81,7 +81,8 @@ async def test_the_episode_keeps_a_bounded_share_of_outputs() -> None:
 def test_refused_huge_prompts_keep_nothing_but_their_error(max_prompt_chars: int | None) -> None:
     """After the budget is spent (or over the prompt limit), llm_query with a 15 MB prompt is
     refused, and the refused call keeps only its error: three such steps leave a small
-    record and a small export, not 45 MB of prompts."""
+    record and a small export, not 45 MB of prompts. The host's own check (a kernel could skip
+    the kernel-side one) is covered by test_the_host_refuses_long_prompts_the_kernel_sent."""
     with FakeOpenAI(lambda body: "ok") as fake:
         extra = {"max_prompt_chars": max_prompt_chars} if max_prompt_chars else {}
         settings = small_settings(llm_base_url=fake.url, llm_model="m", llm_max_calls=1,
@@ -97,6 +98,27 @@ def test_refused_huge_prompts_keep_nothing_but_their_error(max_prompt_chars: int
             files = _export(client, sid)
     assert sum(len(v) for v in files.values()) < 1_000_000
     notebook = next(v for k, v in files.items() if k.endswith(".ipynb")).decode()
-    assert "15,000,000 chars not kept: the call failed" in notebook
+    if max_prompt_chars:  # refused on the host by the budget: a marker in place of the prompt
+        assert "15,000,000 chars not kept: the call failed" in notebook
+    else:  # over the prompt limit: refused in the kernel, never sent, nothing to record
+        assert "chars not kept" not in notebook and "exceeds the limit" in notebook
     assert "p" * 1000 not in notebook
     assert len(fake.requests) == 1
+
+
+def test_the_host_refuses_long_prompts_the_kernel_sent() -> None:
+    """A cell that skips the kernel-side check (calling the host directly) still gets its
+    over-long prompt refused by the host, and the record keeps only the error."""
+    code = ("import sys\n"
+            "ks = sys.modules['kernel_env.kernel_side']\n"
+            "ks._episode.call_host('llm_query', prompt='q' * 2_000_000, model=None)")
+    with FakeOpenAI(lambda body: "ok") as fake:
+        settings = small_settings(llm_base_url=fake.url, llm_model="m")
+        with thread_server(settings) as url, httpx.Client(base_url=url, timeout=120) as client:
+            sid = client.post("/reset", json={"context": "c"}).headers["X-Session-Id"]
+            result = _step(client, sid, code).json()["observation"]["result"]
+            assert "exceeds the limit of 1,000,000" in (result["exception"] or "")
+            files = _export(client, sid)
+    notebook = next(v for k, v in files.items() if k.endswith(".ipynb")).decode()
+    assert "2,000,000 chars not kept: the call failed" in notebook
+    assert fake.requests == []
