@@ -1,8 +1,17 @@
-# The kernel-env server image: `kernel-env serve` on port 8000, as a non-root user, with
-# bubblewrap for the sandboxed kernel backend.
+# The kernel-env server image: `kernel-env serve` on port 8000, with bubblewrap for the
+# sandboxed kernel backend.
 #
 #   docker build -t kernel-env .
 #   docker run --rm -p 127.0.0.1:8000:8000 -e KERNEL_ENV_TOKEN=... kernel-env
+#
+# Who runs what: by default the server runs as the container's root, and every kernel as an
+# unprivileged uid of its own (KERNEL_ENV_KERNEL_UIDS; Docker's default capabilities include
+# SETUID/SETGID). A plain `docker run` allows no user namespaces, so kernels run without
+# bubblewrap (KERNEL_ENV_SANDBOX=auto): their own uid is what keeps them from the server's
+# environment, its token and key, and from each other. `--user 10001` runs the server as the
+# unprivileged `kernelenv` user instead (the shape of deploy/kubernetes): then pass secrets as
+# files (KERNEL_ENV_TOKEN_FILE, KERNEL_ENV_LLM_API_KEY_FILE), and allow user namespaces for
+# the sandbox (deploy/README.md), since kernels then share the server's uid.
 #
 # Two stages: `build` turns this source tree into a wheel and installs that wheel (and nothing
 # else of the tree) into a virtualenv at /opt/kernel-env, without pip; `runtime` is the base
@@ -62,14 +71,16 @@ COPY --from=build /opt/kernel-env /opt/kernel-env
 ENV PATH=/opt/kernel-env/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    HOME=/home/kernelenv
+    HOME=/home/kernelenv \
+    KERNEL_ENV_SANDBOX=auto
 
 LABEL org.opencontainers.image.title="kernel-env" \
       org.opencontainers.image.description="OpenEnv REPL environment whose episodes run in real IPython kernels" \
       org.opencontainers.image.licenses="BSD-3-Clause"
 
-# Numeric, so that Kubernetes' runAsNonRoot can check it.
-USER 10001:10001
+# Root, so that each kernel gets a uid of its own (see the top of this file); Kubernetes'
+# manifests run it as 10001 (runAsUser) with secrets as files.
+USER 0:0
 WORKDIR /home/kernelenv
 EXPOSE 8000
 

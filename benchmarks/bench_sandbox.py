@@ -1,13 +1,20 @@
 """The sandbox's cost, and P7 (memory of idle pooled kernels), measured in one run.
 
 Run: .venv/bin/python benchmarks/bench_sandbox.py [--kernels 64]
+     .venv/bin/python benchmarks/bench_sandbox.py --baseline ../other-checkout [--rounds 3]
+
+``--baseline`` compares a sandboxed kernel's trivial step with another checkout's (an earlier
+version of the sandbox), in alternating rounds of 400 steps, each in a fresh process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,7 +88,54 @@ async def main(count: int) -> None:
     print("targets: P7 <= 60 MiB RSS per idle kernel; 64 kernels <= 5 GB")
 
 
+STEP_P50 = """\
+import asyncio, statistics, time
+from kernel_env.kernel.sandbox import SandboxedKernel
+async def main():
+    kernel = SandboxedKernel()
+    await kernel.start()
+    for _ in range(20):
+        await kernel.execute("x = 1")
+    times = []
+    for _ in range(400):
+        t0 = time.perf_counter()
+        await kernel.execute("x = 1")
+        times.append(time.perf_counter() - t0)
+    await kernel.shutdown()
+    print(statistics.median(times))
+asyncio.run(main())
+"""
+
+
+def step_p50(pythonpath: str | None) -> float:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    out = subprocess.run([sys.executable, "-c", STEP_P50], capture_output=True, text=True,
+                         env=env, check=True, cwd="/")
+    return float(out.stdout.split()[-1])
+
+
+def compare(baseline: str, rounds: int) -> None:
+    this = str(Path(__file__).resolve().parent.parent)
+    runs: dict[str, list[float]] = {"baseline": [], "this checkout": []}
+    for _ in range(rounds):
+        runs["baseline"].append(step_p50(str(Path(baseline).resolve())))
+        runs["this checkout"].append(step_p50(this))
+    base = statistics.median(runs["baseline"])
+    for name, values in runs.items():
+        p50 = statistics.median(values)
+        print(f"{name:<16} sandboxed step p50 {p50 * 1000:6.2f} ms "
+              f"(rounds: {', '.join(f'{v * 1000:.2f}' for v in values)}) x{p50 / base:.2f}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--kernels", type=int, default=64)
-    asyncio.run(main(parser.parse_args().kernels))
+    parser.add_argument("--baseline", help="another checkout to compare the step cost with")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.baseline:
+        compare(args.baseline, args.rounds)
+    else:
+        asyncio.run(main(args.kernels))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -91,8 +92,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--max-code-chars", type=int, help="largest code of one step")
     add("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     add("--sandbox", choices=["auto", "bwrap", "none"],
-        help="local kernels under bubblewrap: auto (where it works; default), bwrap (required), "
-        "none")
+        help="local kernels under bubblewrap: bwrap (required; default), auto (unsandboxed "
+        "where it cannot run), none")
     add("--gateway-url", metavar="URL",
         help="run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead")
     add("--gateway-token", metavar="TOKEN",
@@ -166,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return_freed_memory()
+    _guard_secrets()
     print(_status_line(settings), file=sys.stderr, flush=True)
     if not settings.token and settings.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kernel-env: WARNING: {settings.host} is reachable from other hosts and no "
@@ -175,8 +177,24 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _guard_secrets() -> None:
+    """Once the settings hold them: drop the secrets from this process's environment (no
+    child inherits them), and make the process non-dumpable, so that no process of another
+    uid, and none of this uid without ptrace rights, can read its memory or
+    ``/proc/<pid>/environ``."""
+    from kernel_env.server.settings import ENV_PREFIX, SECRET_SETTINGS
+
+    for name in SECRET_SETTINGS:
+        os.environ.pop(ENV_PREFIX + name.upper(), None)
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        pr_set_dumpable = 4
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0)
+
+
 def _status_line(settings: ServerSettings) -> str:
-    from kernel_env.kernel.factory import describe_backend
+    from kernel_env.kernel.factory import describe_backend, describe_limits
 
     auth = "bearer token required" if settings.token else "no auth"
     if settings.llm_base_url:
@@ -188,6 +206,8 @@ def _status_line(settings: ServerSettings) -> str:
         f"/ws); warming {settings.pool_size} kernel(s); max {settings.max_sessions} sessions, "
         f"step timeout {settings.step_timeout:g} s, idle TTL {settings.idle_ttl:g} s, {auth}\n"
         f"kernel-env: {describe_backend(settings)}; {llm}"
+        + "".join(f"\nkernel-env:   {name}: {value}"
+                  for name, value in describe_limits(settings).items())
     )
 
 

@@ -76,6 +76,7 @@ class KernelPool:
         self._warm: deque[Kernel] = deque()
         self._starts: set[asyncio.Task[None]] = set()
         self._need = asyncio.Event()
+        self._placed = asyncio.Event()  # a start ended (its kernel placed, or it failed)
         self._filler: asyncio.Task[None] | None = None
         self._closed = False
         self._first_fill = 0.0
@@ -117,6 +118,11 @@ class KernelPool:
         if self._closed:
             raise KernelError("the kernel pool is closed")
         self.acquired += 1
+        if not self._warm and self._room() <= 0 and self._starts:
+            # The budget is spent, but part of it is a pool kernel on its way: wait for it.
+            await self._wait_for_placed()
+            if self._closed:
+                raise KernelError("the kernel pool is closed")
         while self._warm:
             kernel = self._warm.popleft()
             self._need.set()
@@ -141,6 +147,11 @@ class KernelPool:
             self._acquiring -= 1
         self._out.add(kernel)
         return kernel
+
+    async def _wait_for_placed(self) -> None:
+        while not self._warm and self._starts and not self._closed:
+            self._placed.clear()
+            await self._placed.wait()
 
     async def close(self) -> None:
         """Shut down every warm kernel and stop refilling; idempotent."""
@@ -196,6 +207,7 @@ class KernelPool:
             # waits for the tasks in _starts, so none may be running a shutdown unseen.
             self._starts.discard(asyncio.current_task())
             self._need.set()
+            self._placed.set()
 
     async def _start_and_place(self) -> None:
         try:

@@ -290,21 +290,26 @@ check_no_secret_in_logs() {
     fi
 }
 
+# The documented `docker run`: no extra privileges, so no user namespaces and no bubblewrap;
+# the server runs as the container's root, each kernel as a uid of its own. The kernel must
+# find neither the token nor the LLM key in any process environment, nor reach the other
+# episode's kernel (docker_smoke_client.py's probe).
 smoke_default_container() {
-    local name="$RUN_ID-main" token url start healthy user stopping code
+    local name="$RUN_ID-main" token key url start healthy user stopping code
     token=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')
+    key=$("$PYTHON" -c 'import secrets; print("sk-" + secrets.token_hex(16))')
     start=$(now)
-    url=$(KERNEL_ENV_TOKEN=$token start_container "$name" \
-        --env KERNEL_ENV_TOKEN --env KERNEL_ENV_POOL_SIZE=1)
+    url=$(KERNEL_ENV_TOKEN=$token KERNEL_ENV_LLM_API_KEY=$key start_container "$name" \
+        --env KERNEL_ENV_TOKEN --env KERNEL_ENV_LLM_API_KEY --env KERNEL_ENV_POOL_SIZE=1)
     healthy=$("$PYTHON" "$CLIENT" health "$url" --timeout 90 --since "$start") ||
         { docker logs "$name" >&2; die "no /health"; }
     say "serving at $url: /health answered ${healthy} s after docker run started"
-    KERNEL_ENV_TOKEN=$token "$PYTHON" "$CLIENT" episode "$url" >&2 ||
+    KERNEL_ENV_TOKEN=$token SMOKE_LLM_KEY=$key "$PYTHON" "$CLIENT" episode "$url" >&2 ||
         { docker logs "$name" >&2; die "episode through KernelEnv(base_url)"; }
     wait_docker_healthy "$name" "$start"
     user=$(docker exec "$name" id)
-    case "$user" in uid=0*) die "the server runs as root: $user" ;; esac
     check_no_secret_in_logs "$name" "$token"
+    check_no_secret_in_logs "$name" "$key"
     say "image facts: size $(image_size) MB; user: $user"
     sandbox_note "$name"
     stopping=$(now)
@@ -319,30 +324,42 @@ image_size() {
 }
 
 sandbox_note() {
-    if docker logs "$1" 2>&1 | grep -q "WITHOUT the sandbox"; then
-        say "default container: kernels unsandboxed ($(docker logs "$1" 2>&1 |
-            grep -m1 'WITHOUT the sandbox' | sed -E 's/.*sandbox: //' | cut -c1-160))"
+    if docker logs "$1" 2>&1 | grep -q "NOT sandboxed"; then
+        say "default container: kernels unsandboxed, each as its own uid ($(docker logs "$1" \
+            2>&1 | grep -m1 'NOT sandboxed' | sed -E 's/.*sandboxed: //' | cut -c1-160))"
     else
         say "default container: kernels sandboxed"
     fi
 }
 
 # The sandbox inside a container, with the settings deploy/README.md documents, in the locked-
-# down shape of deploy/kubernetes (read-only root, no capabilities, no privilege escalation).
+# down shape of deploy/kubernetes (the unprivileged user, read-only root, no capabilities, no
+# privilege escalation), with the secrets as files.
 smoke_sandboxed_container() {
-    local name="$RUN_ID-sandbox" token url
+    local name="$RUN_ID-sandbox" token key url secrets
     token=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')
-    url=$(KERNEL_ENV_TOKEN=$token start_container "$name" \
-        --env KERNEL_ENV_TOKEN --env KERNEL_ENV_SANDBOX=bwrap --env KERNEL_ENV_POOL_SIZE=1 \
+    key=$("$PYTHON" -c 'import secrets; print("sk-" + secrets.token_hex(16))')
+    secrets="$WORK/secrets"
+    mkdir -p "$secrets"
+    printf '%s\n' "$token" >"$secrets/token"
+    printf '%s\n' "$key" >"$secrets/key"
+    chown -R 10001:10001 "$secrets"
+    chmod 0400 "$secrets/token" "$secrets/key"
+    url=$(start_container "$name" --user 10001:10001 \
+        --volume "$secrets:/run/secrets/kernel-env:ro" \
+        --env KERNEL_ENV_TOKEN_FILE=/run/secrets/kernel-env/token \
+        --env KERNEL_ENV_LLM_API_KEY_FILE=/run/secrets/kernel-env/key \
+        --env KERNEL_ENV_SANDBOX=bwrap --env KERNEL_ENV_POOL_SIZE=1 \
         --read-only --tmpfs /tmp --tmpfs /home/kernelenv:uid=10001,gid=10001 \
         --cap-drop ALL --security-opt no-new-privileges \
         --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
         --security-opt systempaths=unconfined)
     "$PYTHON" "$CLIENT" health "$url" --timeout 90 >/dev/null ||
         { docker logs "$name" >&2; die "no /health with KERNEL_ENV_SANDBOX=bwrap"; }
-    KERNEL_ENV_TOKEN=$token "$PYTHON" "$CLIENT" episode "$url" --sandboxed >&2 ||
-        { docker logs "$name" >&2; die "sandboxed episode in the container"; }
+    KERNEL_ENV_TOKEN=$token SMOKE_LLM_KEY=$key "$PYTHON" "$CLIENT" episode "$url" \
+        --sandboxed >&2 || { docker logs "$name" >&2; die "sandboxed episode in the container"; }
     check_no_secret_in_logs "$name" "$token"
+    check_no_secret_in_logs "$name" "$key"
     docker rm --force "$name" >/dev/null
 }
 

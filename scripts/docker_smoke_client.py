@@ -27,24 +27,53 @@ CONTEXT = "Hello World"
 NOTEBOOK_TYPE = "application/x-ipynb+json"
 
 # Runs inside the episode's kernel: its uid, the secret-looking variables in its environment,
-# how many processes it can see whose environment holds the server's token variable, and what
-# its pid 1 is (bubblewrap's own PID namespace, or the container's). One JSON line.
+# how many processes it can see whose environment holds the server's token variable or the
+# given secret values, what its pid 1 is (bubblewrap's own PID namespace, or the container's),
+# and what it could do to every other kernel it can see: read its connection file or its
+# environment, or signal it. One JSON line.
 PROBE_CODE = """\
 import glob as _glob, json as _json, os as _os
-def _environ_with_token():
+_secrets = [s.encode() for s in {secrets!r}]
+def _environ_with_secrets():
     found = 0
     for path in _glob.glob("/proc/[0-9]*/environ"):
         try:
-            found += b"KERNEL_ENV_TOKEN=" in open(path, "rb").read()
+            blob = open(path, "rb").read()
         except OSError:
-            pass
+            continue
+        found += b"KERNEL_ENV_TOKEN=" in blob or any(s in blob for s in _secrets)
     return found
-print(_json.dumps({
+def _other_kernels():
+    import sys as _sys
+    mine = _sys.argv[_sys.argv.index("-f") + 1]
+    reached = []
+    for path in _glob.glob("/proc/[0-9]*/cmdline"):
+        pid = int(path.split("/")[2])
+        try:
+            argv = open(path, "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        if pid == _os.getpid() or b"ipykernel_launcher" not in b" ".join(argv):
+            continue
+        connection = argv[argv.index(b"-f") + 1].decode()
+        if connection == mine:  # this kernel's own launcher (bubblewrap's init)
+            continue
+        for what, attempt in [("connection file", lambda: open(connection).read()),
+                              ("environ", lambda: open(f"/proc/{{pid}}/environ").read()),
+                              ("signal", lambda: _os.kill(pid, 0))]:
+            try:
+                attempt()
+                reached.append(f"{{what}} of {{pid}}")
+            except OSError:
+                pass
+    return reached
+print(_json.dumps({{
     "uid": _os.getuid(),
     "secret_vars": sorted(k for k in _os.environ if "TOKEN" in k or "API_KEY" in k),
-    "environ_with_token": _environ_with_token(),
+    "environ_with_token": _environ_with_secrets(),
+    "other_kernels_reached": _other_kernels(),
     "pid_1": open("/proc/1/cmdline", "rb").read().split(b"\\0")[0].decode(),
-}))
+}}))
 """
 
 
@@ -81,7 +110,8 @@ def run_episode(env: KernelEnv) -> tuple[str, dict[str, Any]]:
     check(bool(session_id), f"no session_id in the reset observation: {result.observation}")
     step = env.execute("n = len(context)\nn")
     check(step.observation.result.stdout.strip() == "11", f"len(context): {step.observation}")
-    probe = env.execute(PROBE_CODE)
+    secrets = [s for s in (os.environ.get("KERNEL_ENV_TOKEN"), os.environ.get("SMOKE_LLM_KEY")) if s]
+    probe = env.execute(PROBE_CODE.format(secrets=secrets))
     check(probe.observation.result.success, f"probe cell failed: {probe.observation}")
     facts = json.loads(probe.observation.result.stdout.strip().splitlines()[-1])
     final = env.execute("FINAL(n)")
@@ -108,27 +138,34 @@ def fetch_notebook(url: str, session_id: str, token: str | None) -> dict[str, An
 def check_kernel_facts(facts: dict[str, Any], sandboxed: bool) -> None:
     check(not facts["secret_vars"], f"the kernel sees secret variables {facts['secret_vars']}")
     check(facts["uid"] != 0, "the kernel runs as root")
+    # Every container mode: no process environment the kernel can read holds the token or
+    # the LLM key, and no other episode's kernel is within reach.
+    check(facts["environ_with_token"] == 0, f"the kernel can read the server's secrets: {facts}")
+    check(not facts["other_kernels_reached"], f"the kernel reaches another: {facts}")
     if sandboxed:
         # Inside bubblewrap the kernel is `nobody` in its own PID namespace: the server's
         # process, and so its environment, is out of sight.
         check(facts["uid"] == 65534, f"sandboxed kernel uid {facts['uid']}, expected 65534")
         check("tini" not in facts["pid_1"], f"the kernel sees the container's pid 1: {facts}")
-        check(facts["environ_with_token"] == 0, "the kernel can read the server's token")
 
 
 def episode(url: str, sandboxed: bool) -> str:
     from kernel_env import KernelEnv
 
     token = os.environ.get("KERNEL_ENV_TOKEN") or None
-    with KernelEnv(base_url=url, token=token) as env:
+    # A second episode's kernel runs beside the probed one: the probe must not reach it.
+    with KernelEnv(base_url=url, token=token) as other, \
+            KernelEnv(base_url=url, token=token) as env:
+        other.reset(context="the other episode")
+        other.execute("secret_of_the_other_episode = 42")
         session_id, facts = run_episode(env)
         notebook = fetch_notebook(url, session_id, token)
     check_kernel_facts(facts, sandboxed)
     cells = len(notebook["cells"])
-    seen = facts["environ_with_token"]
     return (
-        f"episode ok: session {session_id}, notebook {cells} cells, kernel uid {facts['uid']}, "
-        f"processes whose environment the kernel reads with the token variable: {seen}"
+        f"episode ok: session {session_id}, notebook {cells} cells, kernel uid {facts['uid']}; "
+        "no process environment it reads holds the token or the LLM key; the other "
+        "episode's kernel is out of reach"
     )
 
 

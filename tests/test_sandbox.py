@@ -13,7 +13,7 @@ import pytest
 from serverkit import make_client, serve_process, wait_until
 
 from kernel_env import KernelEnv
-from kernel_env.kernel import Kernel, LocalKernel, sandbox
+from kernel_env.kernel import Kernel, LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, launch_guard, sandbox_problem
 
 pytestmark = pytest.mark.skipif(
@@ -214,39 +214,43 @@ async def test_churn_leaves_nothing_behind(tmp_path: Path) -> None:
         await env.close()
 
     await cycle()  # warm imports and caches before the baseline
+    parent = next(tmp_path.iterdir())  # this process's runtime parent, locked while it lives
     baseline = len(os.listdir("/proc/self/fd"))
-    cgroups = Path("/sys/fs/cgroup/pids/kernel_env")
+    cgroups = Path(f"/sys/fs/cgroup/pids/kernel_env/{os.getpid()}")
     before = set(cgroups.iterdir()) if cgroups.exists() else set()
     for _ in range(200):
         await cycle()
-    assert os.listdir(tmp_path) == []
+    assert sorted(os.listdir(parent)) == [".lock"]
     assert _descendants() == set()
     assert len(os.listdir("/proc/self/fd")) <= baseline
     # Compared with before: other tests' servers, killed on purpose, may have left some.
     assert not cgroups.exists() or set(cgroups.iterdir()) - before == set()
 
 
-def test_stale_empty_cgroups_are_swept(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The empty cgroups of kernels whose server was killed are removed at the next kernel
-    start; a cgroup with a live process in it is left alone."""
-    parent = Path("/sys/fs/cgroup/pids/kernel_env")
-    if not os.access(parent.parent, os.W_OK):
+def test_a_dead_servers_cgroups_are_swept() -> None:
+    """The cgroups of a server killed with SIGKILL (its parent is named by its pid) are
+    removed by the next server's sweep, and whatever still ran in them is killed; a live
+    server's cgroups are left alone."""
+    from kernel_env.kernel import cgroups
+
+    if "pids" not in cgroups.available_controllers():
         pytest.skip("no writable pids cgroup here")
-    stale, busy = parent / f"stale-{os.getpid()}", parent / f"busy-{os.getpid()}"
-    for cgroup in (stale, busy):
-        cgroup.mkdir(parents=True)
+    tree = Path("/sys/fs/cgroup/pids/kernel_env")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    stale, live = tree / str(dead.pid) / "k1", tree / str(os.getpid()) / "k-live"
+    for cgroup in (stale, live):
+        cgroup.mkdir(parents=True, exist_ok=True)
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        (busy / "cgroup.procs").write_text(str(sleeper.pid))
-        monkeypatch.setattr(sandbox, "_STALE_CGROUP_AGE", 0.0)
-        sandbox._sweep_stale_cgroups()
-        assert not stale.exists() and busy.exists()
+        (stale / "cgroup.procs").write_text(str(sleeper.pid))
+        assert cgroups.sweep_dead_servers() >= 1
+        assert not stale.parent.exists() and live.exists()
+        assert sleeper.wait(timeout=10) == -9  # killed by the sweep
     finally:
         sleeper.kill()
         sleeper.wait()
-        for cgroup in (stale, busy):
-            sandbox._empty_and_remove(cgroup)
-    assert not busy.exists()
+        live.rmdir()
 
 
 def test_launch_guard_ties_the_kernel_to_its_parent() -> None:

@@ -4,18 +4,15 @@ happened; bad export names are a clear 4xx."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from serverkit import kernel_pids, make_client, wait_until
 
-KILL_AFTER_DELETING_CONTEXT = """
-import os, sys
-episode = sys.modules['kernel_env.kernel_side']._episode
-path = episode.setup_params['context_path']
-os.remove(path)
-os.mkdir(path)  # the host cannot stage the context here again
-os._exit(1)
-"""
+CONTEXT_PATH = (
+    "import sys\n"
+    "print(sys.modules['kernel_env.kernel_side']._episode.setup_params['context_path'])"
+)
 
 
 def test_refused_resets_leave_no_session_or_kernel() -> None:
@@ -52,13 +49,19 @@ def test_a_reset_that_fails_after_opening_closes_its_session() -> None:
 
 
 def test_restarts_are_counted_when_setup_fails_after_a_restart() -> None:
-    """A cell deletes the staged context and kills its kernel: the restart's setup fails, and
+    """The kernel dies, and the setup after its restart fails (the staged context's place is
+    taken by a directory, from the host: a sandboxed cell cannot do it): the step fails, and
     the `restarts` metric still counts the restart."""
     with make_client(pool_size=0) as c:
         reset = c.post("/reset", json={"context": "y" * 100_000})
         sid = reset.headers["X-Session-Id"]
-        step = c.post("/step", json={"action": {"code": KILL_AFTER_DELETING_CONTEXT}},
-                      headers={"X-Session-Id": sid})
+        headers = {"X-Session-Id": sid}
+        path = c.post("/step", json={"action": {"code": CONTEXT_PATH}}, headers=headers)
+        staged = Path(path.json()["observation"]["result"]["stdout"].strip())
+        staged.unlink()
+        staged.mkdir()
+        step = c.post("/step", json={"action": {"code": "import os; os._exit(1)"}},
+                      headers=headers)
         assert step.status_code == 503, step.text
         assert "setup failed" in step.json()["detail"]
         assert c.get("/metrics").json()["restarts"] == 1

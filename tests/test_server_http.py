@@ -42,8 +42,9 @@ def h(sid: str) -> dict[str, str]:
 
 
 def test_health_is_healthy(client: TestClient) -> None:
-    """GET /health answers {"status": "healthy"}."""
-    assert client.get("/health").json() == {"status": "healthy"}
+    """GET /health answers {"status": "healthy"}, and says where kernels run and how."""
+    health = client.get("/health").json()
+    assert health["status"] == "healthy" and set(health) == {"status", "kernels"}
 
 
 def test_metadata_has_name_and_description(client: TestClient) -> None:
@@ -56,6 +57,7 @@ def test_metadata_has_name_and_description(client: TestClient) -> None:
         "version",
         "author",
         "documentation_url",
+        "kernels",  # where kernels run, and which limits hold
     }
     assert data["name"] == "kernel_env"
 
@@ -403,5 +405,5 @@ def test_module_level_app_for_asgi_servers(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("KERNEL_ENV_POOL_SIZE", "0")
     monkeypatch.setenv("KERNEL_ENV_MAX_SESSIONS", "3")
     with serverkit.LoopbackClient(module.app) as c:
-        assert c.get("/health").json() == {"status": "healthy"}
+        assert c.get("/health").json()["status"] == "healthy"
         assert c.get("/metrics").json()["max_sessions"] == 3

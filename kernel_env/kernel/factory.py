@@ -18,11 +18,14 @@ from typing import Any, Protocol
 from kernel_env.kernel.base import Kernel
 from kernel_env.kernel.gateway import GatewayConfig, GatewayKernel
 from kernel_env.kernel.local import LocalKernel
+from kernel_env.kernel.local import describe_isolation as unsandboxed_limits
 from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
+from kernel_env.kernel.sandbox import describe_limits as sandbox_limits
 
 __all__ = [
     "BackendSettings",
     "describe_backend",
+    "describe_limits",
     "gateway_source",
     "kernel_source_from",
     "local_source",
@@ -68,7 +71,11 @@ def _local_kind(sandbox: str) -> type[LocalKernel]:
     if problem is None:
         return SandboxedKernel
     if sandbox == "bwrap":
-        raise RuntimeError(f"the bubblewrap sandbox is required but unavailable: {problem}")
+        raise RuntimeError(
+            f"the kernels' sandbox cannot run here: {problem}. Fix that, or choose "
+            "--sandbox none (KERNEL_ENV_SANDBOX=none) to run kernels unsandboxed, or "
+            "--sandbox auto to fall back to that where the sandbox cannot run"
+        )
     _warn_unsandboxed(problem)
     return LocalKernel
 
@@ -80,6 +87,19 @@ def _warn_unsandboxed(problem: str) -> None:
         "sandbox='none' / --sandbox none to silence this)",
         problem,
     )
+
+
+def describe_limits(settings: BackendSettings | None = None) -> dict[str, str]:
+    """What isolates local kernels here, and which limits are in force (for the status
+    line, ``/health`` and ``/metadata``); empty for gateway kernels."""
+    url = getattr(settings, "gateway_url", None) if settings is not None else None
+    if url:
+        return {}
+    sandbox = getattr(settings, "sandbox", "auto") or "auto"
+    if sandbox != "none" and sandbox_problem() is None:
+        return {"sandbox": "bubblewrap", **sandbox_limits()}
+    why = "sandbox=none" if sandbox == "none" else sandbox_problem() or ""
+    return {"sandbox": f"none ({why})", **unsandboxed_limits()}
 
 
 def gateway_source(config: GatewayConfig, **kernel_options: Any) -> KernelSource:

