@@ -106,12 +106,27 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add("--llm-model", metavar="MODEL", help="model name sent to --llm-base-url")
     add("--llm-max-calls", type=int, metavar="N", help="LLM calls per episode at most")
     add("--llm-max-tokens", type=int, metavar="N", help="LLM tokens per episode at most")
+    add("--llm-allowed-models", type=_names, metavar="M1,M2",
+        help="models a cell may name in llm_query(model=...) besides --llm-model")
+    add("--max-prompt-chars", type=int, metavar="N", help="largest llm_query prompt")
+    add("--max-kernels", type=int, metavar="N",
+        help="kernels at most: sessions', warm ones and rlm_query children (default "
+        "max-sessions + pool-size)")
+    add("--allowed-hosts", type=_names, metavar="H1,H2",
+        help="Host names accepted (default: the bound address, localhost, 127.0.0.1, [::1]; "
+        "* for any)")
+    add("--allowed-origins", type=_names, metavar="O1,O2",
+        help="web origins allowed to call the server (CORS); none by default")
     serve.set_defaults(run=_serve)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: `kernel-env --help` should not pay for FastAPI and uvicorn.
-    from kernel_env.server.runner import build_server
+    from kernel_env.server.runner import build_server, return_freed_memory
     from kernel_env.server.settings import ServerSettings
 
     explicit = {
@@ -136,6 +151,11 @@ def _serve(args: argparse.Namespace) -> int:
             "llm_model",
             "llm_max_calls",
             "llm_max_tokens",
+            "llm_allowed_models",
+            "max_prompt_chars",
+            "max_kernels",
+            "allowed_hosts",
+            "allowed_origins",
         )
     }
     try:
@@ -146,6 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    return_freed_memory()
     _guard_secrets()
     print(_status_line(settings), file=sys.stderr, flush=True)
     if not settings.token and settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -209,6 +230,8 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
                         help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})")
     export.add_argument("--html", action="store_true",
                         help="also write an HTML page (needs nbconvert: kernel-env[html])")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace files of the same names (refused by default)")
     export.set_defaults(run=_export)
 
 
@@ -227,7 +250,8 @@ def _export(args: argparse.Namespace) -> int:
                 return _fail("export", f"no such notebook: {source}")
             print(write_html(source, args.output))
             return 0
-        notebook = _download(args.url, args.source, Path(args.output or f"{args.source}.ipynb"))
+        notebook = _download(args.url, args.source, Path(args.output or f"{args.source}.ipynb"),
+                             overwrite=args.overwrite)
         print(notebook)
         if args.html:
             print(write_html(notebook))
@@ -236,16 +260,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _download(url: str, session_id: str, target: Path) -> Path:
-    """Fetch a session's export.zip and unpack it beside ``target``."""
-    from kernel_env.notebook import extract_export
+def _download(url: str, session_id: str, target: Path, *, overwrite: bool) -> Path:
+    """Fetch a session's export.zip and unpack it beside ``target`` (only the episode's own
+    files: see kernel_env.archive)."""
+    from kernel_env.archive import extract_export
     from kernel_env.remote import fetch_export
 
     if not target.name.endswith(".ipynb"):
         target = target.with_name(target.name + ".ipynb")
     token = os.environ.get("KERNEL_ENV_TOKEN")
     data = asyncio.run(fetch_export(url, session_id, target.name, token=token))
-    extract_export(data, target.parent)
+    extract_export(data, target.parent, stem=target.stem, overwrite=overwrite)
     return target
 
 

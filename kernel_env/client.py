@@ -15,12 +15,13 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from kernel_env.archive import extract_export
 from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
 from kernel_env.errors import ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.llm import LLMBackend
 from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
-from kernel_env.notebook import extract_export, write_notebook
+from kernel_env.notebook import write_notebook
 from kernel_env.rubric import Rewards
 
 if TYPE_CHECKING:
@@ -209,17 +210,21 @@ class AsyncKernelEnv:
         """Names defined in the episode's namespace."""
         return (await self.state()).namespace_keys
 
-    async def export_notebook(self, path: str | os.PathLike[str]) -> Path:
+    async def export_notebook(
+        self, path: str | os.PathLike[str], *, overwrite: bool = False
+    ) -> Path:
         """Write the current (or last) episode as a notebook at ``path``; returns the path.
 
         A large ``context`` goes to a ``<name>.context.txt`` file next to it, and child
         episodes of ``rlm_query`` to ``<name>.child-<step>-<n>.ipynb``. A remote episode is
-        downloaded from the server (``GET /sessions/{id}/export.zip``)."""
+        downloaded from the server (``GET /sessions/{id}/export.zip``) and unpacked with
+        care (only those files, no dotfiles, bounded size; an existing file is replaced only
+        with ``overwrite=True``)."""
         target = Path(path)
         if not target.name.endswith(".ipynb"):
             target = target.with_name(target.name + ".ipynb")
         if self.environment is None:
-            await self._download_export(target)
+            await self._download_export(target, overwrite)
             return target.resolve()
         record = self.environment.record
         if record is None:
@@ -227,13 +232,15 @@ class AsyncKernelEnv:
         target.parent.mkdir(parents=True, exist_ok=True)
         return await asyncio.to_thread(write_notebook, record, target.parent, target.name)
 
-    async def _download_export(self, target: Path) -> None:
+    async def _download_export(self, target: Path, overwrite: bool) -> None:
         from kernel_env.remote import RemoteSession
 
         session = await self._connect()
         assert isinstance(session, RemoteSession)  # a client without an environment is remote
         data = await session.export_zip(target.name)
-        await asyncio.to_thread(extract_export, data, target.parent)
+        await asyncio.to_thread(
+            extract_export, data, target.parent, stem=target.stem, overwrite=overwrite
+        )
 
     async def close(self) -> None:
         """End the episode and release its kernel (or connection); idempotent."""
@@ -349,9 +356,9 @@ class KernelEnv:
 
         return self._run(run_agent(self._async, backend, **kwargs))
 
-    def export_notebook(self, path: str | os.PathLike[str]) -> Path:
+    def export_notebook(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write the current (or last) episode as a notebook; see AsyncKernelEnv."""
-        return self._run(self._async.export_notebook(path))
+        return self._run(self._async.export_notebook(path, overwrite=overwrite))
 
     def close(self) -> None:
         """Release the kernel (or connection) and the loop thread; idempotent."""

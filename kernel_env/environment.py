@@ -19,10 +19,16 @@ from kernel_env import answers
 from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
 from kernel_env.hostcalls import HostCalls, LLMBatchFn, LLMQueryFn
 from kernel_env.kernel import ExecutionResult, Kernel
-from kernel_env.kernel_side import DEFAULT_OUTPUT_CAP, MODULE_NAME, STATE_EXPRESSION
+from kernel_env.kernel_side import (
+    DEFAULT_DISPLAY_CHARS,
+    DEFAULT_DISPLAY_COUNT,
+    DEFAULT_OUTPUT_CAP,
+    MODULE_NAME,
+    STATE_EXPRESSION,
+)
 from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
-from kernel_env.outputs import truncate
+from kernel_env.outputs import OutputBudget, truncate
 from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.recursion import BackendForToken, ChildEpisodes, ParentLink
 from kernel_env.rubric import Rewards, Rubric, as_rubric, score_final
@@ -54,6 +60,15 @@ class EnvConfig:
     llm_max_tokens: int | None = None
     rlm_concurrency: int = 4  # child episodes of one rlm_query_batched at a time
     rlm_max_iterations: int = 10  # default for a child episode's agent loop
+    # What one episode keeps of its cells' outputs (observations, record, export); each cell
+    # is bounded first by the kernel and by kernel_env.outputs.MAX_STEP_OUTPUT*.
+    # A server holds one record per open session: 16 M chars x max_sessions bounds its memory.
+    max_episode_outputs: int = 5_000
+    max_episode_output_chars: int = 16_000_000
+    display_count: int = DEFAULT_DISPLAY_COUNT  # rich outputs a cell sends, at most
+    display_chars: int = DEFAULT_DISPLAY_CHARS  # ... and their chars
+    max_prompt_chars: int = 1_000_000  # one llm_query prompt
+    llm_allowed_models: tuple[str, ...] = ()  # besides the episode's own model
 
 
 @dataclass
@@ -104,7 +119,12 @@ class KernelEnvironment:
         self._calls = HostCalls()
         self._names: list[str] = []
         self._total_time = 0.0
+        self._output_budget = self._new_output_budget()
         self.stats = _Stats()
+
+    def _new_output_budget(self) -> OutputBudget:
+        return OutputBudget(self.config.max_episode_outputs,
+                            self.config.max_episode_output_chars, scope="episode")
 
     @property
     def kernel(self) -> Kernel | None:
@@ -137,10 +157,13 @@ class KernelEnvironment:
         )
         self._calls = await self._host_calls(opts)
         self._total_time = 0.0
+        self._output_budget = self._new_output_budget()
         self._kernel = await self._kernel_source()
         await self._setup_kernel()
         self._names = ["answer", "context"]
-        return self._observation(CodeBlockResult(), reward=None, done=False)
+        observation = self._observation(CodeBlockResult(), reward=None, done=False)
+        observation.metadata.update(self._model_note(opts))
+        return observation
 
     async def _host_calls(self, opts: ResetOptions) -> HostCalls:
         """The episode's LLM plumbing: backend, usage, budget, and rlm_query's children."""
@@ -163,6 +186,8 @@ class KernelEnvironment:
         runner = None
         if backend is not None and link.depth < link.max_depth:
             runner = ChildEpisodes(self.config, self._kernel_source, backend, link).run
+        backend_model = getattr(backend, "model", None)
+        allowed = {*self.config.llm_allowed_models, opts.llm_model, backend_model}
         return HostCalls(
             backend=backend,
             usage=link.usage,
@@ -172,7 +197,17 @@ class KernelEnvironment:
             max_concurrency=self.config.llm_concurrency,
             rlm_concurrency=self.config.rlm_concurrency,
             default_model=opts.llm_model,
+            allowed_models=frozenset(m for m in allowed if isinstance(m, str) and m),
+            max_prompt_chars=self.config.max_prompt_chars,
         )
+
+    def _model_note(self, opts: ResetOptions) -> dict[str, Any]:
+        """Reset metadata naming the model an hf_token episode calls when the reset named
+        none (OpenEnv's repl_env default, unless the server has one)."""
+        model = getattr(self._token_backend, "model", None)
+        if not opts.hf_token or opts.llm_model or not isinstance(model, str):
+            return {}
+        return {"llm_model": model, "llm_model_defaulted": True}
 
     async def _close_token_backend(self) -> None:
         backend, self._token_backend = self._token_backend, None
@@ -181,12 +216,25 @@ class KernelEnvironment:
 
     async def _setup_kernel(self) -> None:
         record, kernel = self._require()
-        params: dict[str, Any] = {"seed": record.seed, "output_cap": self.config.kernel_output_cap}
+        params: dict[str, Any] = {
+            "seed": record.seed,
+            "output_cap": self.config.kernel_output_cap,
+            "display_count": self.config.display_count,
+            "display_chars": self.config.display_chars,
+            "max_prompt_chars": self.config.max_prompt_chars,
+        }
         if len(record.context) <= self.config.inline_context_chars:
             params["context"] = record.context
         else:
             data = record.context.encode("utf-8")
-            params["context_path"] = await kernel.stage_file(".kernel_env_context.txt", data)
+            try:
+                params["context_path"] = await kernel.stage_file(".kernel_env_context.txt", data)
+            except OSError as exc:  # the kernel put something in the way (a dir, a symlink)
+                raise KernelError(
+                    f"episode setup failed: the context could not be staged ({exc.strerror})",
+                    kernel_id=kernel.kernel_id,
+                    episode_id=record.episode_id,
+                ) from None
         code = f"{_KERNEL}.setup({json.dumps(json.dumps(params))})"
         # Well below the 60 s an OpenEnv client waits for the reset's reply.
         result = await kernel.execute(code, silent=True, timeout=15.0)
@@ -223,6 +271,7 @@ class KernelEnvironment:
             user_expressions={"state": STATE_EXPRESSION},
         )
         if execution.restarted:
+            self.stats.restarts += 1  # counted before the setup, which may fail
             await self._setup_kernel()
         state = _state_from(execution) or await self._query_state()
         self._names = list(state.get("names") or [])
@@ -239,7 +288,11 @@ class KernelEnvironment:
 
     def _code_block_result(self, ex: ExecutionResult, state: dict[str, Any]) -> CodeBlockResult:
         limit = self.config.max_output_length
+        dropped = self._output_budget.dropped
+        outputs = self._output_budget.keep([dict(o) for o in ex.outputs])
         notes = _fault_notes(ex, self.config.step_timeout)
+        if self._output_budget.dropped > dropped:  # the episode's marker: the model sees it
+            notes += str(outputs[-1]["text"])
         stdout, cut_out = truncate(ex.stdout, limit)
         stderr, cut_err = truncate(ex.stderr + notes, limit)
         self.stats.truncations += (cut_out > 0) + (cut_err > 0)
@@ -250,7 +303,7 @@ class KernelEnvironment:
             execution_time=ex.duration,
             success=ex.success,
             exception=_exception_text(ex),
-            outputs=[dict(o) for o in ex.outputs],
+            outputs=outputs,
             execution_count=ex.execution_count,
             timed_out=ex.status == "timeout",
             kernel_restarted=ex.restarted,
@@ -289,7 +342,6 @@ class KernelEnvironment:
         record, _ = self._require()
         self.stats.steps += 1
         self.stats.timeouts += result.timed_out
-        self.stats.restarts += result.kernel_restarted
         self._total_time += result.execution_time
         calls = self._calls.take_calls()
         iteration = len(record.steps) + 1

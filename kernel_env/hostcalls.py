@@ -26,6 +26,12 @@ LLMBatchFn = Callable[[list[str]], list[str]] | Callable[[list[str]], Awaitable[
 
 MAX_REQUEST_CHARS = 16 * 1024 * 1024
 MAX_BATCH = 10_000
+MAX_PROMPT_CHARS = 1_000_000  # one prompt; the default of HostCalls.max_prompt_chars
+# What an episode's record keeps of its calls' prompts and responses, in chars; past it, a
+# call keeps a marker instead (the answer still reaches the kernel).
+MAX_KEPT_CHARS = 16_000_000
+_OFF_LOOP_CHARS = 1 << 20  # requests bigger than this are parsed in a thread
+_MAX_ERROR_CHARS = 2_000
 _OPS = ("llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched")
 
 
@@ -70,7 +76,12 @@ class HostCalls:
     max_concurrency: int = 16
     rlm_concurrency: int = 4
     default_model: str | None = None
+    # Models a cell may name (None: any); the default model is always allowed.
+    allowed_models: frozenset[str] | None = None
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+    max_kept_chars: int = MAX_KEPT_CHARS
     calls: list[LLMCall] = field(default_factory=list)
+    kept_chars: int = 0
 
     def __post_init__(self) -> None:
         self._metered = (
@@ -88,8 +99,11 @@ class HostCalls:
             # Plain input() that slipped past the kernel-side guard: EOF, the kernel raises.
             return "\x04"
         try:
-            op, args = _parse(prompt[len(REQUEST_TAG) :])
-            result = await self._dispatch(op, args)
+            text = prompt[len(REQUEST_TAG) :]
+            # A 15 MB prompt's JSON must not stall every other session's steps.
+            parsed = await asyncio.to_thread(_parse, text) if len(text) > _OFF_LOOP_CHARS \
+                else _parse(text)
+            result = await self._dispatch(*parsed)
         except RequestError as exc:
             return json.dumps({"ok": False, "error": f"bad request: {exc}"})
         except Exception as exc:
@@ -97,18 +111,54 @@ class HostCalls:
         return json.dumps({"ok": True, "result": result})
 
     async def _dispatch(self, op: str, args: dict[str, Any]) -> Any:
-        model = args.get("model") or self.default_model
+        model = self._model(args.get("model"))
         if op in ("llm_query", "rlm_query"):
             call = await self._ask(op, args["prompt"], model)
-            self.calls.append(call)
+            self._record(call)
             if call.error:
                 raise RuntimeError(call.response)
             return call.response
         return await self._batch(op, args["prompts"], model)
 
+    def _model(self, asked: str | None) -> str | None:
+        """The model a cell named, if it may name it (an operator pays for every call)."""
+        if asked is None or asked == self.default_model or self.allowed_models is None:
+            return asked or self.default_model
+        if asked not in self.allowed_models:
+            default = {self.default_model} if self.default_model else set()
+            allowed = sorted(self.allowed_models | default)
+            raise RequestError(
+                f"model {asked[:100]!r} is not allowed here; a cell may name "
+                + (", ".join(repr(m) for m in allowed) if allowed else "no model (omit model=)")
+            )
+        return asked
+
+    def _record(self, call: LLMCall) -> None:
+        self.calls.append(self._bounded(call))
+
+    def _bounded(self, call: LLMCall) -> LLMCall:
+        """What the record keeps of a call: a refused or failed one keeps only its error; past
+        the episode's ``max_kept_chars``, a call keeps markers instead of its texts."""
+        if call.error:
+            call.prompt = _not_kept(call.prompt, "the call failed; only its error is kept")
+            call.response = call.response[:_MAX_ERROR_CHARS]
+            return call
+        size = len(call.prompt) + len(call.response)
+        if self.kept_chars + size > self.max_kept_chars:
+            reason = f"over the episode's {self.max_kept_chars:,} chars of kept calls"
+            call.prompt = _not_kept(call.prompt, reason)
+            call.response = _not_kept(call.response, reason)
+            return call
+        self.kept_chars += size
+        return call
+
     async def _ask(self, op: str, prompt: str, model: str | None) -> LLMCall:
         """One prompt; a failure is a call record with ``error`` set, never an exception."""
         t0 = time.perf_counter()
+        if len(prompt) > self.max_prompt_chars:
+            message = (f"prompt of {len(prompt):,} chars exceeds the limit of "
+                       f"{self.max_prompt_chars:,}; split it (llm_query_batched) or shorten it")
+            return LLMCall(op, prompt, message, model, 0.0, error=True)
         try:
             if op == "rlm_query" and self.rlm is not None:
                 text, children = await self.rlm(prompt, model)
@@ -141,11 +191,17 @@ class HostCalls:
                 return await self._ask(single, prompt, model)
 
         calls = await asyncio.gather(*(one(p) for p in prompts))
-        self.calls.extend(calls)  # in prompt order, whatever order they finished in
-        return [f"Error: {c.response}" if c.error else c.response for c in calls]
+        replies = [f"Error: {c.response}" if c.error else c.response for c in calls]
+        for call in calls:  # in prompt order, whatever order they finished in
+            self._record(call)
+        return replies
 
     async def _batch_fn(self, op: str, prompts: list[str], model: str | None) -> list[str]:
         """A user's batch function answers the whole batch; each prompt counts as one call."""
+        for prompt in prompts:
+            if len(prompt) > self.max_prompt_chars:
+                raise RequestError(f"a prompt of {len(prompt):,} chars exceeds the limit of "
+                                   f"{self.max_prompt_chars:,}")
         for _ in prompts:
             self.usage.start(self.budget)  # refuses the batch when it would not fit
         assert self.batch_fn is not None  # only called when the user gave one
@@ -156,9 +212,15 @@ class HostCalls:
                 f"llm_batch_fn returned {len(responses)} answers for {len(prompts)} prompts"
             )
         each = (time.perf_counter() - t0) / len(prompts)
-        pairs = zip(prompts, responses, strict=True)
-        self.calls.extend(LLMCall(op, p, r, model, each) for p, r in pairs)
+        for prompt, response in zip(prompts, responses, strict=True):
+            self._record(LLMCall(op, prompt, response, model, each))
         return responses
+
+
+def _not_kept(text: str, reason: str) -> str:
+    if len(text) <= 200:
+        return text
+    return f"[kernel_env: {len(text):,} chars not kept: {reason}]"
 
 
 def _parse(text: str) -> tuple[str, dict[str, Any]]:

@@ -45,6 +45,9 @@ HELPER_NAMES = (
 )
 
 DEFAULT_OUTPUT_CAP = 1_000_000  # chars per stream per cell that cross the wire
+# Rich outputs (display(), publish_display_data) a cell may send: how many, and their chars.
+DEFAULT_DISPLAY_COUNT = 200
+DEFAULT_DISPLAY_CHARS = 8_000_000
 _TAIL_KEEP = 20_000  # chars kept from the end of an over-cap stream
 _SNAPSHOT_MAX_VARS = 100
 _SNAPSHOT_REPR_CHARS = 500
@@ -60,6 +63,7 @@ class _Episode:
     def __init__(self, shell: Any) -> None:
         self.shell = shell
         self.output_cap = DEFAULT_OUTPUT_CAP
+        self.display_cap = _DisplayCap()
         self.final: str | None = None
         self.restored: list[str] = []
         self.helpers: dict[str, Any] = {}
@@ -119,6 +123,19 @@ class _Episode:
                 del pairs[i]
                 return response
         raise KernelEnvError(f"{op}: no recorded response for this prompt: {prompt[:80]!r}")
+
+    def check_prompt(self, prompt: Any) -> str:
+        """The prompt as text, refused here (not sent) when over the host's limit; the host
+        checks again, this only saves sending megabytes to be refused."""
+        __tracebackhide__ = True
+        text = str(prompt)
+        limit = self.setup_params.get("max_prompt_chars")
+        if self.hosted and isinstance(limit, int) and len(text) > limit:
+            raise KernelEnvError(
+                f"prompt of {len(text):,} chars exceeds the limit of {limit:,}; split it "
+                "(llm_query_batched) or shorten it"
+            )
+        return text
 
     # -- per-cell bookkeeping ----------------------------------------------------------------
 
@@ -321,6 +338,8 @@ def _finish_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, _CappedStream):
             stream.finish_cell()
+    if _episode is not None:
+        _finish_display(_episode)
 
 
 def _cap_display(shell: Any, episode: _Episode) -> None:
@@ -337,6 +356,67 @@ def _cap_display(shell: Any, episode: _Episode) -> None:
         return data, metadata
 
     formatter.format = format
+
+
+class _DisplayCap:
+    """Counts one cell's rich outputs; past ``count`` outputs or ``chars`` chars, the rest are
+    not sent, and one marker output at the end of the cell says how many were dropped."""
+
+    def __init__(self) -> None:
+        self.count = DEFAULT_DISPLAY_COUNT
+        self.chars = DEFAULT_DISPLAY_CHARS
+        self.reset()
+
+    def reset(self) -> None:
+        self.sent = self.sent_chars = self.dropped = self.dropped_chars = 0
+
+    def admit(self, data: Any) -> bool:
+        size = sum(len(v) if isinstance(v, str) else len(str(v))
+                   for v in (data or {}).values())
+        if self.sent < self.count and self.sent_chars + size <= self.chars:
+            self.sent += 1
+            self.sent_chars += size
+            return True
+        self.dropped += 1
+        self.dropped_chars += size
+        return False
+
+    def marker(self) -> str | None:
+        if not self.dropped:
+            return None
+        return (f"[kernel_env: {self.dropped} rich output(s) ({self.dropped_chars:,} chars) not "
+                f"sent: a cell may send {self.count} rich outputs and {self.chars:,} chars of "
+                "them]")
+
+
+def _cap_publish(shell: Any, episode: _Episode) -> None:
+    """Bound the rich outputs one cell sends (``display(HTML(...))`` in a loop)."""
+    publisher = getattr(shell, "display_pub", None)
+    if publisher is None:
+        return
+    original = publisher.publish
+
+    def publish(data: Any, metadata: Any = None, *args: Any, **kwargs: Any) -> None:
+        if episode.display_cap.admit(data):
+            original(data, metadata, *args, **kwargs)
+
+    def clear_output(wait: bool = False) -> None:
+        # The front end drops what was cleared: a redrawn plot may redraw forever.
+        episode.display_cap.sent = episode.display_cap.sent_chars = 0
+        clear(wait)
+
+    clear = publisher.clear_output
+    publisher.publish = publish
+    publisher.clear_output = clear_output
+    episode.__dict__["_publish"] = original
+
+
+def _finish_display(episode: _Episode) -> None:
+    marker = episode.display_cap.marker()
+    episode.display_cap.reset()
+    publish = episode.__dict__.get("_publish")
+    if marker is not None and publish is not None:
+        publish({"text/plain": marker}, {"kernel_env": {"dropped": True}})
 
 
 # -- input() guard ------------------------------------------------------------------------
@@ -391,7 +471,8 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def llm_query(prompt: str, model: str | None = None) -> str:
         """Ask a language model; returns its answer as a string."""
-        return str(episode.call_host("llm_query", prompt=str(prompt), model=model))
+        return str(episode.call_host("llm_query", prompt=episode.check_prompt(prompt),
+                                     model=model))
 
     def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """Ask a model many prompts concurrently. Order is kept; a failed item is "Error: ..."."""
@@ -403,7 +484,8 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
     def rlm_query(prompt: str, model: str | None = None) -> str:
         """Ask a recursive sub-agent. Without an agent configured on the host, this is a plain
         llm_query."""
-        return str(episode.call_host("rlm_query", prompt=str(prompt), model=model))
+        return str(episode.call_host("rlm_query", prompt=episode.check_prompt(prompt),
+                                     model=model))
 
     def rlm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """rlm_query over many prompts concurrently; order kept, failures as "Error: ..."."""
@@ -443,6 +525,7 @@ def load_ipython_extension(shell: Any) -> None:
     _show(shell, "context", "answer")
     _install_streams(episode)
     _cap_display(shell, episode)
+    _cap_publish(shell, episode)
     shell.register_magic_function(
         _recorded_cell, magic_kind="cell", magic_name="kernel_env_recorded"
     )
@@ -514,6 +597,8 @@ def _apply_setup(params: dict[str, Any]) -> None:
     ns["answer"] = {"content": "", "ready": False}
     _show(_episode.shell, "context", "answer")
     _episode.output_cap = int(params.get("output_cap", DEFAULT_OUTPUT_CAP))
+    _episode.display_cap.count = int(params.get("display_count", DEFAULT_DISPLAY_COUNT))
+    _episode.display_cap.chars = int(params.get("display_chars", DEFAULT_DISPLAY_CHARS))
     if "replay" in params:
         _episode.replay = [list(pair) for pair in params["replay"]]
     _episode.final = None

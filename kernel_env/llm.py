@@ -51,6 +51,8 @@ __all__ = [
 logger = logging.getLogger("kernel_env.llm")
 
 HF_ROUTER_URL = "https://router.huggingface.co/v1"
+# What OpenEnv's repl_env calls when a reset brings an hf_token and no llm_model.
+HF_DEFAULT_MODEL = "Qwen/Qwen3-Coder-480B-A35B-Instruct"
 Messages = list[dict[str, Any]]
 # One lock for every Usage (updates are tiny), so a Usage stays a plain, copyable dataclass.
 # A lock at all because one Usage may be shared by two loops (a sync client's loop thread and
@@ -213,6 +215,32 @@ def as_query_fn(
 # -- OpenAI-compatible HTTP ------------------------------------------------------------------
 
 
+_MIN_SECRET_RUN = 8  # shorter runs are too common in any text to mean a leak
+
+
+def redact(text: str, secret: str, min_run: int = _MIN_SECRET_RUN) -> str:
+    """Replace every substring of ``text`` of ``min_run`` or more chars that is also a substring
+    of ``secret`` with ``***`` (linear in ``len(text)``: a set of the secret's n-grams)."""
+    if len(secret) < min_run or len(text) < min_run:
+        return text.replace(secret, "***") if secret else text
+    grams = {secret[i : i + min_run] for i in range(len(secret) - min_run + 1)}
+    covered = [False] * len(text)
+    for i in range(len(text) - min_run + 1):
+        if text[i : i + min_run] in grams:
+            covered[i : i + min_run] = [True] * min_run
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if covered[i]:
+            while i < len(text) and covered[i]:
+                i += 1
+            out.append("***")
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 class _Secret:
     """A string that never shows itself: not in repr, str, f-strings or tracebacks' locals."""
 
@@ -225,7 +253,9 @@ class _Secret:
         return self._value
 
     def scrub(self, text: str) -> str:
-        return text.replace(self._value, "***") if self._value else text
+        """``text`` with every run of 8 or more chars that also occurs in the secret replaced
+        by ``***``: an endpoint that echoes the key, or most of it, does not leak it."""
+        return redact(text, self._value)
 
     def __repr__(self) -> str:
         return "'***'"
@@ -356,8 +386,11 @@ class OpenAIBackend:
         await self.aclose()
 
 
-def huggingface_router(token: str, model: str, **options: Any) -> OpenAIBackend:
-    """Hugging Face's OpenAI-compatible router, with ``token`` (an ``hf_...`` token) as key."""
+def huggingface_router(
+    token: str, model: str = HF_DEFAULT_MODEL, **options: Any
+) -> OpenAIBackend:
+    """Hugging Face's OpenAI-compatible router, with ``token`` (an ``hf_...`` token) as key;
+    ``model`` defaults to OpenEnv repl_env's default (:data:`HF_DEFAULT_MODEL`)."""
     return OpenAIBackend(HF_ROUTER_URL, model, api_key=token, **options)
 
 

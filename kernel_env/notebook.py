@@ -31,7 +31,6 @@ __all__ = [
     "child_notebook_name",
     "episode_to_notebook",
     "export_zip",
-    "extract_export",
     "normalize_outputs",
     "notebook_name",
     "notebook_text",
@@ -347,22 +346,6 @@ def export_zip(record: EpisodeRecord, name: str) -> bytes:
             for file in sorted(Path(tmp).iterdir()):
                 archive.write(file, file.name)
         return buffer.getvalue()
-
-
-def extract_export(data: bytes, directory: str | os.PathLike[str]) -> list[Path]:
-    """Unpack an :func:`export_zip` archive into ``directory``; every member name must be a
-    plain file name inside it (B3: ``..``, absolute paths and the like are refused)."""
-    root = Path(directory).resolve()
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        members = archive.infolist()
-        targets = [safe_path(root, member.filename) for member in members]
-        for member, target in zip(members, targets, strict=True):
-            if target.parent != root:
-                raise ExportPathError(f"{member.filename!r} is not a plain file name")
-        root.mkdir(parents=True, exist_ok=True)
-        for member, target in zip(members, targets, strict=True):
-            target.write_bytes(archive.read(member))
-    return targets
 
 
 def write_html(

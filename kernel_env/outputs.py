@@ -23,7 +23,20 @@ import nbformat
 from nbformat import NotebookNode
 from nbformat.v4 import output_from_msg
 
-__all__ = ["OutputCollector", "strip_ansi", "truncate"]
+__all__ = [
+    "MAX_STEP_OUTPUTS",
+    "MAX_STEP_OUTPUT_CHARS",
+    "OutputBudget",
+    "OutputCollector",
+    "output_size",
+    "strip_ansi",
+    "truncate",
+]
+
+# What one cell's outputs may hold on the host, whatever the kernel sends (the kernel caps
+# itself first, but a cell can write to the iopub socket directly).
+MAX_STEP_OUTPUTS = 250
+MAX_STEP_OUTPUT_CHARS = 12_000_000
 
 # CSI sequences (colours, cursor moves), OSC sequences (titles, hyperlinks) ended by BEL or ST,
 # and the remaining two-byte ESC sequences. IPython tracebacks are full of the first kind.
@@ -164,6 +177,62 @@ def _error_text(output: NotebookNode) -> str:
     return _with_newline(text)
 
 
+def output_size(output: dict[str, Any]) -> int:
+    """Chars an output holds: its text, or the sum of its mime bundle's values."""
+    kind = output.get("output_type")
+    if kind == "stream":
+        return len(_multiline_to_str(output.get("text")))
+    if kind == "error":
+        return sum(len(_as_str(line)) for line in output.get("traceback") or []) + len(
+            _as_str(output.get("evalue"))
+        )
+    return sum(
+        len(_multiline_to_str(v)) if _is_multiline_string(v) else len(str(v))
+        for v in _as_dict(output.get("data")).values()
+    )
+
+
+class OutputBudget:
+    """At most ``max_outputs`` outputs and ``max_chars`` chars of them; what does not fit is
+    counted, and :meth:`marker` is the output that says so (None when nothing was dropped).
+    Used per step (here, and by the kernel for itself) and per episode (the environment)."""
+
+    def __init__(self, max_outputs: int, max_chars: int, scope: str = "step") -> None:
+        self.max_outputs = max_outputs
+        self.max_chars = max_chars
+        self.scope = scope
+        self.outputs = self.chars = self.dropped = self.dropped_chars = 0
+
+    def admit(self, size: int, *, new_output: bool = True) -> bool:
+        if (self.outputs + new_output <= self.max_outputs
+                and self.chars + size <= self.max_chars):
+            self.outputs += new_output
+            self.chars += size
+            return True
+        self.dropped += 1
+        self.dropped_chars += size
+        return False
+
+    def keep(self, outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The outputs that fit, then a marker for those of this call that did not."""
+        dropped, dropped_chars = self.dropped, self.dropped_chars
+        kept = [o for o in outputs if self.admit(output_size(o))]
+        if self.dropped == dropped:
+            return kept
+        marker = self._marker(self.dropped - dropped, self.dropped_chars - dropped_chars)
+        return [*kept, dict(marker)]
+
+    def marker(self) -> NotebookNode | None:
+        return self._marker(self.dropped, self.dropped_chars) if self.dropped else None
+
+    def _marker(self, dropped: int, chars: int) -> NotebookNode:
+        text = (
+            f"[kernel_env: {dropped} output(s) ({chars:,} chars) dropped: over the "
+            f"{self.scope}'s limit of {self.max_outputs} outputs and {self.max_chars:,} chars]\n"
+        )
+        return nbformat.from_dict({"output_type": "stream", "name": "stderr", "text": text})
+
+
 class OutputCollector:
     """Collects one execution's iopub messages (already filtered to its parent msg_id).
 
@@ -172,7 +241,10 @@ class OutputCollector:
     ``print`` calls yields one stdout output instead of hundreds.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, max_outputs: int = MAX_STEP_OUTPUTS, max_chars: int = MAX_STEP_OUTPUT_CHARS
+    ) -> None:
+        self.budget = OutputBudget(max_outputs, max_chars)
         self._outputs: list[NotebookNode] = []
         # display_id -> indices into self._outputs of the outputs that carry it.
         self._display_ids: dict[str, list[int]] = {}
@@ -195,8 +267,10 @@ class OutputCollector:
 
     @property
     def outputs(self) -> list[NotebookNode]:
-        """The nbformat v4 outputs so far, in order (a new list; the nodes themselves are live)."""
-        return list(self._outputs)
+        """The nbformat v4 outputs so far, in order (a new list; the nodes themselves are live),
+        ending with a marker when some did not fit in the step's budget."""
+        marker = self.budget.marker()
+        return [*self._outputs, marker] if marker is not None else list(self._outputs)
 
     @property
     def error(self) -> dict[str, Any] | None:
@@ -214,7 +288,7 @@ class OutputCollector:
         """stdout streams, execute_result text and display_data text (or a mime-type
         placeholder) in output order, ANSI-stripped: what a person would have seen."""
         pieces: list[str] = []
-        for output in self._outputs:
+        for output in self.outputs:
             output_type = output.get("output_type")
             if output_type == "stream" and output.get("name") == "stdout":
                 pieces.append(_multiline_to_str(output.get("text")))
@@ -225,7 +299,7 @@ class OutputCollector:
     def stderr_text(self) -> str:
         """stderr streams and error tracebacks in output order, ANSI-stripped."""
         pieces: list[str] = []
-        for output in self._outputs:
+        for output in self.outputs:
             output_type = output.get("output_type")
             if output_type == "stream" and output.get("name") == "stderr":
                 pieces.append(_multiline_to_str(output.get("text")))
@@ -242,6 +316,8 @@ class OutputCollector:
             self._clear_now()
 
     def _clear_now(self) -> None:
+        # What was cleared no longer takes room: a progress bar may redraw forever.
+        self.budget.outputs = self.budget.chars = 0
         self._outputs.clear()
         self._display_ids.clear()
         self._clear_before_next_output = False
@@ -249,6 +325,9 @@ class OutputCollector:
     def _add_output(self, msg_type: str, content: dict[str, Any]) -> None:
         output = _build_output(msg_type, content)
         if output is None:
+            return
+        merges = msg_type == "stream" and self._mergeable(output)
+        if not self.budget.admit(output_size(output), new_output=not merges):
             return
         display_id = _display_id(content) if msg_type in _DISPLAY_TYPES else None
         if display_id is not None:
@@ -263,13 +342,17 @@ class OutputCollector:
             self._display_ids.setdefault(display_id, []).append(len(self._outputs))
         self._outputs.append(output)
 
-    def _merge_stream(self, output: NotebookNode) -> bool:
-        """Append ``output``'s text to the last output if that is the same stream."""
-        if not self._outputs:
+    def _mergeable(self, output: NotebookNode) -> bool:
+        if not self._outputs or self._clear_before_next_output:
             return False
         last = self._outputs[-1]
-        if last.get("output_type") != "stream" or last.get("name") != output.name:
+        return last.get("output_type") == "stream" and last.get("name") == output.name
+
+    def _merge_stream(self, output: NotebookNode) -> bool:
+        """Append ``output``'s text to the last output if that is the same stream."""
+        if not self._mergeable(output):
             return False
+        last = self._outputs[-1]
         last.text = _multiline_to_str(last.get("text")) + output.text
         return True
 
@@ -279,7 +362,9 @@ class OutputCollector:
             return
         # Build through output_from_msg so the update gets the same cleaning as a new output.
         update = _build_output("display_data", content)
-        if update is not None:
+        # An update replaces data in place: it is charged like a new output (without taking
+        # a place), so a loop of updates cannot grow the step without bound.
+        if update is not None and self.budget.admit(output_size(update), new_output=False):
             self._refresh_display(display_id, update)
 
     def _refresh_display(self, display_id: str, source: NotebookNode) -> None:

@@ -9,6 +9,7 @@ so no state ever crosses from one episode to the next.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -18,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from kernel_env.errors import KernelError
 from kernel_env.kernel import Kernel
 
-__all__ = ["KernelFactory", "KernelPool"]
+__all__ = ["KernelCapacity", "KernelFactory", "KernelPool"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 KernelFactory = Callable[[], Awaitable[Kernel]]
 
 _MAX_BACKOFF = 30.0  # seconds between refill attempts while kernels keep failing to start
+_CAPPED_RECHECK = 0.5  # seconds between refill checks while max_kernels holds the pool back
+
+
+class KernelCapacity(KernelError):
+    """Every kernel the server may run (``max_kernels``) is in use."""
 
 
 class KernelPool:
@@ -48,10 +54,19 @@ class KernelPool:
         size: int = 4,
         start_concurrency: int | None = None,
         close_timeout: float = 15.0,
+        max_kernels: int | None = None,
     ) -> None:
         if size < 0:
             raise ValueError(f"pool size must be >= 0, got {size}")
+        if max_kernels is not None and max_kernels < 1:
+            raise ValueError(f"max_kernels must be >= 1, got {max_kernels}")
         self.size = size
+        # One budget for every kernel that comes from this pool: warm ones, starting ones, and
+        # those handed out (sessions' and rlm_query children's) until they shut down.
+        self.max_kernels = max_kernels
+        self._out: set[Kernel] = set()
+        self._acquiring = 0
+        self.refused = 0  # acquires refused at max_kernels
         # A kernel boot is ~0.4 s of CPU. Refilling 8 at once on 2 cores made the resets that
         # triggered them 5x slower (50 ms instead of 11 ms); one boot per two cores keeps a
         # core free for the server and the episodes, at nearly the same refill throughput.
@@ -61,6 +76,7 @@ class KernelPool:
         self._warm: deque[Kernel] = deque()
         self._starts: set[asyncio.Task[None]] = set()
         self._need = asyncio.Event()
+        self._placed = asyncio.Event()  # a start ended (its kernel placed, or it failed)
         self._filler: asyncio.Task[None] | None = None
         self._closed = False
         self._first_fill = 0.0
@@ -79,6 +95,15 @@ class KernelPool:
         """Kernels being started in the background."""
         return len(self._starts)
 
+    @property
+    def live(self) -> int:
+        """Kernels running or starting that came from this pool, handed out ones included."""
+        self._out = {k for k in self._out if k.started}  # shut down: no longer counted
+        return len(self._warm) + len(self._starts) + len(self._out) + self._acquiring
+
+    def _room(self) -> int:
+        return self.max_kernels - self.live if self.max_kernels is not None else 1 << 30
+
     async def start(self) -> None:
         """Begin filling the pool in the background; returns at once."""
         if self._closed:
@@ -93,17 +118,40 @@ class KernelPool:
         if self._closed:
             raise KernelError("the kernel pool is closed")
         self.acquired += 1
+        if not self._warm and self._room() <= 0 and self._starts:
+            # The budget is spent, but part of it is a pool kernel on its way: wait for it.
+            await self._wait_for_placed()
+            if self._closed:
+                raise KernelError("the kernel pool is closed")
         while self._warm:
             kernel = self._warm.popleft()
             self._need.set()
             if await kernel.is_alive():
                 self.warm_hits += 1
+                self._out.add(kernel)
                 return kernel
             # Died while waiting (OOM killer, a stray signal): never hand out a dead kernel.
             log.warning("warm kernel %s died in the pool; discarding it", kernel.kernel_id)
             await kernel.shutdown()
         self._need.set()
-        return await self._factory()
+        if self._room() <= 0:
+            self.refused += 1
+            raise KernelCapacity(
+                f"no kernel available: all {self.max_kernels} kernels of this server are in "
+                "use (sessions, warm pool and rlm_query children count alike); retry later"
+            )
+        self._acquiring += 1
+        try:
+            kernel = await self._factory()
+        finally:
+            self._acquiring -= 1
+        self._out.add(kernel)
+        return kernel
+
+    async def _wait_for_placed(self) -> None:
+        while not self._warm and self._starts and not self._closed:
+            self._placed.clear()
+            await self._placed.wait()
 
     async def close(self) -> None:
         """Shut down every warm kernel and stop refilling; idempotent."""
@@ -133,13 +181,19 @@ class KernelPool:
         # Woken whenever a kernel leaves the pool or a start ends; starts are not awaited
         # here, so a refill begins the moment a kernel is taken and a start slot is free.
         while True:
-            await self._need.wait()
+            if self.max_kernels is not None and self.size > len(self._warm) + len(self._starts):
+                # Held back by max_kernels: a handed-out kernel's shutdown frees room without
+                # telling the pool, so look again shortly.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._need.wait(), _CAPPED_RECHECK)
+            else:
+                await self._need.wait()
             self._need.clear()
             if self._fail_streak:
                 delay = min(_MAX_BACKOFF, 0.5 * 2 ** (self._fail_streak - 1))
                 log.warning("kernel starts are failing; next attempt in %.1f s", delay)
                 await asyncio.sleep(delay)
-            missing = self.size - len(self._warm) - len(self._starts)
+            missing = min(self.size - len(self._warm) - len(self._starts), self._room())
             for _ in range(min(missing, self.start_concurrency - len(self._starts))):
                 task = asyncio.create_task(self._start_one(), name="kernel-pool-start")
                 self._starts.add(task)
@@ -153,6 +207,7 @@ class KernelPool:
             # waits for the tasks in _starts, so none may be running a shutdown unseen.
             self._starts.discard(asyncio.current_task())
             self._need.set()
+            self._placed.set()
 
     async def _start_and_place(self) -> None:
         try:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urljoin
 
 import httpx
 from fastapi.testclient import TestClient
@@ -40,9 +42,20 @@ def small_settings(**overrides: object) -> ServerSettings:
     return ServerSettings(**values)  # type: ignore[arg-type]
 
 
+class LoopbackClient(TestClient):
+    """A ``TestClient`` that names the server ``127.0.0.1`` (one of the Host names the server
+    accepts by default) rather than Starlette's ``testserver``, over HTTP and WebSocket."""
+
+    def __init__(self, app: Any, **kwargs: Any) -> None:
+        super().__init__(app, base_url="http://127.0.0.1", **kwargs)
+
+    def websocket_connect(self, url: str, *args: Any, **kwargs: Any) -> Any:
+        return super().websocket_connect(urljoin("ws://127.0.0.1", url), *args, **kwargs)
+
+
 def make_client(**overrides: object) -> TestClient:
     """An in-process client of the app (no port); its lifespan runs on entering ``with``."""
-    return TestClient(create_app(small_settings(**overrides)))
+    return LoopbackClient(create_app(small_settings(**overrides)))
 
 
 @contextlib.contextmanager

@@ -18,9 +18,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from conftest import STEP_TIMEOUT
-from fastapi.testclient import TestClient
 from gateway import SECRET_VAR, GatewayProcess
-from serverkit import serve_process
+from serverkit import LoopbackClient, serve_process
 
 from kernel_env import KernelEnv, KernelError, check_env
 from kernel_env.errors import KernelStartError
@@ -232,7 +231,7 @@ def test_server_episode_on_gateway_kernels(gateway: GatewayProcess) -> None:
     settings = ServerSettings(pool_size=1, max_sessions=2, step_timeout=10.0,
                               gateway_url=gateway.url, gateway_token=gateway.token,
                               gateway_kernel_name="kernel_env")
-    with TestClient(create_app(settings)) as client, client.websocket_connect("/ws") as ws:
+    with LoopbackClient(create_app(settings)) as client, client.websocket_connect("/ws") as ws:
         ws.send_json({"type": "reset", "data": {"context": "Hello World"}})
         assert ws.receive_json()["type"] == "observation"
         ws.send_json({"type": "step", "data": {"code": "print(len(context))"}})

@@ -226,3 +226,14 @@ async def test_budget_exceeded_in_a_cell_is_a_clear_error_and_the_episode_contin
         assert batch.stdout.count("Error: LLM budget exceeded") == 2
         assert (await env.execute("1 + 1")).observation.result.stdout == "2\n"
     assert usage.calls == 1
+
+
+def test_redact_removes_every_run_of_eight_chars_of_the_secret() -> None:
+    """Any 8+ char piece of a secret is redacted; shorter coincidences and other text stay."""
+    from kernel_env.llm import redact
+
+    key = "sk-abcdefghijklmnop1234"
+    assert redact(f"bad key {key[:-1]}!", key) == "bad key ***!"
+    assert redact(f"<{key[4:12]}> and <{key[10:]}>", key) == "<***> and <***>"
+    assert redact("abcdefg sk-abc", key) == "abcdefg sk-abc"  # 7 chars: too short to mean it
+    assert redact("nothing here", "") == "nothing here"

@@ -320,3 +320,39 @@ def test_truncate_nonpositive_limit_means_no_limit(limit: int) -> None:
     """limit <= 0 disables truncation."""
     text = "x" * 10_000
     assert truncate(text, limit) == (text, 0)
+
+
+def _html(n: int) -> dict[str, Any]:
+    return msg("display_data", data={"text/html": "x" * n}, metadata={})
+
+
+def test_a_flood_of_displays_is_cut_at_the_step_budget_with_one_marker() -> None:
+    """Past the step's count or size budget, outputs are dropped and one marker says so, in
+    the outputs and in the text the model reads."""
+    collector = OutputCollector(max_outputs=5, max_chars=1000)
+    for _ in range(300):
+        collector.feed(_html(300))
+    outputs = collector.outputs
+    assert len(outputs) == 4  # three of 300 chars fit in 1000, then the marker
+    assert outputs[-1]["name"] == "stderr"
+    assert "297 output(s) (89,100 chars) dropped" in outputs[-1]["text"]
+    assert "dropped" in collector.stderr_text()
+    nbformat.validate(nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(outputs=outputs)]))
+
+
+def test_cleared_outputs_free_their_room_and_updates_are_charged() -> None:
+    """clear_output frees the budget (a progress bar may redraw forever); display updates
+    are charged, so a loop of growing updates cannot grow the step."""
+    collector = OutputCollector(max_outputs=2, max_chars=1000)
+    for _ in range(100):
+        collector.feed(msg("clear_output", wait=False))
+        collector.feed(_html(600))
+    assert len(collector.outputs) == 1 and collector.budget.dropped == 0
+    shown = msg("display_data", data={"text/plain": "a"}, metadata={},
+                transient={"display_id": "d"})
+    collector.feed(shown)
+    for _ in range(10):
+        collector.feed(msg("update_display_data", data={"text/plain": "y" * 300}, metadata={},
+                           transient={"display_id": "d"}))
+    assert collector.budget.chars <= 1000 and collector.budget.dropped > 0

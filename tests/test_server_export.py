@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 from serverkit import make_client, small_settings, thread_server
 
 from kernel_env import KernelEnv
-from kernel_env.notebook import ExportPathError, extract_export, recorded_steps
+from kernel_env.archive import extract_export
+from kernel_env.notebook import ExportPathError, recorded_steps
 
 BIG = "word " * 4_000  # 20,000 characters: the context goes to a sidecar file
 

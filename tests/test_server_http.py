@@ -404,6 +404,6 @@ def test_module_level_app_for_asgi_servers(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(module, "_APP", [])
     monkeypatch.setenv("KERNEL_ENV_POOL_SIZE", "0")
     monkeypatch.setenv("KERNEL_ENV_MAX_SESSIONS", "3")
-    with TestClient(module.app) as c:
+    with serverkit.LoopbackClient(module.app) as c:
         assert c.get("/health").json()["status"] == "healthy"
         assert c.get("/metrics").json()["max_sessions"] == 3

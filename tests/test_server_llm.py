@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 
 import httpx
-from fake_openai import FakeOpenAI
+from fake_openai import FakeOpenAI, Reply
 from serverkit import serve_process, small_settings, thread_server
 
 from kernel_env import KernelEnv
-from kernel_env.errors import RemoteError
+from kernel_env.llm import HF_DEFAULT_MODEL
 
 HF_TOKEN = "hf_episode_" + "secret_4242"  # in two parts: a search for it finds no source file
 API_KEY = "sk-server-secret-1717"
@@ -74,16 +74,20 @@ def test_hf_token_reaches_only_its_backend(tmp_path: Path) -> None:
         assert HF_TOKEN not in text, place
 
 
-def test_hf_token_without_a_model_is_a_clear_error() -> None:
-    with thread_server(small_settings()) as url, KernelEnv(url) as env:
-        try:
-            env.reset(context="x", hf_token=HF_TOKEN)
-        except RemoteError as exc:
-            assert "llm_model" in str(exc) and HF_TOKEN not in str(exc)
-        else:
-            raise AssertionError("a reset with hf_token and no model must fail")
-        env.reset(context="y")  # the session is still usable
-        assert env.execute("print(context)").observation.result.stdout == "y\n"
+def test_hf_token_without_a_model_uses_the_reference_default() -> None:
+    """Item 7: as OpenEnv's repl_env, reset(hf_token=...) with no llm_model calls
+    Qwen/Qwen3-Coder-480B-A35B-Instruct, and the reset's metadata says so."""
+    with FakeOpenAI(lambda body: f"{body['model']} answers") as fake:
+        settings = small_settings(hf_router_url=fake.url)
+        with thread_server(settings) as url, KernelEnv(url) as env:
+            reset = env.reset(context="x", hf_token=HF_TOKEN)
+            meta = reset.observation.metadata
+            assert meta["llm_model"] == HF_DEFAULT_MODEL and meta["llm_model_defaulted"] is True
+            out = env.execute("print(llm_query('hi'))").observation.result.stdout
+    assert out == f"{HF_DEFAULT_MODEL} answers\n"
+    assert fake.requests[0].body["model"] == HF_DEFAULT_MODEL
+    assert fake.requests[0].headers["authorization"] == f"Bearer {HF_TOKEN}"
+    assert HF_TOKEN not in str(meta)
 
 
 def test_served_llm_settings_come_from_the_environment() -> None:
@@ -101,3 +105,43 @@ def test_served_llm_settings_come_from_the_environment() -> None:
     assert f"llm_query -> env-model at {fake.url}" in log
     assert API_KEY not in log
     assert fake.requests[0].body["model"] == "env-model"
+
+
+def test_a_cell_may_name_only_the_configured_models() -> None:
+    """Item 6: llm_query("hi", model="any-expensive-model") never reaches the operator's
+    endpoint; --llm-allowed-models names the extra models a cell may pick."""
+    with FakeOpenAI(lambda body: f"{body['model']} says hi") as fake:
+        settings = small_settings(llm_base_url=fake.url, llm_model="served-model",
+                                  llm_api_key=API_KEY, llm_allowed_models=("cheap-model",))
+        with thread_server(settings) as url, KernelEnv(url) as env:
+            env.reset(context="x")
+            refused = env.execute("llm_query('hi', model='any-expensive-model')")
+            result = refused.observation.result
+            assert not result.success and "not allowed" in (result.exception or "")
+            assert "'cheap-model', 'served-model'" in (result.exception or "")
+            batch = env.execute("print(llm_query_batched(['a'], model='gpt-x'))")
+            assert "not allowed" in batch.observation.result.stderr
+            assert fake.requests == []
+            ok = env.execute("print(llm_query('hi', model='cheap-model'))")
+            assert ok.observation.result.stdout == "cheap-model says hi\n"
+            same = env.execute("print(llm_query('hi', model='served-model'))")
+            assert same.observation.result.stdout == "served-model says hi\n"
+    assert [r.body["model"] for r in fake.requests] == ["cheap-model", "served-model"]
+
+
+def test_endpoint_errors_echoing_most_of_the_key_are_redacted() -> None:
+    """Item 6: an endpoint error that echoes the key minus one character (or any 8+ char
+    piece of it) reaches the kernel with those pieces redacted."""
+    def echo_key(body: dict[str, object]) -> Reply:
+        return Reply(401, f"invalid key {API_KEY[:-1]} / tail {API_KEY[5:14]}")
+
+    with FakeOpenAI(echo_key) as fake:
+        settings = small_settings(llm_base_url=fake.url, llm_model="m", llm_api_key=API_KEY)
+        with thread_server(settings) as url, KernelEnv(url) as env:
+            env.reset(context="x")
+            result = env.execute("llm_query('hi')").observation.result
+            state = env.state().model_dump_json()
+    seen = (result.exception or "") + result.stderr + state
+    assert "HTTP 401" in seen and "invalid key ***" in seen
+    for i in range(len(API_KEY) - 7):
+        assert API_KEY[i : i + 8] not in seen, API_KEY[i : i + 8]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import serverkit
 from fastapi.testclient import TestClient
-from serverkit import small_settings, thread_server
+from serverkit import LoopbackClient, small_settings, thread_server
 from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -230,7 +230,7 @@ def test_factory_error_when_no_kernel_can_start() -> None:
         return kernel
 
     app = create_app(ServerSettings(pool_size=0), kernel_factory=broken)
-    with TestClient(app) as c, c.websocket_connect("/ws") as ws:
+    with LoopbackClient(app) as c, c.websocket_connect("/ws") as ws:
         reply = ask(ws, {"type": "reset"})
         assert error_code(reply) == "FACTORY_ERROR"
         assert ask(ws, {"type": "state"})["type"] == "state"

@@ -20,8 +20,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Header, HTTPException, Request, Response, status
+from fastapi import Body, FastAPI, Header, HTTPException, Request, Response, status
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,14 +30,15 @@ from kernel_env import __version__
 from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
 from kernel_env.kernel.factory import kernel_source_from
-from kernel_env.llm import LLMBackend, OpenAIBackend, huggingface_router
+from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.notebook import ExportPathError, export_zip, notebook_name, notebook_text
 from kernel_env.pool import KernelFactory, KernelPool
 from kernel_env.record import EpisodeRecord
 from kernel_env.recursion import BackendForToken
 from kernel_env.server import metrics, protocol
-from kernel_env.server.auth import BearerAuth, require_token
+from kernel_env.server.auth import AuthGate, BearerAuth
+from kernel_env.server.guard import BrowserGuard, HostPolicy
 from kernel_env.server.limits import BodyLimit
 from kernel_env.server.sessions import (
     CapacityReached,
@@ -83,10 +85,9 @@ def _token_backends(settings: ServerSettings) -> BackendForToken:
     ``hf_router_url``) with the token as key. The token lives in that backend only."""
 
     def build(token: str, model: str | None) -> LLMBackend:
-        model = model or settings.llm_model
-        if not model:
-            raise ValueError("a reset with hf_token needs llm_model (or the server's "
-                             "llm_model setting) to name the model to call")
+        # As OpenEnv's repl_env: without llm_model, its default model (the reset's
+        # observation metadata says which model was used).
+        model = model or settings.llm_model or HF_DEFAULT_MODEL
         if settings.hf_router_url is None:
             return huggingface_router(token, model)
         return OpenAIBackend(settings.hf_router_url, model, api_key=token)
@@ -99,7 +100,8 @@ class Runtime:
 
     def __init__(self, settings: ServerSettings, kernel_factory: KernelFactory) -> None:
         self.settings = settings
-        self.pool = KernelPool(kernel_factory, size=settings.pool_size)
+        self.pool = KernelPool(kernel_factory, size=settings.pool_size,
+                               max_kernels=settings.kernel_limit)
         self.llm = llm_backend_from(settings)
         config = EnvConfig(
             step_timeout=settings.step_timeout,
@@ -107,6 +109,8 @@ class Runtime:
             max_context_chars=settings.max_context_chars,
             llm_max_calls=settings.llm_max_calls,
             llm_max_tokens=settings.llm_max_tokens,
+            llm_allowed_models=settings.llm_allowed_models,
+            max_prompt_chars=settings.max_prompt_chars,
         )
         token_backends = _token_backends(settings)
         self.sessions = SessionManager(
@@ -184,12 +188,40 @@ def create_app(
     app.state.auth = BearerAuth(settings.token)
     app.state.settings = settings
     app.state.isolation = {"backend": "kernels from a custom factory"} if kernel_factory else None
-    app.add_middleware(BodyLimit, max_bytes=settings.max_message_bytes)
+    _add_middleware(app, settings)
     _install_error_handlers(app)
     _add_info_routes(app)
     _add_episode_routes(app)
     app.add_api_websocket_route("/ws", websocket_endpoint)
     return app
+
+
+PUBLIC_PATHS = ("/health", "/metadata", "/schema", "/openapi.json", "/docs",
+                "/docs/oauth2-redirect", "/redoc", "/mcp")
+_SMALL_BODY = 1 << 20  # any route but /reset and /step: a small JSON document
+
+
+def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
+    """Outermost first: browser policy (Host, Origin), CORS if configured, the token, then the
+    body limit, so a body is read only from an allowed, authenticated request."""
+    # Added innermost first (each add_middleware wraps everything added before it).
+    step_bytes = min(settings.max_message_bytes, 6 * settings.max_code_chars + (64 << 10))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_message_bytes,
+                       per_path={"/reset": settings.max_message_bytes, "/step": step_bytes},
+                       default_bytes=min(settings.max_message_bytes, _SMALL_BODY))
+    app.add_middleware(AuthGate, auth=app.state.auth, public=PUBLIC_PATHS)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=[SESSION_HEADER])
+    hosts = settings.allowed_hosts
+    if hosts is None and settings.token:
+        # With a token, the token admits, whatever name the server is reached by (a Space, a
+        # Service, a proxy); the Host check is what guards a server that has none.
+        hosts = ("*",)
+    policy = HostPolicy.for_bind(settings.host, hosts or settings.host_allowlist,
+                                 settings.allowed_origins)
+    app.add_middleware(BrowserGuard, policy=policy)
 
 
 def _runtime(request: Request) -> Runtime:
@@ -242,8 +274,7 @@ def _add_info_routes(app: FastAPI) -> None:
     async def mcp(request: Request) -> JSONResponse:
         return JSONResponse(protocol.mcp_response(await request.body()))
 
-    @app.get("/metrics", tags=["Operations"], summary="Server counters",
-             dependencies=[Depends(require_token)])
+    @app.get("/metrics", tags=["Operations"], summary="Server counters")
     async def get_metrics(request: Request) -> dict[str, Any]:
         runtime = _runtime(request)
         return metrics.collect(runtime.sessions, runtime.pool, runtime.started)
@@ -258,10 +289,8 @@ SessionHeader = Annotated[str | None, Header(
 
 
 def _add_episode_routes(app: FastAPI) -> None:
-    auth = [Depends(require_token)]
-
     @app.post("/reset", tags=["Environment Control"], response_model=StepResponse,
-              dependencies=auth, summary="Start an episode (opens a session if none is named)",
+              summary="Start an episode (opens a session if none is named)",
               description=_SESSIONS_DOC)
     async def reset(
         request: Request,
@@ -272,20 +301,22 @@ def _add_episode_routes(app: FastAPI) -> None:
         # Every field the caller set, hf_token included (ResetOptions never dumps it).
         kwargs = {name: getattr(options, name) for name in options.model_fields_set} \
             if options is not None else {}
+        _require_text(kwargs)
         session = runtime.sessions.get(session_id) if session_id else None
         new = session is None
         session = session or runtime.sessions.open("http")
         try:
             async with runtime.sessions.request(session):
                 obs = await session.reset(kwargs)
+            # Built here, inside the try: a reply that cannot be built is a failed reset too.
+            return _observation_response(obs, session)
         except BaseException:
             if new:  # a session whose first reset failed is of no use to anyone
                 await asyncio.shield(runtime.sessions.close_soon(session))
             raise
-        return _observation_response(obs, session)
 
     @app.post("/step", tags=["Environment Control"], response_model=StepResponse,
-              dependencies=auth, summary="Run one action in the session's episode",
+              summary="Run one action in the session's episode",
               description="Requires the `X-Session-Id` header from `POST /reset`; without it, "
               "400. An invalid action is 422.\n" + _SESSIONS_DOC)
     async def step(
@@ -297,7 +328,7 @@ def _add_episode_routes(app: FastAPI) -> None:
             obs = await session.step(body.action)
         return _observation_response(obs, session)
 
-    @app.get("/state", tags=["State Management"], response_model=REPLState, dependencies=auth,
+    @app.get("/state", tags=["State Management"], response_model=REPLState,
              summary="The session's episode state",
              description="Requires the `X-Session-Id` header from `POST /reset`.")
     async def state(request: Request, session_id: SessionHeader = None) -> Response:
@@ -308,7 +339,7 @@ def _add_episode_routes(app: FastAPI) -> None:
             else current.model_dump_json()
         return Response(body, media_type="application/json")
 
-    @app.delete("/sessions/{session_id}", tags=["Sessions"], dependencies=auth,
+    @app.delete("/sessions/{session_id}", tags=["Sessions"],
                 status_code=status.HTTP_204_NO_CONTENT, summary="Close a session (idempotent)")
     async def close_session(request: Request, session_id: str) -> Response:
         runtime = _runtime(request)
@@ -319,7 +350,7 @@ def _add_episode_routes(app: FastAPI) -> None:
         await runtime.sessions.close_session(session)
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
-    @app.get("/sessions/{session_id}/notebook", tags=["Sessions"], dependencies=auth,
+    @app.get("/sessions/{session_id}/notebook", tags=["Sessions"],
              summary="The session's current (or last) episode as a Jupyter notebook",
              description="A context larger than 10,000 characters is not inlined: the "
              "notebook reads it from `<name>.context.txt` beside it, and child episodes are "
@@ -332,15 +363,17 @@ def _add_episode_routes(app: FastAPI) -> None:
         return Response(body, media_type=NOTEBOOK_MEDIA_TYPE,
                         headers=_attachment(name))
 
-    @app.get("/sessions/{session_id}/export.zip", tags=["Sessions"], dependencies=auth,
+    @app.get("/sessions/{session_id}/export.zip", tags=["Sessions"],
              summary="The episode's notebook, context file and child episodes, zipped",
              response_class=Response,
              responses={200: {"content": {"application/zip": {}}}})
     async def export(request: Request, session_id: str, name: str | None = None) -> Response:
         """``name``: the notebook's file name in the archive (default: the episode id)."""
         session = _runtime(request).sessions.get(session_id)
-        if name is not None and (not name or Path(name).name != name or name[0] == "."):
-            raise ExportPathError(f"name must be a plain file name, got {name!r}")
+        if name is not None and (not name or Path(name).name != name or name[0] == "."
+                                 or len(name.encode()) > _MAX_NAME_BYTES):
+            raise ExportPathError(f"name must be a plain file name of at most "
+                                  f"{_MAX_NAME_BYTES} bytes, got {name[:80]!r}")
 
         def archive(record: EpisodeRecord) -> bytes:
             return export_zip(record, name or notebook_name(record.episode_id))
@@ -351,6 +384,20 @@ def _add_episode_routes(app: FastAPI) -> None:
 
 
 NOTEBOOK_MEDIA_TYPE = "application/x-ipynb+json"
+# File names are at most 255 bytes; the export adds ".context.txt" or ".child-N-M.ipynb".
+_MAX_NAME_BYTES = 200
+
+
+def _require_text(kwargs: dict[str, Any]) -> None:
+    """Refuse strings that are not text (lone surrogates such as "\\ud800", which JSON allows
+    but UTF-8 cannot carry) before a session opens: they would fail later, half-way."""
+    for key, value in kwargs.items():
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{key} is not valid Unicode text (a lone surrogate at "
+                                 f"position {exc.start})") from None
 
 
 def _notebook_text(record: EpisodeRecord) -> tuple[str, str]:

@@ -3,15 +3,22 @@
 The token is compared with ``hmac.compare_digest`` (a plain ``==`` leaks, through timing, how
 many leading bytes matched) and is never logged or echoed: a rejection says only that the token
 is missing or wrong.
+
+``AuthGate`` checks it as ASGI middleware, from the headers alone: a request without the token
+is answered 401 before a byte of its body is read (a 150 MB body is never received, let alone
+parsed), and a WebSocket handshake without it is refused (HTTP 403).
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 
-from fastapi import HTTPException, Request, status
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["BearerAuth", "require_token"]
+from kernel_env.server.guard import forbid
+
+__all__ = ["AuthGate", "BearerAuth"]
 
 _SCHEME = "bearer"
 
@@ -38,12 +45,27 @@ class BearerAuth:
         return f"BearerAuth(enabled={self.enabled})"
 
 
-async def require_token(request: Request) -> None:
-    """FastAPI dependency: 401 unless the request carries the server's token (if it has one)."""
-    auth: BearerAuth = request.app.state.auth
-    if not auth.allows(request.headers.get("authorization")):
-        raise HTTPException(
-            status_code=status.HTTP_401_UNAUTHORIZED,
-            detail="missing or invalid bearer token",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+class AuthGate:
+    """Pure ASGI middleware: every path but ``public`` ones needs the token, checked on the
+    headers before the body is read."""
+
+    def __init__(self, app: ASGIApp, auth: BearerAuth, public: Iterable[str]) -> None:
+        self.app = app
+        self.auth = auth
+        self.public = frozenset(public)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] not in ("http", "websocket") or not self.auth.enabled
+                or scope["path"] in self.public):
+            await self.app(scope, receive, send)
+            return
+        authorization = next((v.decode("latin-1") for k, v in scope.get("headers", [])
+                              if k == b"authorization"), None)
+        if self.auth.allows(authorization):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008,
+                        "reason": "missing or invalid bearer token"})
+        else:
+            await forbid(send, 401, "missing or invalid bearer token",
+                         [(b"www-authenticate", b"Bearer")])

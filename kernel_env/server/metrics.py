@@ -30,7 +30,9 @@ def collect(sessions: SessionManager, pool: KernelPool, started: float) -> dict[
         "sessions_reaped": sessions.reaped_total,
         "max_sessions": sessions.max_sessions,
         "requests_in_flight": sum(s.busy for s in live),
-        "kernels": in_sessions + pool.warm + pool.starting,
+        "kernels": pool.live,  # sessions', warm, starting and rlm_query children's
+        "max_kernels": pool.max_kernels,
+        "kernels_refused": pool.refused,
         "kernels_in_sessions": in_sessions,
         "pool_size": pool.size,
         "pool_warm": pool.warm,

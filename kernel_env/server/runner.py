@@ -8,7 +8,10 @@ and only then lets uvicorn close the connections.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import socket
+import sys
 from dataclasses import replace
 
 import uvicorn
@@ -17,7 +20,7 @@ from fastapi import FastAPI
 from kernel_env.server.app import create_app
 from kernel_env.server.settings import ServerSettings
 
-__all__ = ["DrainingServer", "bind", "build_server"]
+__all__ = ["DrainingServer", "bind", "build_server", "return_freed_memory"]
 
 
 class DrainingServer(uvicorn.Server):
@@ -32,6 +35,22 @@ class DrainingServer(uvicorn.Server):
         if runtime is not None:
             await runtime.drain()
         await super().shutdown(sockets)
+
+
+def return_freed_memory() -> None:
+    """Make glibc give large freed blocks back to the system (``mallopt(M_MMAP_THRESHOLD,
+    1 MiB)``). By default its mmap threshold grows to the largest block freed so far (up to
+    32 MiB), after which multi-MB buffers (a 15 MB prompt, an 8 MB reply) come from the heap
+    and stay resident once freed: measured 773 MiB RSS left after a flood, 246 MiB with this.
+    A no-op where glibc is not the allocator."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
+_M_MMAP_THRESHOLD = -3
 
 
 def bind(host: str, port: int) -> socket.socket:

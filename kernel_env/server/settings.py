@@ -16,6 +16,7 @@ __all__ = ["ENV_PREFIX", "ServerSettings"]
 ENV_PREFIX = "KERNEL_ENV_"
 
 _MiB = 1024 * 1024
+_SECRETS = frozenset({"token"})  # blank = a start-up error, never "no auth"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,16 @@ class ServerSettings:
     hf_router_url: str | None = None  # where hf_token episodes go; None: Hugging Face's router
     llm_max_calls: int | None = None  # per-episode budget (children's calls included)
     llm_max_tokens: int | None = None
+    # Models a cell may name in llm_query(model=...), besides llm_model (and a reset's).
+    llm_allowed_models: tuple[str, ...] = ()
+    max_prompt_chars: int = 1_000_000  # one llm_query prompt, chars
+    # Every kernel the server runs: sessions', warm pool kernels and rlm_query children.
+    # None: max_sessions + pool_size.
+    max_kernels: int | None = None
+    # Browser policy. Host headers accepted (None: the bound address, localhost, 127.0.0.1,
+    # [::1]; "*" accepts any), and origins a browser page may call from (CORS; none by default).
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,8 +75,15 @@ class ServerSettings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("token", "gateway_token", "llm_api_key"):
-            if getattr(self, name) == "":
-                raise ValueError(f"{name} must not be empty (leave it unset for none)")
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name} must not be empty or blank (leave it unset for none)"
+                                 + (": KERNEL_ENV_TOKEN is set but blank" if name == "token"
+                                    else ""))
+        if self.max_prompt_chars <= 0:
+            raise ValueError(f"max_prompt_chars must be > 0, got {self.max_prompt_chars}")
+        if self.max_kernels is not None and self.max_kernels < 1:
+            raise ValueError(f"max_kernels must be >= 1, got {self.max_kernels}")
         if self.sandbox not in ("auto", "bwrap", "none"):
             raise ValueError(f"sandbox must be auto, bwrap or none, got {self.sandbox!r}")
         if self.llm_base_url and not self.llm_model:
@@ -93,6 +111,18 @@ class ServerSettings:
             elif (raw := environ.get(ENV_PREFIX + name.upper())) is not None:
                 values[name] = _parse(name, str(f.type), raw)
         return cls(**values)
+
+    @property
+    def kernel_limit(self) -> int:
+        """Kernels the server may run at once (``max_kernels``, or its default)."""
+        return self.max_kernels or self.max_sessions + self.pool_size
+
+    @property
+    def host_allowlist(self) -> tuple[str, ...]:
+        """The Host names accepted (lower case, without port or brackets)."""
+        if self.allowed_hosts is not None:
+            return tuple(h.strip().strip("[]").lower() for h in self.allowed_hosts)
+        return (self.host.strip("[]").lower(), "localhost", "127.0.0.1", "::1")
 
     @property
     def url(self) -> str:
@@ -126,11 +156,14 @@ def _secrets_from_files(environ: Mapping[str, str]) -> dict[str, str]:
 
 def _parse(name: str, type_name: str, raw: str) -> Any:
     """A variable's text as the field's type; an unparseable value is an error, not ignored.
-    An empty variable leaves an optional setting unset."""
+    An empty variable leaves an optional setting unset, except a secret: an empty or blank
+    ``KERNEL_ENV_TOKEN`` is an error, never a silent "no auth"."""
     optional = type_name.endswith("| None")
-    if optional and not raw.strip():
+    if optional and not raw.strip() and name not in _SECRETS:
         return None
     base = type_name.removesuffix("| None").strip()
+    if base == "tuple[str, ...]":
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
     try:
         if base == "int":
             return int(raw)

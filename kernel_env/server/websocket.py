@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kernel_env.errors import KernelEnvError
+from kernel_env.outputs import output_size
 from kernel_env.server.protocol import (
     ErrorCode,
     Frame,
@@ -41,16 +42,13 @@ log = logging.getLogger(__name__)
 # every other session's pings and steps while json works through it.
 _OFF_LOOP_BYTES = 1 << 20
 
-_CLOSE_NORMAL, _CLOSE_POLICY, _CLOSE_TOO_BIG = 1000, 1008, 1009
+_CLOSE_NORMAL, _CLOSE_TOO_BIG = 1000, 1009
 _CLOSE_RESTART, _CLOSE_TRY_LATER = 1012, 1013
 
 
 async def websocket_endpoint(websocket: WebSocket) -> None:
+    # Host, Origin and the token were checked before the handshake (guard, auth).
     runtime: Runtime = websocket.app.state.runtime
-    if not websocket.app.state.auth.allows(websocket.headers.get("authorization")):
-        # Closing before accept refuses the handshake (HTTP 403; 1008 in-process).
-        await websocket.close(code=_CLOSE_POLICY, reason="missing or invalid bearer token")
-        return
     await websocket.accept()
     try:
         session = runtime.sessions.open("ws")
@@ -113,14 +111,24 @@ async def _answer(request: Request, session: Session) -> Frame:
 
 async def _send(websocket: WebSocket, frame: Frame) -> bool:
     """Send one frame; False when the client is gone."""
-    data = frame.get("data") or {}
-    size = len(data.get("context") or "") if frame["type"] == "state" else 0
-    text = await _off_loop_if_big(size, json.dumps, frame)
+    text = await _off_loop_if_big(_frame_size(frame), json.dumps, frame)
     try:
         await websocket.send_text(text)
     except (WebSocketDisconnect, RuntimeError, OSError):
         return False
     return True
+
+
+def _frame_size(frame: Frame) -> int:
+    """About how many chars ``frame`` encodes to, counting only what can be big: a state's
+    context, an observation's outputs (up to the step's output budget, several MB)."""
+    data = frame.get("data") or {}
+    if frame["type"] == "state":
+        return len(data.get("context") or "")
+    if frame["type"] != "observation":
+        return 0
+    result = (data.get("observation") or {}).get("result") or {}
+    return sum(output_size(o) for o in result.get("outputs") or [])
 
 
 async def _refuse(websocket: WebSocket, frame: Frame, code: int) -> None:
