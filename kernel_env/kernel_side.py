@@ -30,6 +30,9 @@ from typing import Any
 
 MODULE_NAME = "kernel_env.kernel_side"
 REQUEST_TAG = "\x00kernel_env/1:"
+# The host's answer to its readiness probe of the stdin channel (kernel.base): never a reply
+# to a helper's request, though a spare one may still be on its way when the first cell asks.
+PROBE_REPLY = "\x00kernel_env/probe"
 # Evaluated by the kernel after every cell (in the execute_request's user_expressions).
 STATE_EXPRESSION = f"__import__('sys').modules[{MODULE_NAME!r}].state()"
 
@@ -96,6 +99,8 @@ class _Episode:
         with self.host_lock:
             try:
                 raw = raw_input(request)
+                while raw == PROBE_REPLY:  # not ours: ask again
+                    raw = raw_input(request)
             except Exception as exc:  # StdinNotImplementedError: frontend has no stdin
                 raise KernelEnvError(f"{op}: the frontend does not answer input requests") from exc
         try:
