@@ -161,7 +161,9 @@ class KernelEnvironment:
                 max_iterations=opts.rlm_max_iterations or self.config.rlm_max_iterations,
             )
         runner = None
-        if backend is not None and link.depth < link.max_depth:
+        # OpenEnv's meaning: a child runs at depth d + 1 only if d + 1 < max_depth, so the
+        # default of 1 runs none (rlm_query is then a plain llm_query).
+        if backend is not None and link.depth + 1 < link.max_depth:
             runner = ChildEpisodes(self.config, self._kernel_source, backend, link).run
         return HostCalls(
             backend=backend,
