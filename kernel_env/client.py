@@ -91,6 +91,7 @@ class AsyncKernelEnv:
         reward_on_failure: float = -0.1,
         reward_on_error: float = -0.05,
         step_timeout: float = 30.0,
+        rubric: Any = None,
         config: EnvConfig | None = None,
         kernel_source: KernelSource | None = None,
         llm_backend: LLMBackend | None = None,
@@ -100,7 +101,9 @@ class AsyncKernelEnv:
     ) -> None:
         """Local-only options: ``llm_backend`` (a :mod:`kernel_env.llm` backend) or the simpler
         ``llm_query_fn`` / ``llm_batch_fn`` callables, output and reward settings,
-        ``step_timeout``, or a whole ``config`` (which then wins over those keywords), and
+        ``step_timeout``, ``rubric`` (``"exact"``, ``"fuzzy"``, ``fn(answer, expected)``, or an
+        OpenEnv rubric such as upstream's ``REPLRubric``, which then gives every step's reward),
+        or a whole ``config`` (which then wins over those keywords), and
         ``kernel_source`` (where kernels come from: a pool, a gateway; default a new local
         kernel per episode).
         Remote-only: ``connect_timeout_s``, ``message_timeout_s``, ``token``."""
@@ -111,6 +114,7 @@ class AsyncKernelEnv:
         if base_url is None:
             config = config or EnvConfig(
                 step_timeout=step_timeout,
+                rubric=rubric,
                 max_output_length=max_output_length,
                 context_preview_length=context_preview_length,
                 success_reward=reward_on_success,
@@ -134,6 +138,8 @@ class AsyncKernelEnv:
                     "llm_query_fn/llm_batch_fn run on the host that runs the kernels; with a "
                     "base_url, configure the LLM on the server"
                 )
+            if rubric is not None:
+                raise ValueError("the server scores episodes: a rubric applies to local clients")
             self.environment = None
             self._remote = (base_url, connect_timeout_s, message_timeout_s, token)
 

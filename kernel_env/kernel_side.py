@@ -128,15 +128,13 @@ class _Episode:
     # -- per-cell bookkeeping ----------------------------------------------------------------
 
     def restore_helpers(self) -> None:
-        """Put back helpers that user code rebound or deleted (reported in the next state)."""
+        """Put back helper functions that user code rebound or deleted (reported in the next
+        state). ``context`` and ``answer`` are the user's data, as upstream: never restored."""
         ns = self.shell.user_ns
         for name, helper in self.helpers.items():
             if ns.get(name) is not helper:
                 ns[name] = helper
                 self.restored.append(name)
-        if not isinstance(ns.get("answer"), dict):
-            ns["answer"] = {"content": "", "ready": False}
-            self.restored.append("answer")
 
     def state(self) -> dict[str, Any]:
         ns = self.shell.user_ns

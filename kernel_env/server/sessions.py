@@ -156,7 +156,12 @@ class Session:
         # Not serialized behind a running step: the state is a snapshot, read at once.
         self._check_open()
         self.touch()
-        return self.env.state
+        try:
+            return self.env.state
+        except ResetNeeded:
+            # A served session answers an empty state before its first reset (clients probe a
+            # new connection with it); a local environment raises, as upstream's does.
+            return REPLState()
 
     def touch(self) -> None:
         self.last_active = asyncio.get_running_loop().time()
