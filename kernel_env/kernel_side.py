@@ -223,6 +223,14 @@ def _openai_compatible(base_url: str, model: str, api_key: str | None) -> Callab
     return complete
 
 
+def release_helpers(names: list[str]) -> None:
+    """Stop putting these helpers back before each cell: an integration binds its own (DSPy's
+    ``llm_query`` tool, for one)."""
+    if _episode is not None:
+        for name in names:
+            _episode.helpers.pop(name, None)
+
+
 def register_llm(fn: Callable[[str], str] | None) -> None:
     """Answer ``llm_query`` & co. in this kernel with ``fn(prompt) -> str`` (None: unset)."""
     if _episode is None:
