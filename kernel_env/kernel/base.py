@@ -50,6 +50,9 @@ _STDIN_PROBE = {
     "allow_stdin": True,
     "stop_on_error": False,
 }
+# The probe's request is usually the one lost (stdin connects ~0-100 ms after shell): a short
+# tick answers it soon after the connection is up. Spare answers are cheap and harmless.
+_STDIN_TICK = 0.01
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
 
@@ -241,7 +244,7 @@ class Kernel(ABC):
         stdin socket is a ROUTER: an ``input_request`` sent before our stdin socket connected
         is silently dropped, and a first cell calling ``llm_query`` then waited out the step
         timeout. The probe asks for input and is answered; a lost request is answered anyway,
-        every tick, since ipykernel takes the next message on stdin as the reply (it purges
+        every 10 ms, since ipykernel takes the next message on stdin as the reply (it purges
         anything that arrived before it asked). Once the probe's cell completes, the kernel
         has heard from our stdin socket, so its requests reach us. A spare answer that is
         still on its way then is :data:`PROBE_REPLY`, which ``llm_query`` never takes for
@@ -258,7 +261,7 @@ class Kernel(ABC):
                         "the kernel's stdin channel did not answer", kernel_id=self.kernel_id
                     )
                 self._send("stdin", "input_reply", {"value": PROBE_REPLY})
-                await asyncio.wait({complete, answer}, timeout=0.05)
+                await asyncio.wait({complete, answer}, timeout=_STDIN_TICK)
                 if answer.done():
                     answer.result()  # _serve_stdin only ends by raising
             if (run.reply or {}).get("status") != "ok":
