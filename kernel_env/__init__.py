@@ -18,6 +18,7 @@ _EXPORTS = {
     "Budget": "kernel_env.llm",
     "BudgetExceeded": "kernel_env.errors",
     "CallableBackend": "kernel_env.llm",
+    "ClientClosed": "kernel_env.errors",
     "CodeBlockResult": "kernel_env.models",
     "EnvConfig": "kernel_env.environment",
     "EpisodeError": "kernel_env.errors",
@@ -51,6 +52,7 @@ __all__ = [
     "Budget",
     "BudgetExceeded",
     "CallableBackend",
+    "ClientClosed",
     "CodeBlockResult",
     "EnvConfig",
     "EpisodeError",
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
     from kernel_env.environment import EnvConfig, KernelEnvironment
     from kernel_env.errors import (
         BudgetExceeded,
+        ClientClosed,
         EpisodeError,
         EpisodeFinished,
         KernelEnvError,

@@ -83,6 +83,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="reap sessions idle this many seconds; 0 = never (default 600)",
     )
     add(
+        "--claim-ttl",
+        type=float,
+        help="reap a session no request has named (a bare POST /reset) after this many "
+        "seconds; 0 = only --idle-ttl (default 60)",
+    )
+    add(
         "--drain-timeout",
         type=float,
         help="on shutdown, seconds in-flight steps may finish (default 8)",
@@ -138,6 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
             "max_sessions",
             "step_timeout",
             "idle_ttl",
+            "claim_ttl",
             "drain_timeout",
             "max_message_bytes",
             "max_context_chars",

@@ -9,15 +9,16 @@ facade that runs it on one background event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kernel_env.archive import extract_export
 from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
-from kernel_env.errors import ResetNeeded
+from kernel_env.errors import ClientClosed, ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.llm import LLMBackend
 from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["AsyncKernelEnv", "KernelEnv"]
 
 T = TypeVar("T")
+
+_CLOSE_GRACE = 10.0  # seconds close() waits for cancelled in-flight calls to unwind
+_CLOSED = "this client is closed; create a new one"
 
 
 class _Session(Protocol):
@@ -88,6 +92,7 @@ class AsyncKernelEnv:
         reward_on_failure: float = -0.1,
         reward_on_error: float = -0.05,
         step_timeout: float = 30.0,
+        rubric: Any = None,
         config: EnvConfig | None = None,
         kernel_source: KernelSource | None = None,
         llm_backend: LLMBackend | None = None,
@@ -97,16 +102,20 @@ class AsyncKernelEnv:
     ) -> None:
         """Local-only options: ``llm_backend`` (a :mod:`kernel_env.llm` backend) or the simpler
         ``llm_query_fn`` / ``llm_batch_fn`` callables, output and reward settings,
-        ``step_timeout``, or a whole ``config`` (which then wins over those keywords), and
+        ``step_timeout``, ``rubric`` (``"exact"``, ``"fuzzy"``, ``fn(answer, expected)``, or an
+        OpenEnv rubric such as upstream's ``REPLRubric``, which then gives every step's reward),
+        or a whole ``config`` (which then wins over those keywords), and
         ``kernel_source`` (where kernels come from: a pool, a gateway; default a new local
         kernel per episode).
         Remote-only: ``connect_timeout_s``, ``message_timeout_s``, ``token``."""
         self.base_url = base_url
         self._session: _Session | None = None
         self._closed = False
+        self._inflight: set[asyncio.Task[Any]] = set()
         if base_url is None:
             config = config or EnvConfig(
                 step_timeout=step_timeout,
+                rubric=rubric,
                 max_output_length=max_output_length,
                 context_preview_length=context_preview_length,
                 success_reward=reward_on_success,
@@ -130,6 +139,8 @@ class AsyncKernelEnv:
                     "llm_query_fn/llm_batch_fn run on the host that runs the kernels; with a "
                     "base_url, configure the LLM on the server"
                 )
+            if rubric is not None:
+                raise ValueError("the server scores episodes: a rubric applies to local clients")
             self.environment = None
             self._remote = (base_url, connect_timeout_s, message_timeout_s, token)
 
@@ -143,7 +154,7 @@ class AsyncKernelEnv:
 
     async def _connect(self) -> _Session:
         if self._closed:
-            raise ResetNeeded("this client is closed; create a new one")
+            raise ClientClosed(_CLOSED)
         if self._session is None:
             from kernel_env.remote import RemoteSession
 
@@ -184,11 +195,30 @@ class AsyncKernelEnv:
             "rlm_max_iterations": rlm_max_iterations,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        return await (await self._connect()).reset(**kwargs)
+        return await self._call(lambda session: session.reset(**kwargs))
 
     async def step(self, action: REPLAction) -> StepResult[REPLObservation]:
         """Run one action."""
-        return await (await self._connect()).step(action)
+        return await self._call(lambda session: session.step(action))
+
+    async def _call(self, op: Callable[[_Session], Awaitable[T]]) -> T:
+        """Runs ``op`` as its own task, so that ``close()`` can end it (ClientClosed) without
+        cancelling the caller's task."""
+
+        async def run() -> T:
+            return await op(await self._connect())
+
+        task = asyncio.ensure_future(run())
+        self._inflight.add(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and self._closed:
+                raise ClientClosed(f"{_CLOSED} (it was closed during this call)") from None
+            task.cancel()
+            raise
+        finally:
+            self._inflight.discard(task)
 
     async def execute(self, code: str) -> StepResult[REPLObservation]:
         """Run ``code`` as one step."""
@@ -204,7 +234,7 @@ class AsyncKernelEnv:
 
     async def state(self) -> REPLState:
         """The episode's state."""
-        return await (await self._connect()).state()
+        return await self._call(lambda session: session.state())
 
     async def list_variables(self) -> list[str]:
         """Names defined in the episode's namespace."""
@@ -243,8 +273,16 @@ class AsyncKernelEnv:
         )
 
     async def close(self) -> None:
-        """End the episode and release its kernel (or connection); idempotent."""
+        """End the episode and release its kernel (or connection); idempotent.
+
+        Calls in flight (from other tasks, or threads of a ``KernelEnv``) end at once with
+        :class:`ClientClosed`; close() waits for them to unwind (at most 10 s)."""
         self._closed = True
+        inflight = list(self._inflight)
+        for task in inflight:
+            task.cancel()
+        if inflight:
+            await asyncio.wait(inflight, timeout=_CLOSE_GRACE)
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -257,24 +295,47 @@ class AsyncKernelEnv:
 
 
 class _LoopThread:
-    """One event loop on a daemon thread; ``run`` submits a coroutine and waits for it."""
+    """One event loop on a daemon thread; ``run`` submits a coroutine and waits for it.
+
+    After ``stop()`` nothing waits forever: ``run`` raises :class:`ClientClosed`, and a call
+    submitted just before the stop is cancelled (its caller gets ClientClosed too).
+    """
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(
             target=self.loop.run_forever, name="kernel-env-loop", daemon=True
         )
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        with self._lock:
+            if self._stopped:
+                coro.close()
+                raise ClientClosed(_CLOSED)
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise ClientClosed(f"{_CLOSED} (it was closed during this call)") from None
 
     def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
-        if not self.loop.is_running():
-            self.loop.close()
+        if self.loop.is_running():
+            return  # a call that ignores cancellation holds the loop: leave it to the daemon
+        # Calls submitted before the stop but not finished: cancel them so no caller waits.
+        pending = [task for task in asyncio.all_tasks(self.loop) if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.wait(pending, timeout=_CLOSE_GRACE))
+        self.loop.close()
 
 
 class KernelEnv:
@@ -322,10 +383,11 @@ class KernelEnv:
         return self._async.environment
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             coro.close()
-            raise ResetNeeded("this client is closed; create a new one")
-        return self._loop.run(coro)
+            raise ClientClosed(_CLOSED)
+        return loop.run(coro)
 
     def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
         """Start a new episode; keywords as :meth:`AsyncKernelEnv.reset`."""
@@ -361,7 +423,8 @@ class KernelEnv:
         return self._run(self._async.export_notebook(path, overwrite=overwrite))
 
     def close(self) -> None:
-        """Release the kernel (or connection) and the loop thread; idempotent."""
+        """Release the kernel (or connection) and the loop thread; idempotent. A call in
+        flight on another thread ends with :class:`ClientClosed`."""
         loop, self._loop = self._loop, None
         if loop is not None:
             try:

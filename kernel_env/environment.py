@@ -31,7 +31,7 @@ from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPL
 from kernel_env.outputs import OutputBudget, truncate
 from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.recursion import BackendForToken, ChildEpisodes, ParentLink
-from kernel_env.rubric import Rewards, Rubric, as_rubric, score_final
+from kernel_env.rubric import Rewards, Rubric, StepRubric, as_rubric, is_step_rubric, score_final
 
 __all__ = ["EnvConfig", "KernelEnvironment", "KernelSource"]
 
@@ -54,7 +54,9 @@ class EnvConfig:
     inline_context_chars: int = 64 * 1024  # larger contexts travel as a file
     rewards: Rewards = field(default_factory=Rewards)
     success_reward: float = 1.0  # scales the rubric's score of a final answer
-    rubric: Rubric | str | None = None
+    # (answer, expected) -> score for final answers; or an OpenEnv rubric (upstream's
+    # REPLRubric), which then gives every step's reward from (action, observation).
+    rubric: Rubric | StepRubric | str | None = None
     llm_concurrency: int = 16
     llm_max_calls: int | None = None  # per-episode budget, children's calls included
     llm_max_tokens: int | None = None
@@ -105,7 +107,9 @@ class KernelEnvironment:
         an ``hf_token`` (the token lives in that backend only). ``parent`` is set for the child
         episodes of ``rlm_query``: they share the parent's usage and budget."""
         self.config = config or EnvConfig()
-        self._rubric = as_rubric(self.config.rubric)
+        rubric = self.config.rubric
+        self._step_rubric: StepRubric | None = rubric if is_step_rubric(rubric) else None  # type: ignore[assignment]
+        self._rubric = as_rubric(None if self._step_rubric is not None else rubric)
         self._kernel_source = kernel_source or _start_local_kernel
         if llm_backend is None and llm_query_fn is not None:
             llm_backend = CallableBackend(llm_query_fn)
@@ -118,6 +122,7 @@ class KernelEnvironment:
         self._record: EpisodeRecord | None = None
         self._calls = HostCalls()
         self._names: list[str] = []
+        self._cut: dict[str, int] = {}  # chars cut from the last step's stdout / stderr
         self._total_time = 0.0
         self._output_budget = self._new_output_budget()
         self.stats = _Stats()
@@ -158,10 +163,13 @@ class KernelEnvironment:
         self._calls = await self._host_calls(opts)
         self._total_time = 0.0
         self._output_budget = self._new_output_budget()
+        self._cut = {}
+        _give_expected(self._step_rubric, opts.expected_answer)
         self._kernel = await self._kernel_source()
         await self._setup_kernel()
         self._names = ["answer", "context"]
-        observation = self._observation(CodeBlockResult(), reward=None, done=False)
+        ready = CodeBlockResult(stdout=_ready_message(opts.context, opts.task_prompt))
+        observation = self._observation(ready, reward=None, done=False)
         observation.metadata.update(self._model_note(opts))
         return observation
 
@@ -184,7 +192,9 @@ class KernelEnvironment:
                 max_iterations=opts.rlm_max_iterations or self.config.rlm_max_iterations,
             )
         runner = None
-        if backend is not None and link.depth < link.max_depth:
+        # OpenEnv's meaning: a child runs at depth d + 1 only if d + 1 < max_depth, so the
+        # default of 1 runs none (rlm_query is then a plain llm_query).
+        if backend is not None and link.depth + 1 < link.max_depth:
             runner = ChildEpisodes(self.config, self._kernel_source, backend, link).run
         backend_model = getattr(backend, "model", None)
         allowed = {*self.config.llm_allowed_models, opts.llm_model, backend_model}
@@ -257,8 +267,9 @@ class KernelEnvironment:
             )
         if action.is_final:
             answer = action.final_answer or ""
+            self._cut = {}
             result = CodeBlockResult(stdout="Final answer submitted.")
-            return self._finish_step(action.code, None, result, answer)
+            return self._finish_step(action, None, result, answer)
         if len(action.code) > self.config.max_code_chars:
             raise ValueError(
                 f"code of {len(action.code)} chars exceeds the limit of "
@@ -277,7 +288,8 @@ class KernelEnvironment:
         self._names = list(state.get("names") or [])
         result = self._code_block_result(execution, state)
         final = await self._detect_final(state, execution)
-        return self._finish_step(action.code, execution, result, final)
+        partial = str((state.get("answer") or {}).get("content") or "") or None
+        return self._finish_step(action, execution, result, final, partial)
 
     async def _query_state(self) -> dict[str, Any]:
         _, kernel = self._require()
@@ -296,6 +308,7 @@ class KernelEnvironment:
         stdout, cut_out = truncate(ex.stdout, limit)
         stderr, cut_err = truncate(ex.stderr + notes, limit)
         self.stats.truncations += (cut_out > 0) + (cut_err > 0)
+        self._cut = {k: v for k, v in (("stdout", cut_out), ("stderr", cut_err)) if v}
         return CodeBlockResult(
             stdout=stdout,
             stderr=stderr,
@@ -337,7 +350,12 @@ class KernelEnvironment:
         return str(value["value"]) if value and value.get("found") else None
 
     def _finish_step(
-        self, code: str, ex: ExecutionResult | None, result: CodeBlockResult, final: str | None
+        self,
+        action: REPLAction,
+        ex: ExecutionResult | None,
+        result: CodeBlockResult,
+        final: str | None,
+        partial: str | None = None,
     ) -> REPLObservation:
         record, _ = self._require()
         self.stats.steps += 1
@@ -345,29 +363,46 @@ class KernelEnvironment:
         self._total_time += result.execution_time
         calls = self._calls.take_calls()
         iteration = len(record.steps) + 1
+        exhausted = final is None and iteration >= record.max_iterations
+        if exhausted:
+            # As upstream: say so in stdout, and take an unfinished answer["content"].
+            end = f"Maximum iterations ({record.max_iterations}) reached.\n"
+            sep = "\n" if result.stdout and not result.stdout.endswith("\n") else ""
+            result.stdout += sep + end
+            final = partial
+        done = exhausted or final is not None
+        reward = self._reward(record, result, final, done)
+        step = _step_record(iteration, action.code, ex, result, calls, reward, final)
+        record.steps.append(step)
+        record.done, record.final_answer = done, final
+        record.llm_usage = self._calls.usage.as_dict()
+        observation = self._observation(result, reward=reward, done=done)
+        if self._step_rubric is not None:
+            reward = float(self._step_rubric(action, observation))
+            observation.reward = step.reward = reward
+        if done:
+            record.reward = reward
+        return observation
+
+    def _reward(
+        self, record: EpisodeRecord, result: CodeBlockResult, final: str | None, done: bool
+    ) -> float:
         rewards = self.config.rewards
         if final is not None:
             score = score_final(final, record.expected_answer, self._rubric, rewards)
-            reward = score * self.config.success_reward
-            done = True
-        elif iteration >= record.max_iterations:
-            reward, done = rewards.budget_exhausted, True
-        else:
-            reward, done = (rewards.step_ok if result.success else rewards.step_failed), False
-        record.steps.append(_step_record(iteration, code, ex, result, calls, reward, final))
-        record.done, record.final_answer = done, final
-        record.llm_usage = self._calls.usage.as_dict()
+            return score * self.config.success_reward
         if done:
-            record.reward = reward
-        return self._observation(result, reward=reward, done=done)
+            return rewards.budget_exhausted
+        return rewards.step_ok if result.success else rewards.step_failed
 
     # -- state, observation, close ------------------------------------------------------------
 
     @property
     def state(self) -> REPLState:
+        """The episode's state; before the first reset, :class:`ResetNeeded` (as upstream)."""
         record = self._record
         if record is None:
-            return REPLState()
+            raise ResetNeeded("Environment not initialized. Call reset() first.")
         return REPLState(
             episode_id=record.episode_id,
             step_count=len(record.steps),
@@ -402,6 +437,8 @@ class KernelEnvironment:
                 "execution_time": result.execution_time,
             }
         metadata["episode_id"] = record.episode_id
+        if self._cut:
+            metadata["truncated"] = dict(self._cut)  # chars cut, by stream
         return REPLObservation(
             result=result,
             context_preview=record.context[: self.config.context_preview_length] or None,
@@ -428,6 +465,33 @@ class KernelEnvironment:
         if self._record is None or self._kernel is None:
             raise ResetNeeded("no episode is running; call reset() first")
         return self._record, self._kernel
+
+
+def _ready_message(context: str, task_prompt: str) -> str:
+    """The reset observation's stdout, worded as upstream's (models are prompted with it)."""
+    parts = ["REPL environment initialized."]
+    if context:
+        parts.append(
+            f"Context loaded ({len(context)} chars). Use 'context' variable to access it."
+        )
+    if task_prompt:
+        parts.append(f"Task: {task_prompt}")
+    parts.append(
+        "Use answer['content'] to store your answer, and set answer['ready'] = True when done."
+    )
+    return "\n".join(parts)
+
+
+def _give_expected(rubric: StepRubric | None, expected: str | None) -> None:
+    """Give an OpenEnv rubric the new episode's expected answer, as upstream's reset does."""
+    if rubric is None:
+        return
+    reset = getattr(rubric, "reset", None)
+    if callable(reset):
+        reset()
+    set_expected = getattr(rubric, "set_expected", None)
+    if callable(set_expected) and expected is not None:
+        set_expected(expected)
 
 
 def _json_expression(value: Any) -> dict[str, Any] | None:

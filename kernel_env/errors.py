@@ -7,7 +7,8 @@ Errors in the *agent's* code are not exceptions: they are data in the observatio
     ├── KernelError              a kernel could not be started, reached, or restarted
     │   └── KernelStartError
     ├── EpisodeError             misuse of an episode
-    │   ├── ResetNeeded          step() before reset(), or after close()
+    │   ├── ResetNeeded          step() or state before reset() (also a RuntimeError)
+    │   │   └── ClientClosed     a call after close(), or in flight when close() ran
     │   └── EpisodeFinished      step() after the episode is done
     ├── LLMError                 a model call failed after its retries
     │   └── BudgetExceeded       the episode's LLM budget is spent (enforced on the host)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 __all__ = [
     "BudgetExceeded",
+    "ClientClosed",
     "EpisodeError",
     "EpisodeFinished",
     "KernelEnvError",
@@ -52,8 +54,14 @@ class EpisodeError(KernelEnvError):
     """The episode was used in a way its lifecycle does not allow."""
 
 
-class ResetNeeded(EpisodeError):
-    """step() or state before reset(), or after close()."""
+class ResetNeeded(EpisodeError, RuntimeError):
+    """step() or state before reset(). A ``RuntimeError``, as upstream's "Environment not
+    initialized. Call reset() first." is."""
+
+
+class ClientClosed(ResetNeeded):
+    """The client was closed: a call made after ``close()``, or one in flight when ``close()``
+    ran (it ends at once instead of waiting for a kernel that is gone)."""
 
 
 class EpisodeFinished(EpisodeError):

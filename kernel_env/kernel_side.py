@@ -30,6 +30,9 @@ from typing import Any
 
 MODULE_NAME = "kernel_env.kernel_side"
 REQUEST_TAG = "\x00kernel_env/1:"
+# The host's answer to its readiness probe of the stdin channel (kernel.base): never a reply
+# to a helper's request, though a spare one may still be on its way when the first cell asks.
+PROBE_REPLY = "\x00kernel_env/probe"
 # Evaluated by the kernel after every cell (in the execute_request's user_expressions).
 STATE_EXPRESSION = f"__import__('sys').modules[{MODULE_NAME!r}].state()"
 
@@ -100,6 +103,8 @@ class _Episode:
         with self.host_lock:
             try:
                 raw = raw_input(request)
+                while raw == PROBE_REPLY:  # not ours: ask again
+                    raw = raw_input(request)
             except Exception as exc:  # StdinNotImplementedError: frontend has no stdin
                 raise KernelEnvError(f"{op}: the frontend does not answer input requests") from exc
         try:
@@ -140,15 +145,13 @@ class _Episode:
     # -- per-cell bookkeeping ----------------------------------------------------------------
 
     def restore_helpers(self) -> None:
-        """Put back helpers that user code rebound or deleted (reported in the next state)."""
+        """Put back helper functions that user code rebound or deleted (reported in the next
+        state). ``context`` and ``answer`` are the user's data, as upstream: never restored."""
         ns = self.shell.user_ns
         for name, helper in self.helpers.items():
             if ns.get(name) is not helper:
                 ns[name] = helper
                 self.restored.append(name)
-        if not isinstance(ns.get("answer"), dict):
-            ns["answer"] = {"content": "", "ready": False}
-            self.restored.append("answer")
 
     def state(self) -> dict[str, Any]:
         ns = self.shell.user_ns
@@ -235,6 +238,14 @@ def _openai_compatible(base_url: str, model: str, api_key: str | None) -> Callab
         return str(reply["choices"][0]["message"]["content"])
 
     return complete
+
+
+def release_helpers(names: list[str]) -> None:
+    """Stop putting these helpers back before each cell: an integration binds its own (DSPy's
+    ``llm_query`` tool, for one)."""
+    if _episode is not None:
+        for name in names:
+            _episode.helpers.pop(name, None)
 
 
 def register_llm(fn: Callable[[str], str] | None) -> None:

@@ -3,8 +3,10 @@
 A kernel's ``rlm_query(prompt)`` asks the host; the host starts a child episode (a kernel from
 the parent's source, so from the pool when there is one) whose ``context`` is the prompt, and
 lets the agent loop solve it with the parent's model. The child's calls — its root model's and
-its kernel's ``llm_query`` — count toward the parent's usage and budget. Past ``max_depth`` the
-call is a plain ``llm_query``. The child's record is kept with the parent's step for export.
+its kernel's ``llm_query`` — count toward the parent's usage and budget. As in OpenEnv, the
+root is depth 0 and a child at depth ``d`` runs only if ``d < max_depth``: the default
+``max_depth`` of 1 runs none, and the call is a plain ``llm_query``. The child's record is
+kept with the parent's step for export.
 """
 
 from __future__ import annotations

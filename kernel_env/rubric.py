@@ -11,7 +11,7 @@ import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = [
     "CallableRubric",
@@ -20,7 +20,9 @@ __all__ = [
     "Rewards",
     "Rubric",
     "RubricError",
+    "StepRubric",
     "as_rubric",
+    "is_step_rubric",
     "normalize",
     "score_final",
 ]
@@ -33,6 +35,21 @@ class Rubric(Protocol):
     """Scores an answer against the expected answer."""
 
     def __call__(self, answer: str, expected: str) -> float: ...
+
+
+class StepRubric(Protocol):
+    """An OpenEnv (RFC 004) rubric, such as upstream's ``REPLRubric``: it scores every step
+    from ``(action, observation)``, and may take the expected answer through
+    ``set_expected(expected)`` and forget it through ``reset()``."""
+
+    def forward(self, action: Any, observation: Any) -> Any: ...
+
+    def __call__(self, action: Any, observation: Any) -> Any: ...
+
+
+def is_step_rubric(value: object) -> bool:
+    """Whether ``value`` is an OpenEnv rubric (it has a ``forward(action, observation)``)."""
+    return callable(value) and callable(getattr(value, "forward", None))
 
 
 class RubricError(Exception):

@@ -139,11 +139,12 @@ def test_fuzzy_and_custom_rubrics() -> None:
 
 
 def test_clobbered_helpers_are_restored(env: KernelEnv) -> None:
-    """Rebinding or deleting llm_query, FINAL or answer lasts only until the next step (S3)."""
+    """Rebinding or deleting llm_query or FINAL lasts only until the next step (S3); `answer`
+    is the user's variable and keeps its value, as upstream."""
     env.reset()
     env.execute("llm_query = None\ndel FINAL\nanswer = 5")
     result = env.execute("print(callable(llm_query), callable(FINAL), answer)")
-    assert result.observation.result.stdout == "True True {'content': '', 'ready': False}\n"
+    assert result.observation.result.stdout == "True True 5\n"
 
 
 def test_helpers_hidden_from_namespace_listing(env: KernelEnv) -> None:

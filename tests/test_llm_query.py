@@ -116,3 +116,20 @@ def test_malformed_tagged_request_is_rejected() -> None:
             "ks._episode.call_host('llm_query_batched', prompts='not a list')"
         ).observation.result
     assert "bad request" in (res.exception or "") and calls == []
+
+
+def test_spare_probe_reply_is_never_an_answer() -> None:
+    """A readiness probe's spare stdin reply that lands as a cell asks is not llm_query's
+    answer: the helper asks again and gets the host's."""
+    calls: list[str] = []
+    with KernelEnv(llm_query_fn=lambda p: calls.append(p) or "real") as env:
+        env.reset()
+        res = env.execute(
+            "import sys\n"
+            "ks = sys.modules['kernel_env.kernel_side']\n"
+            "k = get_ipython().kernel\n"
+            "spare, real_input = [ks.PROBE_REPLY], k.raw_input\n"
+            "k.raw_input = lambda prompt='': spare.pop() if spare else real_input(prompt)\n"
+            "print(llm_query('q'), spare)"
+        ).observation.result
+    assert res.stdout == "real []\n" and calls == ["q"]

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from fake_openai import FakeOpenAI
 
-from kernel_env import AsyncKernelEnv
+from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.llm import OpenAIBackend
 
 pytestmark = pytest.mark.timeout(90)
@@ -35,7 +35,7 @@ async def test_rlm_query_child_at_depth_two(tmp_path: Path) -> None:
     with FakeOpenAI(scripted_model) as server:
         backend = OpenAIBackend(server.url, "fake-model", api_key="sk-rlm")
         async with AsyncKernelEnv(llm_backend=backend, step_timeout=60) as env:
-            await env.reset(context="root", rlm_max_depth=2)
+            await env.reset(context="root", rlm_max_depth=3)
             res = (await env.execute("rlm_query('LEVEL1: ask a child')")).observation.result
             assert res.stdout.strip() == "'42'", res
             state = await env.state()
@@ -58,12 +58,14 @@ async def test_rlm_query_child_at_depth_two(tmp_path: Path) -> None:
     assert (tmp_path / "root.child-1-1.child-1-1.ipynb").exists()
 
 
-async def test_rlm_query_past_max_depth_is_a_plain_llm_query() -> None:
-    """With rlm_max_depth=0, rlm_query and rlm_query_batched fall back to plain model calls."""
+@pytest.mark.parametrize("depth", [None, 0, 1])
+async def test_rlm_query_past_max_depth_is_a_plain_llm_query(depth: int | None) -> None:
+    """As upstream: with rlm_max_depth 1 (the default) or 0 no child runs; rlm_query and
+    rlm_query_batched are plain model calls."""
     with FakeOpenAI(scripted_model) as server:
         backend = OpenAIBackend(server.url, "fake-model")
         async with AsyncKernelEnv(llm_backend=backend, step_timeout=30) as env:
-            await env.reset(rlm_max_depth=0)
+            await env.reset(**({} if depth is None else {"rlm_max_depth": depth}))
             res = await env.execute("rlm_query('hello there'), rlm_query_batched(['a', 'b'])")
             out = res.observation.result.stdout
         await backend.aclose()
@@ -72,3 +74,17 @@ async def test_rlm_query_past_max_depth_is_a_plain_llm_query() -> None:
         == "('plain answer to: hello there', ['plain answer to: a', 'plain answer to: b'])"
     )
     assert len(server.requests) == 3
+
+
+def test_default_depth_matches_upstream() -> None:
+    """Upstream's example: with the default depth, rlm_query('World') is one model call."""
+    calls: list[str] = []
+
+    def llm(prompt: str) -> str:
+        calls.append(prompt)
+        return f"Response: {prompt[:20]}"
+
+    with KernelEnv(llm_query_fn=llm) as env:
+        env.reset()
+        out = env.execute("print(rlm_query('World'))").observation.result.stdout
+    assert out == "Response: World\n" and calls == ["World"]

@@ -240,10 +240,12 @@ def test_late_output_is_counted_not_shown_in_the_next_step(
 
 
 def test_capacity_reached_is_503_with_counts() -> None:
-    """A new session beyond max_sessions is refused with CAPACITY_REACHED and the counts."""
+    """A new session beyond max_sessions (all claimed) is refused with CAPACITY_REACHED and
+    the counts."""
     with make_client(pool_size=0, max_sessions=1) as c:
         first = c.post("/reset", json={})
         assert first.status_code == 200
+        c.get("/state", headers=h(first.headers["X-Session-Id"]))  # claims it
         refused = c.post("/reset", json={})
         assert refused.status_code == 503
         detail = refused.json()["detail"]

@@ -5,7 +5,8 @@ delivers what arrives, one reader per channel, into the three queues here. Every
 interprets messages lives in this module, so every backend behaves the same:
 
 - ready = a ``kernel_info_reply`` AND an iopub message, ``kernel_info`` resent every 50 ms
-  (``wait_for_ready()`` sleeps, and after a restart without this the next cell's iopub was lost);
+  (``wait_for_ready()`` sleeps, and after a restart without this the next cell's iopub was lost),
+  AND one stdin request answered (else a first cell's ``llm_query`` could be lost);
 - an execute is complete when both the shell ``execute_reply`` and the iopub ``idle`` for its
   ``msg_id`` arrived; output for another parent (a thread printing late) is kept aside, never
   put into the next cell;
@@ -29,6 +30,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from kernel_env.errors import KernelError, KernelStartError
+from kernel_env.kernel_side import PROBE_REPLY
 from kernel_env.outputs import OutputCollector
 
 __all__ = ["ExecutionResult", "Kernel", "StdinHandler"]
@@ -39,6 +41,18 @@ log = logging.getLogger(__name__)
 StdinHandler = Callable[[str], Awaitable[str]]
 Status = Literal["ok", "error", "timeout", "died"]
 
+# A silent cell (no execution count, no history) that waits for one stdin reply.
+_STDIN_PROBE = {
+    "code": "get_ipython().kernel.raw_input('')",
+    "silent": True,
+    "store_history": False,
+    "user_expressions": {},
+    "allow_stdin": True,
+    "stop_on_error": False,
+}
+# The probe's request is usually the one lost (stdin connects ~0-100 ms after shell): a short
+# tick answers it soon after the connection is up. Spare answers are cheap and harmless.
+_STDIN_TICK = 0.01
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
 
@@ -215,11 +229,47 @@ class Kernel(ABC):
                 msg = await _get(self._queues["shell"], left)
                 got_reply = got_reply or (msg is not None and _msg_type(msg) == "kernel_info_reply")
                 got_iopub = got_iopub or not self._queues["iopub"].empty()
+        await self._wait_stdin(deadline)
         log.debug("kernel %s ready", self.kernel_id)
         # What arrived so far (kernel_info replies, their status messages) is noise now.
         for queue in self._queues.values():
             while not queue.empty():
                 queue.get_nowait()
+
+    async def _wait_stdin(self, deadline: float) -> None:
+        """Prove that the kernel's stdin requests reach us, with one request answered.
+
+        Each channel connects on its own (a DEALER retries every 100 ms until the kernel has
+        bound its sockets), so a ready shell and iopub say nothing about stdin. The kernel's
+        stdin socket is a ROUTER: an ``input_request`` sent before our stdin socket connected
+        is silently dropped, and a first cell calling ``llm_query`` then waited out the step
+        timeout. The probe asks for input and is answered; a lost request is answered anyway,
+        every 10 ms, since ipykernel takes the next message on stdin as the reply (it purges
+        anything that arrived before it asked). Once the probe's cell completes, the kernel
+        has heard from our stdin socket, so its requests reach us. A spare answer that is
+        still on its way then is :data:`PROBE_REPLY`, which ``llm_query`` never takes for
+        its own.
+        """
+        loop = asyncio.get_running_loop()
+        run = _Run(self._send("shell", "execute_request", _STDIN_PROBE))
+        complete = asyncio.ensure_future(self._until_complete(run))
+        answer = asyncio.ensure_future(self._serve_stdin(run, _answer_probe))
+        try:
+            while not complete.done():
+                if loop.time() > deadline:
+                    raise KernelStartError(
+                        "the kernel's stdin channel did not answer", kernel_id=self.kernel_id
+                    )
+                self._send("stdin", "input_reply", {"value": PROBE_REPLY})
+                await asyncio.wait({complete, answer}, timeout=_STDIN_TICK)
+                if answer.done():
+                    answer.result()  # _serve_stdin only ends by raising
+            if (run.reply or {}).get("status") != "ok":
+                log.warning("kernel %s: stdin probe failed: %s", self.kernel_id, run.reply)
+        finally:
+            for task in (complete, answer):
+                task.cancel()
+            await asyncio.gather(complete, answer, return_exceptions=True)
 
     # -- execute --------------------------------------------------------------------------
 
@@ -353,6 +403,10 @@ async def _get(queue: asyncio.Queue[dict[str, Any]], timeout: float) -> dict[str
         return await asyncio.wait_for(queue.get(), timeout)
     except TimeoutError:
         return None
+
+
+async def _answer_probe(prompt: str) -> str:
+    return PROBE_REPLY
 
 
 def _result(run: _Run, started: datetime, duration: float) -> ExecutionResult:

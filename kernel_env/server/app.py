@@ -122,6 +122,7 @@ class Runtime:
             ),
             max_sessions=settings.max_sessions,
             idle_ttl=settings.idle_ttl,
+            claim_ttl=settings.claim_ttl,
         )
         self.started = time.monotonic()
 

@@ -5,6 +5,12 @@ TTL (their kernel is shut down; later calls get a clear "session expired"), and 
 drains: in-flight requests get ``drain_timeout`` to finish and answer, the rest are cancelled
 and answered with an error, then every kernel is shut down.
 
+A session is *claimed* once a request names it (``X-Session-Id``), or from the start for a
+WebSocket. OpenEnv's HTTP clients are stateless and never send the id back, so each of their
+``POST /reset`` opens a session nobody will use: an unclaimed session is reaped after
+``claim_ttl`` idle seconds, and when the server is full the oldest idle unclaimed session is
+closed to make room instead of refusing the reset.
+
 Session exceptions (all ``KernelEnvError``)::
 
     SessionError        the session cannot serve requests any more  -> SESSION_ERROR / HTTP 410
@@ -49,6 +55,7 @@ Kind = Literal["ws", "http"]
 _SHUTTING_DOWN = "the server is shutting down; the session was closed"
 _REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rather than "unknown"
 _CLOSE_TIMEOUT = 5.0  # a kernel shutdown takes ~0.1 s
+_UNCLAIMED = "session expired: it was never claimed (no request carried its id) and was "
 
 
 class SessionError(KernelEnvError):
@@ -118,6 +125,7 @@ class Session:
         self._lock = asyncio.Lock()  # the environment takes one call at a time
         self._ops: set[asyncio.Task[Any]] = set()
         self.busy = 0
+        self.claimed = kind == "ws"  # a socket is its own claim; HTTP: once a request names it
         self.last_active = asyncio.get_running_loop().time()
         self.closed: SessionError | None = None
         self.done_kernels = Counters()  # counters of kernels this session already discarded
@@ -148,7 +156,12 @@ class Session:
         # Not serialized behind a running step: the state is a snapshot, read at once.
         self._check_open()
         self.touch()
-        return self.env.state
+        try:
+            return self.env.state
+        except ResetNeeded:
+            # A served session answers an empty state before its first reset (clients probe a
+            # new connection with it); a local environment raises, as upstream's does.
+            return REPLState()
 
     def touch(self) -> None:
         self.last_active = asyncio.get_running_loop().time()
@@ -207,10 +220,12 @@ class SessionManager:
         *,
         max_sessions: int,
         idle_ttl: float = 0.0,
+        claim_ttl: float = 0.0,
     ) -> None:
         self._env_factory = env_factory
         self.max_sessions = max_sessions
         self.idle_ttl = idle_ttl
+        self.claim_ttl = claim_ttl
         self._sessions: dict[str, Session] = {}
         self._gone: OrderedDict[str, SessionError] = OrderedDict()
         self.ops: set[asyncio.Task[Any]] = set()
@@ -234,14 +249,14 @@ class SessionManager:
         return list(self._sessions.values())
 
     async def start(self) -> None:
-        if self.idle_ttl > 0 and self._reaper is None:
+        if (self.idle_ttl > 0 or self.claim_ttl > 0) and self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_forever(), name="session-reaper")
 
     def open(self, kind: Kind) -> Session:
-        """A new session, or :class:`CapacityReached`."""
+        """A new session, or :class:`CapacityReached` (when no unclaimed session can go)."""
         if self.draining:
             raise SessionClosed(_SHUTTING_DOWN)
-        if len(self._sessions) >= self.max_sessions:
+        if len(self._sessions) >= self.max_sessions and not self._evict_unclaimed():
             raise CapacityReached(len(self._sessions), self.max_sessions)
         session = Session(self, secrets.token_hex(16), kind, self._env_factory())
         self._sessions[session.id] = session
@@ -252,6 +267,7 @@ class SessionManager:
         """The open session with this id; raises if it expired, was closed, or never existed."""
         session = self._sessions.get(session_id)
         if session is not None:
+            session.claimed = True
             return session
         gone = self._gone.get(session_id)
         if gone is not None:
@@ -283,16 +299,41 @@ class SessionManager:
         task.add_done_callback(self._closing.discard)
         return task
 
-    async def close_session(self, session: Session, error: SessionError | None = None) -> None:
-        """Close ``session`` and shut its kernel down; idempotent."""
+    def _evict_unclaimed(self) -> bool:
+        """Close the oldest idle unclaimed session to make room; False if there is none.
+
+        It leaves the count at once; its kernel shuts down in the background."""
+        unclaimed = [s for s in self._sessions.values() if not s.claimed and s.busy == 0]
+        if not unclaimed:
+            return False
+        victim = min(unclaimed, key=lambda s: s.last_active)
+        log.info("session %s: never claimed; closed to make room", victim.id[:8])
+        self.reaped_total += 1
+        error = SessionExpired(_UNCLAIMED + "closed to make room for a new session")
+        if self._detach(victim, error):
+            task = asyncio.ensure_future(self._shut(victim))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        return True
+
+    def _detach(self, session: Session, error: SessionError | None) -> bool:
+        """Take ``session`` out of the open ones (False if it already was)."""
         if session.closed is None:
             session.closed = error or SessionClosed("the session was closed")
         if self._sessions.pop(session.id, None) is None:
-            return
-        self._shutting.add(session)  # counted in counters() until its own are added below
+            return False
+        self._shutting.add(session)  # counted in counters() until its own are added by _shut
         self._gone[session.id] = session.closed
         while len(self._gone) > _REMEMBER_GONE:
             self._gone.popitem(last=False)
+        return True
+
+    async def close_session(self, session: Session, error: SessionError | None = None) -> None:
+        """Close ``session`` and shut its kernel down; idempotent."""
+        if self._detach(session, error):
+            await self._shut(session)
+
+    async def _shut(self, session: Session) -> None:
         await session._cancel_ops()
         kernel = session.env.kernel  # its counters outlive it
         # Bounded: a kernel that will not shut down must not hold up a drain or the reaper.
@@ -347,25 +388,37 @@ class SessionManager:
         return total
 
     async def _reap_forever(self) -> None:
-        interval = min(5.0, max(0.05, self.idle_ttl / 10))
+        shortest = min(t for t in (self.idle_ttl, self.claim_ttl) if t > 0)
+        interval = min(5.0, max(0.05, shortest / 10))
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)
             now = loop.time()
             idle = [
                 s for s in self.sessions()
-                if s.busy == 0 and now - s.last_active > self.idle_ttl
+                if s.busy == 0 and now - s.last_active > self._ttl(s)
             ]
             if not idle:
                 continue
-            expired = SessionExpired(
-                f"session expired: it was idle for more than {self.idle_ttl:g} s and its kernel "
-                "was shut down; open a new session (reconnect, or POST /reset without a "
-                "session id)"
-            )
-            await asyncio.gather(*(self.close_session(s, expired) for s in idle))
+            await asyncio.gather(*(self.close_session(s, self._expired(s)) for s in idle))
             self.reaped_total += len(idle)
             log.info("reaped %d idle session(s)", len(idle))
+
+    def _ttl(self, session: Session) -> float:
+        ttls = [t for t in (self.idle_ttl, 0 if session.claimed else self.claim_ttl) if t > 0]
+        return min(ttls) if ttls else float("inf")
+
+    def _expired(self, session: Session) -> SessionExpired:
+        if not session.claimed and 0 < self.claim_ttl <= (self.idle_ttl or self.claim_ttl):
+            return SessionExpired(
+                _UNCLAIMED + f"reaped after {self.claim_ttl:g} s; send the X-Session-Id "
+                "header of POST /reset's response with every later request"
+            )
+        return SessionExpired(
+            f"session expired: it was idle for more than {self.idle_ttl:g} s and its kernel "
+            "was shut down; open a new session (reconnect, or POST /reset without a "
+            "session id)"
+        )
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:

@@ -32,6 +32,9 @@ class ServerSettings:
     # on that connection is shifted by one. Worst case ~ step_timeout + interrupt + restart.
     step_timeout: float = 30.0
     idle_ttl: float = 600.0  # a session idle this long is reaped (0 disables)
+    # A session no request has named yet (a bare POST /reset of a stateless HTTP client) is
+    # reaped after this, and is the first to go when the server is full (0: idle_ttl only).
+    claim_ttl: float = 60.0
     drain_timeout: float = 8.0  # on shutdown, how long in-flight steps may finish
     token: str | None = field(default=None, repr=False)  # bearer token; None = no auth
     max_message_bytes: int = 192 * _MiB  # a WebSocket frame or an HTTP body
@@ -67,7 +70,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("pool_size", "idle_ttl"):
+        for name in ("pool_size", "idle_ttl", "claim_ttl"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_sessions", "step_timeout", "drain_timeout", "max_message_bytes",

@@ -1,0 +1,5 @@
+"""Adapters that let other agent frameworks run their code on kernel_env kernels.
+
+Each lives in its own module, imported only when used, with its framework as an optional extra:
+``kernel_env.integrations.dspy`` (``pip install 'kernel-env[dspy]'``).
+"""
