@@ -72,10 +72,11 @@ def child_model(body: dict[str, Any]) -> str:
     return "```repl\nimport time\ntime.sleep(0.5)\nFINAL('child')\n```"
 
 
-@pytest.mark.parametrize(("depth", "prompt"), [(1, "q"), (2, "DEEP")])
+# rlm_max_depth counts levels as OpenEnv does: 1 runs no child, 2 children, 3 grandchildren.
+@pytest.mark.parametrize(("depth", "prompt"), [(2, "q"), (3, "DEEP")])
 def test_rlm_children_never_exceed_the_kernel_budget(depth: int, prompt: str) -> None:
     """--max-sessions 1 --pool-size 1 (so at most 2 kernels): rlm_query_batched([...] * 8)
-    runs at most 2 kernels at once, at depth 1 and 2; children that get none fail in the
+    runs at most 2 kernels at once, with children and with grandchildren; children that get none fail in the
     cell with a clear error, and the episode goes on."""
     with FakeOpenAI(child_model) as fake:
         settings = small_settings(max_sessions=1, pool_size=1, llm_base_url=fake.url,
