@@ -135,6 +135,8 @@ class KernelPool:
             await kernel.shutdown()
         self._need.set()
         if self._room() <= 0:
+            await self._wait_for_room()
+        if self._room() <= 0:
             self.refused += 1
             raise KernelCapacity(
                 f"no kernel available: all {self.max_kernels} kernels of this server are in "
@@ -147,6 +149,13 @@ class KernelPool:
             self._acquiring -= 1
         self._out.add(kernel)
         return kernel
+
+    async def _wait_for_room(self, grace: float = 2.0) -> None:
+        """A kernel handed out may be on its way down (a session just closed to make room
+        for this one): it stops counting once its shutdown begins. Wait a moment for that."""
+        deadline = asyncio.get_running_loop().time() + grace
+        while self._room() <= 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
 
     async def _wait_for_placed(self) -> None:
         while not self._warm and self._starts and not self._closed:
