@@ -76,8 +76,8 @@ def child_model(body: dict[str, Any]) -> str:
 @pytest.mark.parametrize(("depth", "prompt"), [(2, "q"), (3, "DEEP")])
 def test_rlm_children_never_exceed_the_kernel_budget(depth: int, prompt: str) -> None:
     """--max-sessions 1 --pool-size 1 (so at most 2 kernels): rlm_query_batched([...] * 8)
-    runs at most 2 kernels at once, with children and with grandchildren; children that get none fail in the
-    cell with a clear error, and the episode goes on."""
+    runs at most 2 kernels at once, with children and with grandchildren; children that get
+    none fail in the cell with a clear error, and the episode goes on."""
     with FakeOpenAI(child_model) as fake:
         settings = small_settings(max_sessions=1, pool_size=1, llm_base_url=fake.url,
                                   llm_model="m", step_timeout=120)
