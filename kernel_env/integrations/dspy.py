@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from dspy.primitives.code_interpreter import CodeExecutionError, CodeInterpreterError, FinalOutput
 
-from kernel_env.environment import KernelSource
+from kernel_env.environment import KernelSource, _json_expression
 from kernel_env.integrations.dspy_kernel import MODULE_NAME, OUTCOME_EXPRESSION, TOOL_TAG
 from kernel_env.kernel import ExecutionResult, Kernel
 from kernel_env.kernel.base import StdinHandler
@@ -241,14 +241,7 @@ def _payload(
 
 
 def _outcome(ran: ExecutionResult) -> dict[str, Any] | None:
-    value = ran.user_expressions.get("outcome")
-    if not isinstance(value, dict) or value.get("status") != "ok":
-        return None
-    try:
-        parsed = json.loads(value.get("data", {}).get("text/plain", ""))
-    except ValueError:
-        return None
-    return parsed if isinstance(parsed, dict) else None
+    return _json_expression(ran.user_expressions.get("outcome"))
 
 
 def _error(ran: ExecutionResult) -> str:
