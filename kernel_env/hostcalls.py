@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernel_env.errors import RequestError
 from kernel_env.kernel_side import REQUEST_TAG
 from kernel_env.llm import Budget, LLMBackend, MeteredBackend, Usage
 
@@ -49,10 +50,6 @@ class LLMCall:
     output_tokens: int | None = None
     # rlm_query: the child episodes that produced the answer (kernel_env.record.EpisodeRecord)
     children: list[Any] = field(default_factory=list)
-
-
-class RequestError(ValueError):
-    """A kernel's request is malformed; the kernel gets the message back as an error."""
 
 
 # Answers an rlm_query with a child episode: (prompt, model) -> (answer, child records).

@@ -27,11 +27,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import httpx
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kernel_env.errors import BudgetExceeded, LLMError
+
+if TYPE_CHECKING:  # httpx loads with the first OpenAIBackend call: a local episode needs none
+    import httpx
 
 __all__ = [
     "Budget",
@@ -313,6 +314,8 @@ class OpenAIBackend:
         return _parse_completion(data, latency, self._key)
 
     async def _post(self, client: httpx.AsyncClient, body: dict[str, Any]) -> Any:
+        import httpx
+
         headers = {"Authorization": f"Bearer {self._key.get()}"} if self._key.get() else {}
         url = f"{self.base_url}/chat/completions"
         attempt = 0
@@ -356,6 +359,8 @@ class OpenAIBackend:
         return self._key.scrub(f"LLM call to {self.base_url} failed after {tries}: {problem}")
 
     def _bind(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        import httpx
+
         loop = asyncio.get_running_loop()
         if self._client is None or self._slots is None:
             self._client = httpx.AsyncClient(timeout=self.timeout)

@@ -23,6 +23,7 @@ from nbformat import NotebookNode
 from nbformat.corpus.words import generate_corpus_id
 from nbformat.v4 import new_notebook
 
+from kernel_env.errors import ExportPathError
 from kernel_env.record import EpisodeRecord, StepRecord
 
 __all__ = [
@@ -73,10 +74,6 @@ def new_markdown_cell(source: str, *, metadata: dict[str, Any] | None = None) ->
         source=source,
         metadata=NotebookNode(metadata or {}),
     )
-
-
-class ExportPathError(ValueError):
-    """An export path would leave the export directory."""
 
 
 def safe_path(root: str | os.PathLike[str], name: str) -> Path:

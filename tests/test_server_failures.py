@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from serverkit import kernel_pids, make_client, wait_until
@@ -78,3 +79,26 @@ def test_long_export_names_are_refused_not_a_500(length: int) -> None:
         started = time.monotonic()
         fine = c.get(f"/sessions/{sid}/export.zip", params={"name": "n" * 190 + ".ipynb"})
         assert fine.status_code == 200, time.monotonic() - started
+
+
+def test_an_internal_value_error_is_the_servers_fault_not_the_clients() -> None:
+    """A ValueError from the server's own code (here its kernel source) is a 500 over HTTP and
+    an EXECUTION_ERROR frame on /ws, never the 422 / VALIDATION_ERROR that blames the client."""
+    from serverkit import LoopbackClient
+
+    from kernel_env.server import create_app
+    from kernel_env.server.settings import ServerSettings
+
+    async def broken_source() -> Any:
+        raise ValueError("an internal bug")
+
+    app = create_app(ServerSettings(pool_size=0), kernel_factory=broken_source)
+    with LoopbackClient(app, raise_server_exceptions=False) as c:
+        assert c.post("/reset", json={}).status_code == 500
+        with c.websocket_connect("/ws") as ws:
+            ws.send_json({"type": "reset"})
+            reply = ws.receive_json()
+            assert reply["type"] == "error"
+            assert reply["data"]["code"] == "EXECUTION_ERROR"
+            ws.send_json({"type": "state"})  # the socket stays open
+            assert ws.receive_json()["type"] == "state"

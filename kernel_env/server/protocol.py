@@ -15,7 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernel_env.errors import EpisodeFinished, KernelError, KernelStartError, ResetNeeded
+from kernel_env.errors import (
+    EpisodeFinished,
+    InvalidInput,
+    KernelError,
+    KernelStartError,
+    ResetNeeded,
+)
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.server.sessions import SessionError
 
@@ -158,7 +164,7 @@ def error_for(exc: BaseException) -> Frame:
     """The error frame for an exception raised while answering a request."""
     if isinstance(exc, ValidationError):
         return _invalid(validation_errors(exc))
-    if isinstance(exc, ValueError):  # a limit of the episode: code or context too large
+    if isinstance(exc, InvalidInput):  # the caller's input: over a limit, not text
         return error_frame(
             ErrorCode.VALIDATION_ERROR, str(exc), errors=[_error("value_error", (), str(exc))]
         )

@@ -32,7 +32,14 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
 
 from kernel_env.environment import KernelEnvironment
-from kernel_env.errors import KernelEnvError, ResetNeeded
+from kernel_env.errors import (
+    CapacityReached,
+    ResetNeeded,
+    SessionClosed,
+    SessionError,
+    SessionExpired,
+    UnknownSession,
+)
 from kernel_env.kernel import Kernel
 from kernel_env.models import REPLAction, REPLObservation, REPLState
 from kernel_env.record import EpisodeRecord
@@ -56,34 +63,6 @@ _SHUTTING_DOWN = "the server is shutting down; the session was closed"
 _REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rather than "unknown"
 _CLOSE_TIMEOUT = 5.0  # a kernel shutdown takes ~0.1 s
 _UNCLAIMED = "session expired: it was never claimed (no request carried its id) and was "
-
-
-class SessionError(KernelEnvError):
-    """The session cannot serve requests any more."""
-
-
-class SessionExpired(SessionError):
-    """The session was idle longer than the server's TTL and was reaped."""
-
-
-class SessionClosed(SessionError):
-    """The session was closed (by its owner, or because the server is shutting down)."""
-
-
-class UnknownSession(KernelEnvError):
-    """No session has this id (it never existed, or was forgotten long ago)."""
-
-
-class CapacityReached(KernelEnvError):
-    """``max_sessions`` sessions are open."""
-
-    def __init__(self, active_sessions: int, max_sessions: int) -> None:
-        super().__init__(
-            f"Server at capacity: {active_sessions}/{max_sessions} sessions are open; "
-            "retry later or close another session"
-        )
-        self.active_sessions = active_sessions
-        self.max_sessions = max_sessions
 
 
 @dataclass
