@@ -12,6 +12,8 @@ import pytest
 from kernel_env.errors import KernelStartError
 from kernel_env.kernel import LocalKernel
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 
 async def test_ipc_transport_in_private_dir() -> None:
     """The kernel listens on IPC sockets inside a 0700 directory; no TCP port is opened."""

@@ -16,9 +16,9 @@ from kernel_env import KernelEnv
 from kernel_env.kernel import Kernel, LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, launch_guard, sandbox_problem
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(
     sandbox_problem() is not None, reason=f"sandbox unavailable: {sandbox_problem()}"
-)
+)]
 
 SECRETS = {"HF_TOKEN": "hf_sandbox_secret", "KERNEL_ENV_TOKEN": "server-secret-token"}
 

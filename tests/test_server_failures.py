@@ -16,6 +16,7 @@ CONTEXT_PATH = (
 )
 
 
+@pytest.mark.integration
 def test_refused_resets_leave_no_session_or_kernel() -> None:
     """Eight POST /reset {"context": "\\ud800"} on a server of 8 sessions: each is refused
     with no session id, none stays open, and a ninth normal reset still gets a session."""
@@ -35,6 +36,7 @@ def test_refused_resets_leave_no_session_or_kernel() -> None:
         assert c.get("/metrics").json()["sessions_active"] == 1
 
 
+@pytest.mark.integration
 def test_a_reset_that_fails_after_opening_closes_its_session() -> None:
     """A reset that fails inside the episode (context over the server's limit) closes the
     session it opened, and its kernel: nothing waits for the idle TTL."""
@@ -49,6 +51,7 @@ def test_a_reset_that_fails_after_opening_closes_its_session() -> None:
         assert wait_until(lambda: not kernel_pids(os.getpid()), 10)
 
 
+@pytest.mark.integration
 def test_restarts_are_counted_when_setup_fails_after_a_restart() -> None:
     """The kernel dies, and the setup after its restart fails (the staged context's place is
     taken by a directory, from the host: a sandboxed cell cannot do it): the step fails, and
@@ -68,6 +71,7 @@ def test_restarts_are_counted_when_setup_fails_after_a_restart() -> None:
         assert c.get("/metrics").json()["restarts"] == 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("length", [201, 300, 5000])
 def test_long_export_names_are_refused_not_a_500(length: int) -> None:
     """A 300-character export name is a 422 naming the limit, not a server error."""

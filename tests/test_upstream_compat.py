@@ -12,6 +12,8 @@ from openenv.core.rubrics.base import Rubric
 
 from kernel_env import ClientClosed, EnvConfig, KernelEnv, ResetNeeded
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[KernelEnv]:
