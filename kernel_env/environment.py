@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,7 +39,7 @@ from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.recursion import BackendForToken, ChildEpisodes, ChildSolver, ParentLink
 from kernel_env.rubric import Rewards, Rubric, StepRubric, as_rubric, is_step_rubric, score_final
 
-__all__ = ["EnvConfig", "KernelEnvironment", "KernelSource"]
+__all__ = ["Counters", "EnvConfig", "KernelEnvironment", "KernelSource"]
 
 # Starts (or takes from a pool) a ready kernel for a new episode.
 KernelSource = Callable[[], Awaitable[Kernel]]
@@ -80,11 +80,21 @@ class EnvConfig:
 
 
 @dataclass
-class _Stats:
+class Counters:
+    """What happened in episodes: an environment's own (``stats``), or summed by a server."""
+
     steps: int = 0
     timeouts: int = 0
     restarts: int = 0
     truncations: int = 0
+    # Counted from the kernels by their owner (the server's sessions): output printed after its
+    # cell went idle goes to the episode log, not a step; lost output reached neither.
+    late_outputs: int = 0
+    lost_outputs: int = 0
+
+    def add(self, other: Counters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 async def _start_local_kernel() -> Kernel:
@@ -135,7 +145,7 @@ class KernelEnvironment:
         self._cut: dict[str, int] = {}  # chars cut from the last step's stdout / stderr
         self._total_time = 0.0
         self._output_budget = self._new_output_budget()
-        self.stats = _Stats()
+        self.stats = Counters()
 
     def _new_output_budget(self) -> OutputBudget:
         return OutputBudget(self.config.max_episode_outputs,

@@ -60,6 +60,18 @@ class HostCallError(RuntimeError):
     """A helper failed on the host side (LLM error, budget exhausted, bad request)."""
 
 
+def take_recorded(pairs: list[Any], prompt: str) -> str | None:
+    """The response recorded for ``prompt``, taken out of ``pairs`` (``(prompt, response)``
+    pairs, as tuples or JSON lists, in call order), or None. Matched by prompt, first unused
+    first: a batch's calls completed in any order. Replays in the kernel and on the host
+    (``kernel_env.replay``) both use it."""
+    for i, (recorded_prompt, response) in enumerate(pairs):
+        if recorded_prompt == prompt:
+            del pairs[i]
+            return response
+    return None
+
+
 class _Episode:
     """Per-kernel state the helpers share; one instance per loaded extension."""
 
@@ -121,12 +133,9 @@ class _Episode:
         return [self._replay_one(op, p) for p in args["prompts"]]
 
     def _replay_one(self, op: str, prompt: str) -> str:
-        # Matched by prompt, first unused first: batched calls completed in any order.
-        pairs = self.replay or []
-        for i, (recorded_prompt, response) in enumerate(pairs):
-            if recorded_prompt == prompt:
-                del pairs[i]
-                return response
+        response = take_recorded(self.replay or [], prompt)
+        if response is not None:
+            return response
         raise HostCallError(f"{op}: no recorded response for this prompt: {prompt[:80]!r}")
 
     def check_prompt(self, prompt: Any) -> str:

@@ -16,7 +16,8 @@ PACKAGE = Path(kernel_env.__file__).parent
 # Lowest first. A module may import its own layer and those below. A name ending in "." is a
 # package: every module under it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "answers", "outputs", "models", "kernel_side", "rubric", "llm")),
+    ("foundation", ("errors", "text", "answers", "outputs", "models", "kernel_side", "rubric",
+                    "llm")),
     ("kernel", ("kernel", "kernel.", "pool")),
     ("episode", ("hostcalls", "record", "recursion", "environment", "notebook", "archive",
                  "checker")),

@@ -24,6 +24,7 @@ from kernel_env.errors import (
 )
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.server.sessions import SessionError
+from kernel_env.text import shorten
 
 __all__ = [
     "ErrorCode",
@@ -193,13 +194,13 @@ def _invalid(errors: list[dict[str, Any]]) -> Frame:
     return error_frame(ErrorCode.VALIDATION_ERROR, "Invalid message", errors=errors)
 
 
+def _short(value: Any) -> str:
+    """A value echoed in an error message: one line, 120 chars at most."""
+    return shorten(str(value), 120, one_line=True)
+
+
 def _error(kind: str, loc: tuple[Any, ...], msg: str) -> dict[str, Any]:
     return {"type": kind, "loc": list(loc), "msg": msg}
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = str(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # -- JSON-RPC (MCP) ----------------------------------------------------------------------
