@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import serverkit
 from fastapi.testclient import TestClient
+from procs import alive
 from serverkit import LoopbackClient, small_settings, thread_server
 from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, connect
@@ -261,7 +262,7 @@ def test_idle_session_is_reaped_and_answers_session_expired() -> None:
         assert error_code(reply) == "SESSION_ERROR"
         assert "session expired" in reply["data"]["message"]
         assert error_code(ask(ws, {"type": "state"})) == "SESSION_ERROR"
-        assert not _running(pid)
+        assert not alive(pid)
 
 
 @pytest.mark.integration
@@ -456,9 +457,3 @@ async def test_fuzzed_frames_get_error_frames_while_a_healthy_session_works(
     assert healthy_outputs == [f"{i}\n" for i in range(40)]
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
