@@ -1,6 +1,7 @@
 # kernel_env — the targets the README and CI call.
 #   make serve   install what is needed, then run the server (kernel-env serve)
-#   make test    install what is needed, then run the test suite
+#   make test    install what is needed, then run the whole test suite (what CI runs)
+#   make check   the edit loop: lint, types and the quick tests (no kernels), under a minute
 #   make bench   run the server benchmarks (prints a table); benchmarks/README.md has the rest
 
 PYTHON ?= python3
@@ -10,7 +11,13 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench install system-deps clean
+# Tests that start kernels, servers or other processes are marked `integration` (see
+# tests/conftest.py); the quick tier is everything else.
+QUICK  := -m "not integration and not slow and not soak"
+# The test and lint tools, and everything they pull in, at the versions CI runs.
+CONSTRAINTS := constraints.txt
+
+.PHONY: serve test check lint bench install system-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +28,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+$(VENV)/.installed-dev: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	@echo "installing kernel_env with its test tools into $(VENV) (pinned by $(CONSTRAINTS))"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
@@ -44,12 +52,15 @@ serve: $(VENV)/.installed system-deps
 test: $(VENV)/.installed-dev system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+check: lint
+	$(BIN)/python -m pytest -q $(QUICK) $(PYTEST_ARGS)
+
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check kernel_env tests benchmarks examples
 	$(BIN)/mypy kernel_env
 
 $(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-dev
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[dev,bench]'
 	touch $@
 
 bench: $(VENV)/.installed-bench

@@ -24,12 +24,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kernel_env.answers import find_final, find_final_var
 from kernel_env.llm import Budget, BudgetExceeded, LLMBackend, MeteredBackend, Usage
-from kernel_env.models import CodeBlockResult, REPLObservation, StepResult
+from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, StepResult
 from kernel_env.outputs import truncate
+from kernel_env.recursion import CHILD_TASK, ParentLink
+
+if TYPE_CHECKING:
+    from kernel_env.environment import KernelEnvironment
 
 __all__ = [
     "SYSTEM_PROMPT",
@@ -40,6 +44,7 @@ __all__ = [
     "first_messages",
     "format_observation",
     "run_agent",
+    "solve_child",
     "text_final",
     "turn_feedback",
 ]
@@ -277,6 +282,49 @@ async def run_agent(
         system_prompt=system_prompt,
     )
     return await loop.run(messages, max_iterations)
+
+
+async def solve_child(
+    environment: KernelEnvironment,
+    backend: LLMBackend,
+    prompt: str,
+    model: str | None,
+    link: ParentLink,
+) -> str | None:
+    """Solve an ``rlm_query`` child episode with the loop (the episode layer's ``ChildSolver``):
+    ``prompt`` is the child's context, and its model calls count toward the root's budget."""
+    result = await run_agent(
+        _EpisodeDriver(environment),
+        backend,
+        context=prompt,
+        task=CHILD_TASK,
+        max_iterations=link.max_iterations,
+        model=model,
+        usage=link.usage,
+        budget=link.budget,
+    )
+    return result.answer
+
+
+class _EpisodeDriver:
+    """An environment driven directly, as :class:`AgentEnv` (a child episode has no client)."""
+
+    def __init__(self, environment: KernelEnvironment) -> None:
+        self.environment = environment
+
+    async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
+        return _result(await self.environment.reset(**kwargs))
+
+    async def execute(self, code: str) -> StepResult[REPLObservation]:
+        return _result(await self.environment.step(REPLAction(code=code)))
+
+    async def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
+        action = REPLAction(is_final=True, final_answer=answer)
+        return _result(await self.environment.step(action))
+
+
+def _result(observation: REPLObservation) -> StepResult[REPLObservation]:
+    return StepResult(observation=observation, reward=observation.reward, done=observation.done)
 
 
 class _Loop:

@@ -16,7 +16,7 @@ import os
 import zipfile
 from pathlib import Path
 
-from kernel_env.notebook import ExportPathError
+from kernel_env.errors import ArchiveError
 
 __all__ = ["MAX_EXPORT_BYTES", "MAX_RATIO", "ArchiveError", "extract_export"]
 
@@ -27,10 +27,6 @@ MAX_RATIO = 200
 RATIO_FREE = 64 << 20
 _SUFFIXES = (".ipynb", ".txt")
 _CHUNK = 1 << 20
-
-
-class ArchiveError(ExportPathError):
-    """An export archive holds something the client will not write."""
 
 
 def extract_export(

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernel_env.errors import KernelEnvError
+from kernel_env.errors import ConformanceError, KernelEnvError
 from kernel_env.models import REPLObservation, REPLState
 
 __all__ = ["ConformanceError", "check_env"]
-
-
-class ConformanceError(Exception):
-    """An environment broke an expectation of the REPL interface."""
 
 
 def _expect(condition: bool, message: str, detail: Any = None) -> None:

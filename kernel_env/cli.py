@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernel_env.errors import KernelEnvError
+from kernel_env.text import shorten
 
 if TYPE_CHECKING:
     from kernel_env.server.settings import ServerSettings
@@ -487,7 +488,8 @@ class _Progress:
         self.index = turn.index
         self.sub_usage = (await self.env.state()).llm_usage
         cells = f"{len(turn.code_blocks)} cell(s)" if turn.kind == "turn" else "asked to answer"
-        done = f"; final answer: {_short(turn.final_answer)}" if turn.final_answer else ""
+        answer = turn.final_answer
+        done = f"; final answer: {shorten(answer, 80, one_line=True)}" if answer else ""
         self._line(f"iteration {turn.index}/{self.max_iterations}: {cells}; {self.totals()}"
                    f"; {turn.elapsed:.1f} s{done}")
 
@@ -507,8 +509,3 @@ class _Progress:
     def _line(self, text: str) -> None:
         self.last_line = time.monotonic()
         _say(text)
-
-
-def _short(text: str, limit: int = 80) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from kernel_env.agent import solve_child
 from kernel_env.archive import extract_export
 from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
 from kernel_env.errors import ClientClosed, ResetNeeded
@@ -131,6 +132,7 @@ class AsyncKernelEnv:
                 llm_backend=llm_backend,
                 llm_query_fn=llm_query_fn,
                 llm_batch_fn=llm_batch_fn,
+                child_solver=solve_child,
             )
             self._session = _LocalSession(self.environment)
         else:
@@ -143,14 +145,6 @@ class AsyncKernelEnv:
                 raise ValueError("the server scores episodes: a rubric applies to local clients")
             self.environment = None
             self._remote = (base_url, connect_timeout_s, message_timeout_s, token)
-
-    @classmethod
-    def wrapping(cls, environment: KernelEnvironment) -> AsyncKernelEnv:
-        """A local client around an existing environment (child episodes use this)."""
-        env = cls(config=environment.config)
-        env.environment = environment
-        env._session = _LocalSession(environment)
-        return env
 
     async def _connect(self) -> _Session:
         if self._closed:

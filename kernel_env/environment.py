@@ -11,12 +11,18 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
 from kernel_env import answers
-from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
+from kernel_env.errors import (
+    EpisodeFinished,
+    KernelError,
+    LimitExceeded,
+    ResetNeeded,
+    RubricError,
+)
 from kernel_env.hostcalls import HostCalls, LLMBatchFn, LLMQueryFn
 from kernel_env.kernel import ExecutionResult, Kernel
 from kernel_env.kernel_side import (
@@ -30,10 +36,10 @@ from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.outputs import OutputBudget, truncate
 from kernel_env.record import EpisodeRecord, StepRecord
-from kernel_env.recursion import BackendForToken, ChildEpisodes, ParentLink
+from kernel_env.recursion import BackendForToken, ChildEpisodes, ChildSolver, ParentLink
 from kernel_env.rubric import Rewards, Rubric, StepRubric, as_rubric, is_step_rubric, score_final
 
-__all__ = ["EnvConfig", "KernelEnvironment", "KernelSource"]
+__all__ = ["Counters", "EnvConfig", "KernelEnvironment", "KernelSource"]
 
 # Starts (or takes from a pool) a ready kernel for a new episode.
 KernelSource = Callable[[], Awaitable[Kernel]]
@@ -74,11 +80,21 @@ class EnvConfig:
 
 
 @dataclass
-class _Stats:
+class Counters:
+    """What happened in episodes: an environment's own (``stats``), or summed by a server."""
+
     steps: int = 0
     timeouts: int = 0
     restarts: int = 0
     truncations: int = 0
+    # Counted from the kernels by their owner (the server's sessions): output printed after its
+    # cell went idle goes to the episode log, not a step; lost output reached neither.
+    late_outputs: int = 0
+    lost_outputs: int = 0
+
+    def add(self, other: Counters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 async def _start_local_kernel() -> Kernel:
@@ -101,11 +117,14 @@ class KernelEnvironment:
         llm_backend: LLMBackend | None = None,
         backend_for_token: BackendForToken | None = None,
         parent: ParentLink | None = None,
+        child_solver: ChildSolver | None = None,
     ) -> None:
         """``llm_backend`` (or the simpler ``llm_query_fn``) answers the kernel's ``llm_query``;
         ``backend_for_token(hf_token, model)`` builds a per-episode backend when ``reset`` gets
-        an ``hf_token`` (the token lives in that backend only). ``parent`` is set for the child
-        episodes of ``rlm_query``: they share the parent's usage and budget."""
+        an ``hf_token`` (the token lives in that backend only). ``child_solver`` solves the
+        child episodes of ``rlm_query`` (``kernel_env.agent.solve_child``; without one,
+        ``rlm_query`` is a plain ``llm_query``). ``parent`` is set for those children: they
+        share the parent's usage and budget."""
         self.config = config or EnvConfig()
         rubric = self.config.rubric
         self._step_rubric: StepRubric | None = rubric if is_step_rubric(rubric) else None  # type: ignore[assignment]
@@ -118,6 +137,7 @@ class KernelEnvironment:
         self._backend_for_token = backend_for_token
         self._token_backend: LLMBackend | None = None
         self._parent = parent
+        self._child_solver = child_solver
         self._kernel: Kernel | None = None
         self._record: EpisodeRecord | None = None
         self._calls = HostCalls()
@@ -125,7 +145,7 @@ class KernelEnvironment:
         self._cut: dict[str, int] = {}  # chars cut from the last step's stdout / stderr
         self._total_time = 0.0
         self._output_budget = self._new_output_budget()
-        self.stats = _Stats()
+        self.stats = Counters()
 
     def _new_output_budget(self) -> OutputBudget:
         return OutputBudget(self.config.max_episode_outputs,
@@ -146,7 +166,7 @@ class KernelEnvironment:
         """Start a new episode in a fresh kernel. Keywords: those of :class:`ResetOptions`."""
         opts = ResetOptions(**kwargs)
         if len(opts.context) > self.config.max_context_chars:
-            raise ValueError(
+            raise LimitExceeded(
                 f"context of {len(opts.context)} chars exceeds the limit of "
                 f"{self.config.max_context_chars}"
             )
@@ -194,8 +214,9 @@ class KernelEnvironment:
         runner = None
         # OpenEnv's meaning: a child runs at depth d + 1 only if d + 1 < max_depth, so the
         # default of 1 runs none (rlm_query is then a plain llm_query).
-        if backend is not None and link.depth + 1 < link.max_depth:
-            runner = ChildEpisodes(self.config, self._kernel_source, backend, link).run
+        solver = self._child_solver
+        if backend is not None and solver is not None and link.depth + 1 < link.max_depth:
+            runner = ChildEpisodes(self.config, self._kernel_source, backend, link, solver).run
         backend_model = getattr(backend, "model", None)
         allowed = {*self.config.llm_allowed_models, opts.llm_model, backend_model}
         return HostCalls(
@@ -271,7 +292,7 @@ class KernelEnvironment:
             result = CodeBlockResult(stdout="Final answer submitted.")
             return self._finish_step(action, None, result, answer)
         if len(action.code) > self.config.max_code_chars:
-            raise ValueError(
+            raise LimitExceeded(
                 f"code of {len(action.code)} chars exceeds the limit of "
                 f"{self.config.max_code_chars}"
             )
@@ -371,29 +392,35 @@ class KernelEnvironment:
             result.stdout += sep + end
             final = partial
         done = exhausted or final is not None
-        reward = self._reward(record, result, final, done)
+        reward, rubric_error = self._reward(record, result, final, done)
         step = _step_record(iteration, action.code, ex, result, calls, reward, final)
         record.steps.append(step)
         record.done, record.final_answer = done, final
         record.llm_usage = self._calls.usage.as_dict()
         observation = self._observation(result, reward=reward, done=done)
         if self._step_rubric is not None:
-            reward = float(self._step_rubric(action, observation))
+            reward, rubric_error = _score_step(self._step_rubric, action, observation)
             observation.reward = step.reward = reward
+        if rubric_error is not None:  # the rubric's failure, not the step's: scored 0, said why
+            observation.metadata["rubric_error"] = rubric_error
         if done:
             record.reward = reward
         return observation
 
     def _reward(
         self, record: EpisodeRecord, result: CodeBlockResult, final: str | None, done: bool
-    ) -> float:
+    ) -> tuple[float, str | None]:
+        """The step's reward, and the rubric's error when scoring a final answer failed."""
         rewards = self.config.rewards
         if final is not None:
-            score = score_final(final, record.expected_answer, self._rubric, rewards)
-            return score * self.config.success_reward
+            try:
+                score = score_final(final, record.expected_answer, self._rubric, rewards)
+            except RubricError as exc:
+                return 0.0, str(exc)
+            return score * self.config.success_reward, None
         if done:
-            return rewards.budget_exhausted
-        return rewards.step_ok if result.success else rewards.step_failed
+            return rewards.budget_exhausted, None
+        return (rewards.step_ok if result.success else rewards.step_failed), None
 
     # -- state, observation, close ------------------------------------------------------------
 
@@ -480,6 +507,22 @@ def _ready_message(context: str, task_prompt: str) -> str:
         "Use answer['content'] to store your answer, and set answer['ready'] = True when done."
     )
     return "\n".join(parts)
+
+
+def _score_step(
+    rubric: StepRubric, action: REPLAction, observation: REPLObservation
+) -> tuple[float, str | None]:
+    """An OpenEnv rubric's reward for a step; a rubric that raises or returns no number
+    scores 0 with its error, so the step itself is never lost."""
+    name = type(rubric).__qualname__
+    try:
+        result = rubric(action, observation)
+    except Exception as exc:  # user code: any failure is the rubric's, reported as data
+        return 0.0, f"rubric {name} raised {type(exc).__name__}: {exc}"
+    try:
+        return float(result), None
+    except (TypeError, ValueError):
+        return 0.0, f"rubric {name} returned {result!r}, which is not a number or bool"
 
 
 def _give_expected(rubric: StepRubric | None, expected: str | None) -> None:

@@ -9,15 +9,15 @@ reply. Batched calls are fanned out concurrently here, not in the kernel.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernel_env.errors import RequestError
 from kernel_env.kernel_side import REQUEST_TAG
-from kernel_env.llm import Budget, LLMBackend, MeteredBackend, Usage
+from kernel_env.llm import Budget, LLMBackend, MeteredBackend, Usage, call_off_loop
 
 __all__ = ["HostCalls", "LLMBatchFn", "LLMCall", "LLMQueryFn", "RLMRunner"]
 
@@ -49,10 +49,6 @@ class LLMCall:
     output_tokens: int | None = None
     # rlm_query: the child episodes that produced the answer (kernel_env.record.EpisodeRecord)
     children: list[Any] = field(default_factory=list)
-
-
-class RequestError(ValueError):
-    """A kernel's request is malformed; the kernel gets the message back as an error."""
 
 
 # Answers an rlm_query with a child episode: (prompt, model) -> (answer, child records).
@@ -206,7 +202,7 @@ class HostCalls:
             self.usage.start(self.budget)  # refuses the batch when it would not fit
         assert self.batch_fn is not None  # only called when the user gave one
         t0 = time.perf_counter()
-        responses = [str(r) for r in await _call(self.batch_fn, prompts)]
+        responses = [str(r) for r in await call_off_loop(self.batch_fn, prompts)]
         if len(responses) != len(prompts):
             raise RuntimeError(
                 f"llm_batch_fn returned {len(responses)} answers for {len(prompts)} prompts"
@@ -251,11 +247,3 @@ def _parse(text: str) -> tuple[str, dict[str, Any]]:
 
 def _strings(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-
-async def _call(fn: Callable[..., Any], arg: str | Sequence[str]) -> Any:
-    """Await an async function; run a sync one in a thread so the event loop stays free."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(arg)
-    result = await asyncio.to_thread(fn, arg)
-    return await result if inspect.isawaitable(result) else result

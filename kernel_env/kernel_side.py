@@ -56,8 +56,20 @@ _SNAPSHOT_MAX_VARS = 100
 _SNAPSHOT_REPR_CHARS = 500
 
 
-class KernelEnvError(RuntimeError):
+class HostCallError(RuntimeError):
     """A helper failed on the host side (LLM error, budget exhausted, bad request)."""
+
+
+def take_recorded(pairs: list[Any], prompt: str) -> str | None:
+    """The response recorded for ``prompt``, taken out of ``pairs`` (``(prompt, response)``
+    pairs, as tuples or JSON lists, in call order), or None. Matched by prompt, first unused
+    first: a batch's calls completed in any order. Replays in the kernel and on the host
+    (``kernel_env.replay``) both use it."""
+    for i, (recorded_prompt, response) in enumerate(pairs):
+        if recorded_prompt == prompt:
+            del pairs[i]
+            return response
+    return None
 
 
 class _Episode:
@@ -89,7 +101,7 @@ class _Episode:
         if self.replay is not None:
             return self._replay(op, args)
         if not self.hosted:
-            raise KernelEnvError(
+            raise HostCallError(
                 f"{op}: no model is configured in this notebook. Call "
                 "kernel_env.kernel_side.register_llm(fn), or set KERNEL_ENV_LLM_BASE_URL and "
                 "KERNEL_ENV_LLM_MODEL (and KERNEL_ENV_LLM_API_KEY) before %load_ext kernel_env."
@@ -97,7 +109,7 @@ class _Episode:
         kernel = getattr(self.shell, "kernel", None)
         raw_input = getattr(kernel, "raw_input", None)
         if raw_input is None:
-            raise KernelEnvError(f"{op}: no kernel_env host is attached to this kernel")
+            raise HostCallError(f"{op}: no kernel_env host is attached to this kernel")
         request = REQUEST_TAG + json.dumps({"op": op, "args": args})
         # Concurrent input() from several threads corrupts the stdin socket: one at a time.
         with self.host_lock:
@@ -106,13 +118,13 @@ class _Episode:
                 while raw == PROBE_REPLY:  # not ours: ask again
                     raw = raw_input(request)
             except Exception as exc:  # StdinNotImplementedError: frontend has no stdin
-                raise KernelEnvError(f"{op}: the frontend does not answer input requests") from exc
+                raise HostCallError(f"{op}: the frontend does not answer input requests") from exc
         try:
             reply = json.loads(raw)
         except ValueError as exc:
-            raise KernelEnvError(f"{op}: the host sent an unreadable reply") from exc
+            raise HostCallError(f"{op}: the host sent an unreadable reply") from exc
         if not reply.get("ok"):
-            raise KernelEnvError(str(reply.get("error") or f"{op} failed"))
+            raise HostCallError(str(reply.get("error") or f"{op} failed"))
         return reply.get("result")
 
     def _replay(self, op: str, args: dict[str, Any]) -> Any:
@@ -121,13 +133,10 @@ class _Episode:
         return [self._replay_one(op, p) for p in args["prompts"]]
 
     def _replay_one(self, op: str, prompt: str) -> str:
-        # Matched by prompt, first unused first: batched calls completed in any order.
-        pairs = self.replay or []
-        for i, (recorded_prompt, response) in enumerate(pairs):
-            if recorded_prompt == prompt:
-                del pairs[i]
-                return response
-        raise KernelEnvError(f"{op}: no recorded response for this prompt: {prompt[:80]!r}")
+        response = take_recorded(self.replay or [], prompt)
+        if response is not None:
+            return response
+        raise HostCallError(f"{op}: no recorded response for this prompt: {prompt[:80]!r}")
 
     def check_prompt(self, prompt: Any) -> str:
         """The prompt as text, refused here (not sent) when over the host's limit; the host
@@ -136,7 +145,7 @@ class _Episode:
         text = str(prompt)
         limit = self.setup_params.get("max_prompt_chars")
         if self.hosted and isinstance(limit, int) and len(text) > limit:
-            raise KernelEnvError(
+            raise HostCallError(
                 f"prompt of {len(text):,} chars exceeds the limit of {limit:,}; split it "
                 "(llm_query_batched) or shorten it"
             )

@@ -27,11 +27,13 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import httpx
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kernel_env.errors import BudgetExceeded, LLMError
+from kernel_env.text import shorten
+
+if TYPE_CHECKING:  # httpx loads with the first OpenAIBackend call: a local episode needs none
+    import httpx
 
 __all__ = [
     "Budget",
@@ -45,6 +47,7 @@ __all__ = [
     "ScriptedBackend",
     "Usage",
     "as_query_fn",
+    "call_off_loop",
     "huggingface_router",
 ]
 
@@ -313,6 +316,8 @@ class OpenAIBackend:
         return _parse_completion(data, latency, self._key)
 
     async def _post(self, client: httpx.AsyncClient, body: dict[str, Any]) -> Any:
+        import httpx
+
         headers = {"Authorization": f"Bearer {self._key.get()}"} if self._key.get() else {}
         url = f"{self.base_url}/chat/completions"
         attempt = 0
@@ -324,7 +329,8 @@ class OpenAIBackend:
             else:
                 if response.status_code == 200:
                     return self._json(response, attempt)
-                problem = f"HTTP {response.status_code}: {_snippet(response.text)}"
+                said = shorten(response.text, 300, one_line=True)
+                problem = f"HTTP {response.status_code}: {said}"
                 retry_after = response.headers.get("retry-after")
                 if response.status_code not in _RETRY_STATUS:
                     raise LLMError(self._failure(problem, attempt))
@@ -356,6 +362,8 @@ class OpenAIBackend:
         return self._key.scrub(f"LLM call to {self.base_url} failed after {tries}: {problem}")
 
     def _bind(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        import httpx
+
         loop = asyncio.get_running_loop()
         if self._client is None or self._slots is None:
             self._client = httpx.AsyncClient(timeout=self.timeout)
@@ -423,7 +431,8 @@ def _parse_completion(data: Any, latency: float, key: _Secret) -> Completion:
         choice = data["choices"][0]
         content = choice["message"].get("content")
     except (KeyError, IndexError, TypeError, AttributeError):
-        raise LLMError(key.scrub(f"unreadable chat completion: {_snippet(str(data))}")) from None
+        text = shorten(str(data), 300, one_line=True)
+        raise LLMError(key.scrub(f"unreadable chat completion: {text}")) from None
     if isinstance(content, list):  # content parts: keep the text ones
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
@@ -445,11 +454,6 @@ def _float_or_none(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def _snippet(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 # -- in-process backends --------------------------------------------------------------------
 
 
@@ -458,6 +462,15 @@ def prompt_text(messages: Messages) -> str:
     if len(messages) == 1 and messages[0].get("role") == "user":
         return str(messages[0].get("content", ""))
     return "\n\n".join(f"[{m.get('role', 'user')}]\n{m.get('content', '')}" for m in messages)
+
+
+async def call_off_loop(fn: Callable[[Any], Any], arg: Any) -> Any:
+    """``fn(arg)`` for a sync or an async user function: awaited when async; a sync one may
+    block (a local model, an HTTP call), so it runs in a thread and the event loop stays free."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(arg)
+    result = await asyncio.to_thread(fn, arg)
+    return await result if inspect.isawaitable(result) else result
 
 
 class CallableBackend:
@@ -469,13 +482,7 @@ class CallableBackend:
     async def complete(self, messages: Messages, *, model: str | None = None) -> Completion:
         prompt = prompt_text(messages)
         t0 = time.perf_counter()
-        if inspect.iscoroutinefunction(self.fn):
-            text = await self.fn(prompt)
-        else:
-            # A sync function may block (a local model, an HTTP call): keep the loop free.
-            text = await asyncio.to_thread(self.fn, prompt)
-            if inspect.isawaitable(text):
-                text = await text
+        text = await call_off_loop(self.fn, prompt)
         return Completion(str(text), model=model, latency=time.perf_counter() - t0)
 
     async def aclose(self) -> None:

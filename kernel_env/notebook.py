@@ -23,7 +23,9 @@ from nbformat import NotebookNode
 from nbformat.corpus.words import generate_corpus_id
 from nbformat.v4 import new_notebook
 
+from kernel_env.errors import ExportPathError
 from kernel_env.record import EpisodeRecord, StepRecord
+from kernel_env.text import shorten
 
 __all__ = [
     "ExportPathError",
@@ -73,10 +75,6 @@ def new_markdown_cell(source: str, *, metadata: dict[str, Any] | None = None) ->
         source=source,
         metadata=NotebookNode(metadata or {}),
     )
-
-
-class ExportPathError(ValueError):
-    """An export path would leave the export directory."""
 
 
 def safe_path(root: str | os.PathLike[str], name: str) -> Path:
@@ -215,7 +213,7 @@ def _calls_summary(step: StepRecord, stem: str | None) -> NotebookNode | None:
 
 def _clip(text: str, limit: int = 2000) -> str:
     text = text.replace("```", "` ` `")  # keep a fence in the text from closing ours
-    return text if len(text) <= limit else text[:limit] + f" … ({len(text) - limit} more chars)"
+    return shorten(text, limit)
 
 
 def _closing_cell(record: EpisodeRecord) -> NotebookNode:

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from kernel_env.errors import KernelError
+from kernel_env.errors import KernelCapacity, KernelError
 from kernel_env.kernel import Kernel
 
 __all__ = ["KernelCapacity", "KernelFactory", "KernelPool"]
@@ -28,10 +28,6 @@ KernelFactory = Callable[[], Awaitable[Kernel]]
 
 _MAX_BACKOFF = 30.0  # seconds between refill attempts while kernels keep failing to start
 _CAPPED_RECHECK = 0.5  # seconds between refill checks while max_kernels holds the pool back
-
-
-class KernelCapacity(KernelError):
-    """Every kernel the server may run (``max_kernels``) is in use."""
 
 
 class KernelPool:

@@ -2,7 +2,10 @@
 
 A kernel's ``rlm_query(prompt)`` asks the host; the host starts a child episode (a kernel from
 the parent's source, so from the pool when there is one) whose ``context`` is the prompt, and
-lets the agent loop solve it with the parent's model. The child's calls — its root model's and
+lets a *solver* solve it with the parent's model. The solver comes from the layer above (the
+agent loop, ``kernel_env.agent.solve_child``, which the clients and the server pass in): the
+episode layer never imports the loop that drives it. Without a solver, ``rlm_query`` is a plain
+``llm_query``. The child's calls — its root model's and
 its kernel's ``llm_query`` — count toward the parent's usage and budget. As in OpenEnv, the
 root is depth 0 and a child at depth ``d`` runs only if ``d < max_depth``: the default
 ``max_depth`` of 1 runs none, and the call is a plain ``llm_query``. The child's record is
@@ -11,16 +14,16 @@ kept with the parent's step for export.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kernel_env.llm import Budget, LLMBackend, Usage
 
 if TYPE_CHECKING:
-    from kernel_env.environment import EnvConfig, KernelSource
+    from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
 
-__all__ = ["CHILD_TASK", "BackendForToken", "ChildEpisodes", "ParentLink"]
+__all__ = ["CHILD_TASK", "BackendForToken", "ChildEpisodes", "ChildSolver", "ParentLink"]
 
 # Builds an episode's backend from the hf_token given at reset, and the model name.
 BackendForToken = Callable[[str, str | None], LLMBackend]
@@ -29,6 +32,13 @@ CHILD_TASK = (
     "Answer the request in `context` (it is a sub-question from a parent agent). Inspect it "
     "with code and reply with the answer only, through FINAL(...)."
 )
+
+
+# Solves one child episode: (its environment, not yet reset; the model's backend; the prompt,
+# which becomes the child's context; the model name; the link to the root) -> its answer.
+ChildSolver = Callable[
+    ["KernelEnvironment", LLMBackend, str, "str | None", "ParentLink"], Awaitable["str | None"]
+]
 
 
 @dataclass
@@ -56,18 +66,17 @@ class ChildEpisodes:
         kernel_source: KernelSource,
         backend: LLMBackend,
         link: ParentLink,
+        solver: ChildSolver,
     ) -> None:
         self.config = config
         self.kernel_source = kernel_source
         self.backend = backend
         self.link = link
+        self.solver = solver
 
     async def run(self, prompt: str, model: str | None) -> tuple[str, list[Any]]:
         """The child's answer and its record (one child episode per call)."""
-        # Imported here: the environment imports this module.
-        from kernel_env.agent import run_agent
-        from kernel_env.client import AsyncKernelEnv
-        from kernel_env.environment import KernelEnvironment
+        from kernel_env.environment import KernelEnvironment  # it imports this module
 
         link = self.link.child()
         environment = KernelEnvironment(
@@ -75,22 +84,13 @@ class ChildEpisodes:
             kernel_source=self.kernel_source,
             llm_backend=self.backend,
             parent=link,
+            child_solver=self.solver,
         )
-        env = AsyncKernelEnv.wrapping(environment)
         try:
-            result = await run_agent(
-                env,
-                self.backend,
-                context=prompt,
-                task=CHILD_TASK,
-                max_iterations=link.max_iterations,
-                model=model,
-                usage=link.usage,
-                budget=link.budget,
-            )
+            answer = await self.solver(environment, self.backend, prompt, model, link)
         finally:
-            await env.close()
+            await environment.close()
         record = environment.record
         if record is not None:
             record.depth = link.depth
-        return result.answer or "", [record] if record is not None else []
+        return answer or "", [record] if record is not None else []

@@ -16,6 +16,7 @@ import nbformat
 
 from kernel_env.client import KernelEnv
 from kernel_env.environment import KernelSource
+from kernel_env.kernel_side import take_recorded
 from kernel_env.notebook import RECORDED_MAGIC, cells_match, recorded_steps
 
 __all__ = ["CellReport", "ReplayReport", "replay_notebook"]
@@ -58,10 +59,9 @@ def _recorded_llm(nb: Any) -> Callable[[str], str]:
     ]
 
     def answer(prompt: str) -> str:
-        for i, (recorded, response) in enumerate(pairs):
-            if recorded == prompt:
-                del pairs[i]
-                return response
+        response = take_recorded(pairs, prompt)
+        if response is not None:
+            return response
         raise LookupError(f"no recorded response for prompt {prompt[:80]!r}")
 
     return answer

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kernel_env.errors import RubricError
+
 __all__ = [
     "CallableRubric",
     "ExactMatch",
@@ -50,10 +52,6 @@ class StepRubric(Protocol):
 def is_step_rubric(value: object) -> bool:
     """Whether ``value`` is an OpenEnv rubric (it has a ``forward(action, observation)``)."""
     return callable(value) and callable(getattr(value, "forward", None))
-
-
-class RubricError(Exception):
-    """A user-supplied rubric raised or returned something that is not a number."""
 
 
 def normalize(text: str) -> str:

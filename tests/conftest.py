@@ -1,8 +1,15 @@
-"""Shared fixtures: real kernels, small timeouts."""
+"""Shared fixtures: real kernels, small timeouts; and the guard that keeps the quick tier quick.
+
+Tiers: a test that starts a process (a kernel, a server, a gateway, the CLI) is marked
+``integration``; ``make check`` runs the others (``-m "not integration and not slow"``). The
+guard below fails an unmarked test that starts a process, so the quick tier stays quick.
+"""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from gateway import GatewayProcess
@@ -10,6 +17,34 @@ from gateway import GatewayProcess
 from kernel_env import KernelEnv
 
 STEP_TIMEOUT = 5.0  # "T" of the fault tests in docs/acceptance
+
+
+_KERNEL_FIXTURES = {"env", "gateway"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that use a kernel fixture are integration tests whatever their marks say (a
+    module-scoped gateway starts before the guard below could see it)."""
+    for item in items:
+        if _KERNEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_integration_mark(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unmarked test may not start a process (kernels and servers are started through
+    ``subprocess.Popen``, asyncio's subprocesses included)."""
+    if request.node.get_closest_marker("integration") is not None:
+        return
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+from procs import descendants
 
 DEPLOY_KERNELSPEC = Path(__file__).parent.parent / "deploy" / "gateway" / "kernelspec"
 TOKEN = "test-gateway-token"
@@ -69,25 +70,6 @@ def _kernelspecs(root: Path) -> None:
     )
     folder = root / "kernels" / "kernel_env"
     shutil.copytree(DEPLOY_KERNELSPEC, folder, dirs_exist_ok=True)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Processes whose parent chain leads to ``pid`` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [p for p, pp in parents.items() if pp == parent]
-        found += children
-        frontier += children
-    return found
 
 
 class GatewayProcess:
@@ -154,8 +136,8 @@ class GatewayProcess:
         self.stop()
         raise RuntimeError(f"the gateway did not answer within {timeout:g} s:\n{self.log_tail()}")
 
-    def kernel_pids(self) -> list[int]:
-        return _descendants(self.process.pid) if self.process else []
+    def kernel_pids(self) -> set[int]:
+        return descendants(self.process.pid) if self.process else set()
 
     def kill(self) -> None:
         """SIGKILL the gateway (its kernels are reaped by ``stop``)."""

@@ -20,10 +20,13 @@ from urllib.parse import urljoin
 
 import httpx
 from fastapi.testclient import TestClient
+from procs import alive, child_pids, kernel_pids
 
 from kernel_env.server import create_app
 from kernel_env.server.runner import build_server
 from kernel_env.server.settings import ServerSettings
+
+__all__ = ["alive", "child_pids", "kernel_pids"]  # re-exported from procs, for the tests
 
 _URL = re.compile(r"serving (http://127\.0\.0\.1:\d+)")
 
@@ -148,39 +151,6 @@ def wait_until(predicate: object, timeout: float, interval: float = 0.05) -> boo
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
-
-
-def child_pids(pid: int) -> set[int]:
-    """Processes whose parent is ``pid`` (Linux /proc)."""
-    children = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                children.add(int(entry))
-    return children
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie has exited: it only waits to be reaped by its new parent)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def kernel_pids(pid: int) -> set[int]:
-    """The ipykernel processes a server process started."""
-    found = set()
-    for child in child_pids(pid):
-        with contextlib.suppress(OSError):
-            if b"ipykernel" in Path(f"/proc/{child}/cmdline").read_bytes():
-                found.add(child)
-    return found
 
 
 def metrics(url: str, token: str | None = None) -> dict[str, object]:

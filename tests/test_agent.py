@@ -99,6 +99,7 @@ def scripted_models(body: dict[str, Any]) -> str:
     return ROOT_TURNS[turn] if turn < len(ROOT_TURNS) else "FINAL(too many turns)"
 
 
+@pytest.mark.integration
 async def test_root_model_inspects_the_context_batches_chunks_and_answers(tmp_path) -> None:
     """Root model over loopback HTTP: inspects, llm_query_batched over chunks, FINAL_VAR."""
     context = needle_context()
@@ -143,6 +144,7 @@ async def test_root_model_inspects_the_context_batches_chunks_and_answers(tmp_pa
         assert KEY not in text
 
 
+@pytest.mark.integration
 async def test_out_of_iterations_the_model_is_asked_once_for_an_answer(tmp_path) -> None:
     """After max_iterations the model is asked for a final answer, which is submitted."""
     backend = ScriptedBackend(["```repl\nx = 1\n```", "```python\nx += 1\nx\n```", "FINAL(2)"])
@@ -162,6 +164,7 @@ async def test_out_of_iterations_the_model_is_asked_once_for_an_answer(tmp_path)
     assert backend.prompts[2].endswith(FINAL_REQUEST) and "Output:\n2" in backend.prompts[2]
 
 
+@pytest.mark.integration
 async def test_a_text_final_var_after_code_is_read_from_the_kernel() -> None:
     """A reply without code is told so; FINAL_VAR(x) as text after a block answers with x."""
     backend = ScriptedBackend(["Let me think.", "```python\nx = 6 * 7\n```\nFINAL_VAR(x)"])
@@ -171,6 +174,7 @@ async def test_a_text_final_var_after_code_is_read_from_the_kernel() -> None:
     assert backend.prompts[1].endswith(NO_CODE)
 
 
+@pytest.mark.integration
 async def test_budget_and_time_limits_stop_the_loop() -> None:
     """A spent LLM budget or time limit ends the run without an answer."""
     usage = Usage()

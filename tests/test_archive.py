@@ -75,6 +75,7 @@ def _cli_export(url: str, target: Path, *extra: str) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.integration
 def test_a_server_cannot_overwrite_dotfiles(tmp_path: Path) -> None:
     """`kernel-env export` into a home directory: an archive with .bashrc beside the notebook
     is refused as a whole; .bashrc is untouched and nothing else is written."""
@@ -98,6 +99,7 @@ def test_only_the_episodes_own_files_are_written(tmp_path: Path, name: str) -> N
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_existing_files_are_kept_unless_overwrite_is_asked(tmp_path: Path) -> None:
     """An export over an existing notebook is refused; with --overwrite it replaces it."""
     (tmp_path / "ep.ipynb").write_text("precious")
@@ -111,6 +113,7 @@ def test_existing_files_are_kept_unless_overwrite_is_asked(tmp_path: Path) -> No
     assert (tmp_path / "ep.ipynb").read_text() == NOTEBOOK
 
 
+@pytest.mark.integration
 def test_a_zip_bomb_is_refused_with_flat_memory(tmp_path: Path) -> None:
     """A ~0.6 MB archive that unpacks to 600 MB is refused while it streams: the unpacking
     process stays far below the bomb's size, and no partial file is left."""

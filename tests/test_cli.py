@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+import pytest
 from fake_openai import FakeOpenAI
 
 from kernel_env.notebook import recorded_steps
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
 KEY = "sk-run-secret-5150"
 ROOT_TURNS = [

@@ -12,6 +12,8 @@ import pytest
 
 from kernel_env import AsyncKernelEnv, ClientClosed, KernelEnv
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 BOUND = 20.0  # seconds: "promptly" with room for a loaded 2-core machine
 LONG_CELL = "import time\nfor _ in range(600): time.sleep(0.1)"
 

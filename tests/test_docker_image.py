@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "scripts" / "docker-smoke.sh"
 SKIP_STATUS = 77

@@ -8,6 +8,8 @@ import pytest
 
 from kernel_env import EpisodeFinished, KernelEnv, REPLAction, ResetNeeded, check_env
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 # A 1x1 transparent PNG.
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="

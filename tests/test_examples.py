@@ -36,6 +36,7 @@ def server_url() -> Iterator[str]:
         yield url
 
 
+@pytest.mark.integration
 def test_grpo_rollouts_rewards_and_advantages(
     server_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -84,6 +85,7 @@ def test_group_advantages_without_spread_are_zero() -> None:
     assert grpo.group_advantages([1.0, 0.0]) == [1.0, -1.0]
 
 
+@pytest.mark.integration
 async def test_grpo_rollouts_take_an_async_policy(server_url: str) -> None:
     """A policy that awaits (as one calling an inference server would) gives the same rewards."""
 

@@ -13,6 +13,8 @@ from conftest import STEP_TIMEOUT
 
 from kernel_env import KernelEnv
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 
 def timed(env: KernelEnv, code: str):
     t0 = time.monotonic()

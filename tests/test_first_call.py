@@ -22,6 +22,8 @@ from kernel_env.kernel import GatewayConfig
 from kernel_env.kernel.factory import gateway_source, local_source
 from kernel_env.kernel.sandbox import sandbox_problem
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 MODES = ["local", "sandboxed", "ws", "gateway"]
 QUICK_EPISODES = 12
 SOAK_EPISODES = 200

@@ -28,6 +28,8 @@ from kernel_env.kernel.factory import gateway_source, kernel_source_from, local_
 from kernel_env.kernel.gateway import decode_message, encode_message
 from kernel_env.server import ServerSettings, create_app
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
 )

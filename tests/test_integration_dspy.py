@@ -22,6 +22,8 @@ from kernel_env.integrations.dspy import KernelInterpreter  # noqa: E402
 from kernel_env.kernel import GatewayConfig  # noqa: E402
 from kernel_env.kernel.factory import gateway_source, local_source  # noqa: E402
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 LOCAL = local_source("none")
 
 

@@ -31,6 +31,8 @@ from kernel_env.kernel import Kernel, cgroups, privilege
 from kernel_env.kernel.runtime import sweep_dead_parents, write_file
 from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 MiB = 1024**2
 ROOT = os.geteuid() == 0
 needs_sandbox = pytest.mark.skipif(

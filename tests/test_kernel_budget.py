@@ -15,7 +15,7 @@ import pytest
 from fake_openai import FakeOpenAI
 from serverkit import small_settings, thread_server
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def _ppid(pid: int) -> int:

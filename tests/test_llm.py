@@ -213,6 +213,7 @@ def test_retry_delay_honours_retry_after_and_caps_backoff() -> None:
     assert _retry_delay(10, 0.5, 30.0, "soon") <= 30.0
 
 
+@pytest.mark.integration
 async def test_budget_exceeded_in_a_cell_is_a_clear_error_and_the_episode_continues() -> None:
     """Past the budget, llm_query raises a clear error in the cell; batched items say so."""
     usage = Usage()

@@ -5,7 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kernel_env import KernelEnv
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
 
 def test_llm_query_and_batched_call_the_host() -> None:

@@ -24,6 +24,8 @@ from kernel_env.notebook import (
 )
 from kernel_env.replay import replay_notebook
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
 )

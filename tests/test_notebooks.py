@@ -19,6 +19,8 @@ from gateway import TOKEN, GatewayProcess
 from nbclient import NotebookClient
 from nbformat import NotebookNode
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 NOTEBOOKS_DIR = Path(__file__).parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 CELL_TIMEOUT = 180  # seconds a cell may run; every notebook takes well under a minute in all

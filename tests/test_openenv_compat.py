@@ -14,6 +14,8 @@ pytest.importorskip("openenv")
 
 from openenv.core.generic_client import GenericEnvClient
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:

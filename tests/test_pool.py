@@ -12,6 +12,8 @@ from kernel_env.errors import KernelError, KernelStartError
 from kernel_env.kernel import Kernel, LocalKernel
 from kernel_env.pool import KernelPool
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 
 async def start_kernel() -> Kernel:
     kernel = LocalKernel()

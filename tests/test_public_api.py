@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import kernel_env
 
 
@@ -15,6 +17,7 @@ def test_all_is_sorted_and_resolvable() -> None:
         assert getattr(kernel_env, name) is not None
 
 
+@pytest.mark.integration
 def test_import_is_light() -> None:
     """Importing kernel_env loads neither pydantic nor jupyter_client (kernels start faster)."""
     code = (

@@ -14,6 +14,8 @@ import httpx
 import pytest
 from gateway import free_port
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 

@@ -12,7 +12,7 @@ from fake_openai import FakeOpenAI
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.llm import OpenAIBackend
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 
 def _first_user(body: dict[str, Any]) -> str:

@@ -79,6 +79,7 @@ async def _episode(env: AsyncKernelEnv) -> tuple[list[dict[str, Any]], Any]:
     return [_comparable(r) for r in results], await env.state()
 
 
+@pytest.mark.integration
 async def test_remote_gives_the_same_results_as_local(url: str) -> None:
     """The same steps give the same observations and state locally and through the server."""
     async with AsyncKernelEnv() as local:
@@ -94,6 +95,7 @@ async def test_remote_gives_the_same_results_as_local(url: str) -> None:
         {f: getattr(local_state, f) for f in fields}
 
 
+@pytest.mark.integration
 def test_sync_client_round_trip(url: str) -> None:
     """The synchronous KernelEnv works against a server: reset, execute, state, final answer."""
     with KernelEnv(url) as env:
@@ -106,6 +108,7 @@ def test_sync_client_round_trip(url: str) -> None:
         assert env.state().final_answer == "11"
 
 
+@pytest.mark.integration
 async def test_error_frames_raise_remote_error_with_code(url: str) -> None:
     """An error frame raises RemoteError carrying its code and data; the session goes on."""
     async with AsyncKernelEnv(url) as env:
@@ -142,6 +145,7 @@ async def test_token_is_sent_and_required() -> None:
             assert (await env.state()).step_count == 0
 
 
+@pytest.mark.integration
 async def test_a_late_reply_closes_the_connection_instead_of_shifting_replies(url: str) -> None:
     """A reply later than message_timeout_s raises TIMEOUT and drops the (now shifted) socket."""
     session = await RemoteSession.connect(url)
@@ -164,6 +168,7 @@ async def test_unreachable_server_is_connection_error() -> None:
         await RemoteSession.connect("http://127.0.0.1:9", connect_timeout_s=2)
 
 
+@pytest.mark.integration
 async def test_many_remote_clients_at_once_get_their_own_outputs(url: str) -> None:
     """Concurrent remote clients each see exactly their own outputs."""
 

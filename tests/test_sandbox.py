@@ -10,15 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from procs import alive, descendants
 from serverkit import make_client, serve_process, wait_until
 
 from kernel_env import KernelEnv
 from kernel_env.kernel import Kernel, LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, launch_guard, sandbox_problem
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(
     sandbox_problem() is not None, reason=f"sandbox unavailable: {sandbox_problem()}"
-)
+)]
 
 SECRETS = {"HF_TOKEN": "hf_sandbox_secret", "KERNEL_ENV_TOKEN": "server-secret-token"}
 
@@ -44,27 +45,6 @@ def senv() -> Iterator[KernelEnv]:
         yield env
 
 
-def _descendants() -> set[int]:
-    """Every process whose ancestry leads to this test process."""
-    me, found = os.getpid(), set()
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(") ", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    for pid in parents:
-        p = pid
-        while p in parents and p > 1:
-            p = parents[p]
-            if p == me:
-                found.add(pid)
-                break
-    return found
-
-
 def test_f5_memory_limit(senv: KernelEnv) -> None:
     """F5: an 8 GB allocation under a 1 GiB limit fails inside the kernel; the kernel lives."""
     senv.reset()
@@ -87,13 +67,13 @@ def test_f6_process_bomb_capped_and_setsid_children_reaped(senv: KernelEnv) -> N
     ).observation.result
     assert "capped after" in res.stdout
     assert int(res.stdout.split()[2]) < 64
-    before = _descendants()
+    before = descendants(os.getpid())
     assert before  # the kernel and its children are ours
     senv.close()
     deadline = time.monotonic() + 10
-    while _descendants() and time.monotonic() < deadline:
+    while descendants(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _descendants() == set()
+    assert descendants(os.getpid()) == set()
 
 
 def test_s1_no_secrets_visible(monkeypatch, senv: KernelEnv) -> None:
@@ -221,7 +201,7 @@ async def test_churn_leaves_nothing_behind(tmp_path: Path) -> None:
     for _ in range(200):
         await cycle()
     assert sorted(os.listdir(parent)) == [".lock"]
-    assert _descendants() == set()
+    assert descendants(os.getpid()) == set()
     assert len(os.listdir("/proc/self/fd")) <= baseline
     # Compared with before: other tests' servers, killed on purpose, may have left some.
     assert not cgroups.exists() or set(cgroups.iterdir()) - before == set()
@@ -267,19 +247,11 @@ def test_launch_guard_ties_the_kernel_to_its_parent() -> None:
     parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=60)
     child = int(parent.stdout)
-    gone = wait_until(lambda: not _running(child), timeout=10)
+    gone = wait_until(lambda: not alive(child), timeout=10)
     assert gone, f"pid {child} outlived its parent"
     wrong = subprocess.run([*launch_guard(parent=1), "echo", "started"], capture_output=True,
                            text=True, timeout=10)
     assert wrong.returncode != 0 and "started" not in wrong.stdout
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"  # a zombie has ended; only its parent's reaping is left
 
 
 UID = "import os; print(os.getuid())"

@@ -15,7 +15,7 @@ from serverkit import small_settings, thread_server
 
 from kernel_env import AsyncKernelEnv, EnvConfig
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 FLOOD = """
 from IPython.display import HTML, display

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import serverkit
 from fastapi.testclient import TestClient
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
 STEP = {"action": {"code": "print(1)"}}
 

@@ -20,6 +20,8 @@ from kernel_env import KernelEnv
 from kernel_env.archive import extract_export
 from kernel_env.notebook import ExportPathError, recorded_steps
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 BIG = "word " * 4_000  # 20,000 characters: the context goes to a sidecar file
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from serverkit import kernel_pids, make_client, wait_until
@@ -15,6 +16,7 @@ CONTEXT_PATH = (
 )
 
 
+@pytest.mark.integration
 def test_refused_resets_leave_no_session_or_kernel() -> None:
     """Eight POST /reset {"context": "\\ud800"} on a server of 8 sessions: each is refused
     with no session id, none stays open, and a ninth normal reset still gets a session."""
@@ -34,6 +36,7 @@ def test_refused_resets_leave_no_session_or_kernel() -> None:
         assert c.get("/metrics").json()["sessions_active"] == 1
 
 
+@pytest.mark.integration
 def test_a_reset_that_fails_after_opening_closes_its_session() -> None:
     """A reset that fails inside the episode (context over the server's limit) closes the
     session it opened, and its kernel: nothing waits for the idle TTL."""
@@ -48,6 +51,7 @@ def test_a_reset_that_fails_after_opening_closes_its_session() -> None:
         assert wait_until(lambda: not kernel_pids(os.getpid()), 10)
 
 
+@pytest.mark.integration
 def test_restarts_are_counted_when_setup_fails_after_a_restart() -> None:
     """The kernel dies, and the setup after its restart fails (the staged context's place is
     taken by a directory, from the host: a sandboxed cell cannot do it): the step fails, and
@@ -67,6 +71,7 @@ def test_restarts_are_counted_when_setup_fails_after_a_restart() -> None:
         assert c.get("/metrics").json()["restarts"] == 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("length", [201, 300, 5000])
 def test_long_export_names_are_refused_not_a_500(length: int) -> None:
     """A 300-character export name is a 422 naming the limit, not a server error."""
@@ -78,3 +83,26 @@ def test_long_export_names_are_refused_not_a_500(length: int) -> None:
         started = time.monotonic()
         fine = c.get(f"/sessions/{sid}/export.zip", params={"name": "n" * 190 + ".ipynb"})
         assert fine.status_code == 200, time.monotonic() - started
+
+
+def test_an_internal_value_error_is_the_servers_fault_not_the_clients() -> None:
+    """A ValueError from the server's own code (here its kernel source) is a 500 over HTTP and
+    an EXECUTION_ERROR frame on /ws, never the 422 / VALIDATION_ERROR that blames the client."""
+    from serverkit import LoopbackClient
+
+    from kernel_env.server import create_app
+    from kernel_env.server.settings import ServerSettings
+
+    async def broken_source() -> Any:
+        raise ValueError("an internal bug")
+
+    app = create_app(ServerSettings(pool_size=0), kernel_factory=broken_source)
+    with LoopbackClient(app, raise_server_exceptions=False) as c:
+        assert c.post("/reset", json={}).status_code == 500
+        with c.websocket_connect("/ws") as ws:
+            ws.send_json({"type": "reset"})
+            reply = ws.receive_json()
+            assert reply["type"] == "error"
+            assert reply["data"]["code"] == "EXECUTION_ERROR"
+            ws.send_json({"type": "state"})  # the socket stays open
+            assert ws.receive_json()["type"] == "state"

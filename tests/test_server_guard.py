@@ -70,6 +70,7 @@ def test_cross_site_post_is_refused(open_server: str) -> None:
     assert "access-control-allow-origin" not in response.headers
 
 
+@pytest.mark.integration
 def test_clients_without_origin_and_same_origin_pages_work(open_server: str) -> None:
     """Non-browser clients (no Origin) and the server's own pages (/docs) are served."""
     with connect(_ws(open_server), open_timeout=10) as ws:
@@ -137,6 +138,7 @@ def test_oversized_step_body_is_refused_from_its_length(token_server: str) -> No
     assert status == 413, reply[:200]
 
 
+@pytest.mark.integration
 def test_blank_token_is_a_startup_error() -> None:
     """KERNEL_ENV_TOKEN="" or " " is an error at start-up, never a silent "no auth"."""
     for blank in ("", " "):

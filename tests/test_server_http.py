@@ -107,6 +107,7 @@ def test_mcp_parse_error_is_json_rpc(client: TestClient) -> None:
 # -- sessions -------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_reset_returns_session_id_in_header_and_metadata(client: TestClient) -> None:
     """POST /reset opens a session named in X-Session-Id and observation.metadata."""
     response = client.post("/reset", json={"context": "abc"})
@@ -121,6 +122,7 @@ def test_reset_returns_session_id_in_header_and_metadata(client: TestClient) -> 
         client.delete(f"/sessions/{sid}")
 
 
+@pytest.mark.integration
 def test_step_and_state_round_trip(client: TestClient, session: str) -> None:
     """/step runs code in the session's kernel and /state reports it."""
     step = client.post(
@@ -135,6 +137,7 @@ def test_step_and_state_round_trip(client: TestClient, session: str) -> None:
     assert state["context"] == "Hello World"
 
 
+@pytest.mark.integration
 def test_final_answer_ends_the_episode(client: TestClient, session: str) -> None:
     """A FINAL(...) step is done with the answer in metadata; a later step is 409."""
     client.post("/step", json={"action": {"code": "n = len(context)"}}, headers=h(session))
@@ -145,6 +148,7 @@ def test_final_answer_ends_the_episode(client: TestClient, session: str) -> None
     assert after.status_code == 409
 
 
+@pytest.mark.integration
 def test_reset_with_session_id_starts_a_new_episode_in_the_same_session(
     client: TestClient, session: str
 ) -> None:
@@ -173,6 +177,7 @@ def test_unknown_session_is_404(client: TestClient) -> None:
     assert client.get("/state", headers=h("nope")).status_code == 404
 
 
+@pytest.mark.integration
 def test_invalid_action_is_422(client: TestClient, session: str) -> None:
     """An invalid action (unknown field, wrong type) is 422 with a detail list."""
     for action in ({"code": 1}, {"code": "1", "bogus": True}, "x"):
@@ -189,6 +194,7 @@ def test_unknown_reset_keyword_is_422(client: TestClient) -> None:
     assert client.get("/metrics").json()["sessions_active"] == before
 
 
+@pytest.mark.integration
 def test_closed_session_answers_410(client: TestClient) -> None:
     """After DELETE /sessions/{id}, the session answers 410 Gone; DELETE is idempotent."""
     sid = client.post("/reset", json={}).headers["X-Session-Id"]
@@ -199,6 +205,7 @@ def test_closed_session_answers_410(client: TestClient) -> None:
     assert client.delete("/sessions/never-existed").status_code == 404
 
 
+@pytest.mark.integration
 def test_metrics_count_sessions_and_steps(client: TestClient, session: str) -> None:
     """GET /metrics reports sessions, kernels, pool and step counters."""
     client.post("/step", json={"action": {"code": "print('x' * 20000)"}}, headers=h(session))
@@ -219,6 +226,7 @@ def test_metrics_count_sessions_and_steps(client: TestClient, session: str) -> N
         assert key in data
 
 
+@pytest.mark.integration
 def test_late_output_is_counted_not_shown_in_the_next_step(
     client: TestClient, session: str
 ) -> None:
@@ -239,6 +247,7 @@ def test_late_output_is_counted_not_shown_in_the_next_step(
 # -- capacity, reaping, auth, limits --------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_capacity_reached_is_503_with_counts() -> None:
     """A new session beyond max_sessions (all claimed) is refused with CAPACITY_REACHED and
     the counts."""
@@ -255,6 +264,7 @@ def test_capacity_reached_is_503_with_counts() -> None:
         assert c.post("/reset", json={}).status_code == 200
 
 
+@pytest.mark.integration
 def test_idle_http_session_is_reaped_and_answers_expired() -> None:
     """F13 over HTTP: an idle session is reaped; a later step gets 410 "session expired"."""
     with make_client(pool_size=0, idle_ttl=0.5) as c:
@@ -269,6 +279,7 @@ def test_idle_http_session_is_reaped_and_answers_expired() -> None:
         assert c.get("/metrics").json()["kernels_in_sessions"] == 0
 
 
+@pytest.mark.integration
 def test_auth_token_is_required_and_never_echoed() -> None:
     """B5 over HTTP: no or wrong token is 401 on episode routes; the token is never echoed."""
     with make_client(pool_size=0, token=TOKEN) as c:
@@ -312,6 +323,7 @@ def test_oversize_body_is_413() -> None:
         assert c.post("/step", content=chunks()).status_code == 413
 
 
+@pytest.mark.integration
 def test_oversize_code_and_context_are_clear_4xx(client: TestClient, session: str) -> None:
     """B4: code over max_code_chars and context over max_context_chars are 4xx, not 500."""
     with make_client(pool_size=0, max_context_chars=1000, max_code_chars=100) as c:
@@ -377,6 +389,7 @@ def _fuzz_body(rng: random.Random) -> bytes:
     return json.dumps(_fuzz_value(rng)).encode()
 
 
+@pytest.mark.integration
 def test_fuzzed_bodies_never_get_5xx(client: TestClient, session: str) -> None:
     """B2: 900 fuzzed bodies on /reset, /step and /state never get a 5xx."""
     rng = random.Random(1234)

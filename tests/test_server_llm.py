@@ -8,11 +8,14 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 from fake_openai import FakeOpenAI, Reply
 from serverkit import serve_process, small_settings, thread_server
 
 from kernel_env import KernelEnv
 from kernel_env.llm import HF_DEFAULT_MODEL
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
 HF_TOKEN = "hf_episode_" + "secret_4242"  # in two parts: a search for it finds no source file
 API_KEY = "sk-server-secret-1717"

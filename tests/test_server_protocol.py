@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-from kernel_env.errors import EpisodeFinished, KernelError, KernelStartError, ResetNeeded
+from kernel_env.errors import (
+    EpisodeFinished,
+    KernelError,
+    KernelStartError,
+    LimitExceeded,
+    ResetNeeded,
+)
 from kernel_env.models import CodeBlockResult, REPLObservation
 from kernel_env.server.protocol import (
     Request,
@@ -82,7 +88,8 @@ def test_observation_frame_puts_metadata_in_both_places() -> None:
         (KernelStartError("no kernel"), "FACTORY_ERROR"),
         (KernelError("gone"), "EXECUTION_ERROR"),
         (SessionExpired("session expired"), "SESSION_ERROR"),
-        (ValueError("code of 9 chars exceeds the limit of 1"), "VALIDATION_ERROR"),
+        (LimitExceeded("code of 9 chars exceeds the limit of 1"), "VALIDATION_ERROR"),
+        (ValueError("an internal bug, not the client's input"), "EXECUTION_ERROR"),
         (RuntimeError("boom"), "EXECUTION_ERROR"),
     ],
 )
@@ -170,6 +177,7 @@ def test_default_step_timeout_is_below_the_client_wait() -> None:
     assert ServerSettings().step_timeout <= 30
 
 
+@pytest.mark.integration
 def test_cli_serve_help_lists_the_flags() -> None:
     """`python -m kernel_env serve --help` documents the serve flags."""
     done = subprocess.run([sys.executable, "-m", "kernel_env", "serve", "--help"],
@@ -179,6 +187,7 @@ def test_cli_serve_help_lists_the_flags() -> None:
         assert flag in done.stdout
 
 
+@pytest.mark.integration
 def test_cli_rejects_bad_settings_with_exit_2() -> None:
     """A bad flag value ends `serve` with exit code 2 and a message, before binding."""
     done = subprocess.run([sys.executable, "-m", "kernel_env", "serve", "--step-timeout", "-1"],

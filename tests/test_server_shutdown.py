@@ -9,9 +9,12 @@ import signal
 import time
 
 import httpx
+import pytest
 from serverkit import alive, kernel_pids, metrics, serve_process, terminate, wait_until
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
 
 async def _start_step(url: str, code: str) -> ClientConnection:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import serverkit
 from fastapi.testclient import TestClient
+from procs import alive
 from serverkit import LoopbackClient, small_settings, thread_server
 from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, connect
@@ -54,6 +55,7 @@ def error_code(reply: dict[str, Any]) -> str:
 # -- every frame type -----------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_reset_step_state_frames(client: TestClient) -> None:
     """reset and step answer observation frames (metadata in both places); state a state frame."""
     with client.websocket_connect("/ws") as ws:
@@ -83,6 +85,7 @@ def test_reset_step_state_frames(client: TestClient) -> None:
         assert final["data"]["observation"]["metadata"]["total_iterations"] == 2
 
 
+@pytest.mark.integration
 def test_reset_frame_without_data_is_accepted(client: TestClient) -> None:
     """{"type": "reset"} (no data) starts an episode with defaults."""
     with client.websocket_connect("/ws") as ws:
@@ -114,6 +117,7 @@ def test_close_frame_closes_with_1000_and_frees_the_session(client: TestClient) 
     assert metrics["sessions_ws"] == 0 and metrics["kernels_in_sessions"] == 0
 
 
+@pytest.mark.integration
 def test_replies_come_one_per_request_in_order(client: TestClient) -> None:
     """Pipelined requests are answered in order, one frame each."""
     with client.websocket_connect("/ws") as ws:
@@ -195,6 +199,7 @@ def test_execution_error_before_reset_and_after_done(client: TestClient) -> None
         assert error_code(reply) == "EXECUTION_ERROR" and "reset" in reply["data"]["message"]
 
 
+@pytest.mark.integration
 def test_limits_are_validation_errors(client: TestClient) -> None:
     """B4: code over the limit and a context over the limit answer VALIDATION_ERROR."""
     with (
@@ -236,6 +241,7 @@ def test_factory_error_when_no_kernel_can_start() -> None:
         assert ask(ws, {"type": "state"})["type"] == "state"
 
 
+@pytest.mark.integration
 def test_idle_session_is_reaped_and_answers_session_expired() -> None:
     """F13: an idle session is reaped, its kernel killed; later calls get "session expired"."""
     # Unsandboxed: the test watches the kernel's own pid (a sandboxed kernel sees its own pid
@@ -256,9 +262,10 @@ def test_idle_session_is_reaped_and_answers_session_expired() -> None:
         assert error_code(reply) == "SESSION_ERROR"
         assert "session expired" in reply["data"]["message"]
         assert error_code(ask(ws, {"type": "state"})) == "SESSION_ERROR"
-        assert not _running(pid)
+        assert not alive(pid)
 
 
+@pytest.mark.integration
 def test_busy_session_is_not_reaped() -> None:
     """A step running longer than the idle TTL does not get its session reaped."""
     with make_client(pool_size=0, idle_ttl=0.3) as c, c.websocket_connect("/ws") as ws:
@@ -322,6 +329,7 @@ async def test_real_server_closes_invalid_utf8_with_1007(live_url: str) -> None:
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1007
 
 
+@pytest.mark.integration
 async def test_event_loop_stays_free_while_a_cell_runs(live_url: str) -> None:
     """While one session's cell sleeps, another session steps and /health answers."""
     url = live_url.replace("http", "ws") + "/ws"
@@ -345,6 +353,7 @@ async def test_event_loop_stays_free_while_a_cell_runs(live_url: str) -> None:
         assert slow_reply["data"]["observation"]["result"]["stdout"] == "slow\n"
 
 
+@pytest.mark.integration
 async def test_concurrent_sessions_never_mix_outputs(live_url: str) -> None:
     """8 sessions stepping at once each see exactly their own output, once."""
     url = live_url.replace("http", "ws") + "/ws"
@@ -402,6 +411,7 @@ def _fuzz_frame(rng: random.Random) -> str | bytes:
     return json.dumps(frame)
 
 
+@pytest.mark.integration
 async def test_fuzzed_frames_get_error_frames_while_a_healthy_session_works(
     live_url: str,
 ) -> None:
@@ -447,9 +457,3 @@ async def test_fuzzed_frames_get_error_frames_while_a_healthy_session_works(
     assert healthy_outputs == [f"{i}\n" for i in range(40)]
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

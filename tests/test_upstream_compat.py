@@ -12,6 +12,8 @@ from openenv.core.rubrics.base import Rubric
 
 from kernel_env import ClientClosed, EnvConfig, KernelEnv, ResetNeeded
 
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[KernelEnv]:
@@ -138,6 +140,38 @@ def test_rubric_keyword_takes_an_openenv_rubric() -> None:
         last = client.execute("FINAL(x)")
     assert last.done and last.reward == 2.0
     assert rubric.seen == [(False, None), (False, None), (True, "7")]
+
+
+def test_a_rubric_that_raises_scores_zero_and_the_step_counts() -> None:
+    """A rubric that raises on FINAL(...) does not lose the step: it is counted, the episode
+    is done, the reward is 0 and the observation's metadata says what the rubric raised."""
+
+    def broken(answer: str, expected: str) -> float:
+        raise KeyError("no such grader")
+
+    with KernelEnv(rubric=broken) as client:
+        client.reset(expected_answer="7")
+        result = client.execute("FINAL(7)")
+        assert result.done and result.reward == 0.0
+        assert "KeyError" in result.observation.metadata["rubric_error"]
+        state = client.state()
+        assert state.step_count == 1 and state.done and state.final_answer == "7"
+
+
+def test_an_openenv_rubric_that_raises_scores_zero_and_the_step_counts() -> None:
+    """The same for an OpenEnv rubric raising in forward(): every step still completes."""
+
+    class Broken(_UpstreamStyleRubric):
+        def forward(self, action: Any, observation: Any) -> float:
+            raise RuntimeError("grader offline")
+
+    with KernelEnv(rubric=Broken()) as client:
+        client.reset(expected_answer="7")
+        first = client.execute("x = 7")
+        assert first.reward == 0.0
+        assert "grader offline" in first.observation.metadata["rubric_error"]
+        assert client.execute("FINAL(x)").done
+        assert client.state().step_count == 2
 
 
 # -- the iteration budget -------------------------------------------------------------------

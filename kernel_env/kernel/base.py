@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from kernel_env.errors import KernelError, KernelStartError
+from kernel_env.errors import KernelDied, KernelError, KernelStartError
 from kernel_env.kernel_side import PROBE_REPLY
 from kernel_env.outputs import OutputCollector
 
@@ -55,10 +55,6 @@ _STDIN_PROBE = {
 _STDIN_TICK = 0.01
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
-
-
-class KernelDied(KernelError):
-    """The kernel process exited while a request was in flight."""
 
 
 @dataclass

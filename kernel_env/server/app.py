@@ -27,8 +27,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kernel_env import __version__
+from kernel_env.agent import solve_child
 from kernel_env.environment import EnvConfig, KernelEnvironment
-from kernel_env.errors import EpisodeFinished, KernelError, ResetNeeded
+from kernel_env.errors import EpisodeFinished, InvalidInput, KernelError, ResetNeeded
 from kernel_env.kernel.factory import kernel_source_from
 from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
@@ -119,6 +120,7 @@ class Runtime:
                 kernel_source=self.pool.acquire,
                 llm_backend=self.llm,
                 backend_for_token=token_backends,
+                child_solver=solve_child,
             ),
             max_sessions=settings.max_sessions,
             idle_ttl=settings.idle_ttl,
@@ -397,7 +399,7 @@ def _require_text(kwargs: dict[str, Any]) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise ValueError(f"{key} is not valid Unicode text (a lone surrogate at "
+                raise InvalidInput(f"{key} is not valid Unicode text (a lone surrogate at "
                                  f"position {exc.start})") from None
 
 
@@ -468,7 +470,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         (CapacityReached, capacity),
         (RequestValidationError, invalid),
         (ValidationError, invalid),
-        (ValueError, invalid),
+        (InvalidInput, invalid),
         (ResetNeeded, conflict),
         (EpisodeFinished, conflict),
         (KernelError, kernel),

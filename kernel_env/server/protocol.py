@@ -15,9 +15,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernel_env.errors import EpisodeFinished, KernelError, KernelStartError, ResetNeeded
+from kernel_env.errors import (
+    EpisodeFinished,
+    InvalidInput,
+    KernelError,
+    KernelStartError,
+    ResetNeeded,
+)
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.server.sessions import SessionError
+from kernel_env.text import shorten
 
 __all__ = [
     "ErrorCode",
@@ -158,7 +165,7 @@ def error_for(exc: BaseException) -> Frame:
     """The error frame for an exception raised while answering a request."""
     if isinstance(exc, ValidationError):
         return _invalid(validation_errors(exc))
-    if isinstance(exc, ValueError):  # a limit of the episode: code or context too large
+    if isinstance(exc, InvalidInput):  # the caller's input: over a limit, not text
         return error_frame(
             ErrorCode.VALIDATION_ERROR, str(exc), errors=[_error("value_error", (), str(exc))]
         )
@@ -187,13 +194,13 @@ def _invalid(errors: list[dict[str, Any]]) -> Frame:
     return error_frame(ErrorCode.VALIDATION_ERROR, "Invalid message", errors=errors)
 
 
+def _short(value: Any) -> str:
+    """A value echoed in an error message: one line, 120 chars at most."""
+    return shorten(str(value), 120, one_line=True)
+
+
 def _error(kind: str, loc: tuple[Any, ...], msg: str) -> dict[str, Any]:
     return {"type": kind, "loc": list(loc), "msg": msg}
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = str(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # -- JSON-RPC (MCP) ----------------------------------------------------------------------

@@ -28,11 +28,18 @@ import logging
 import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, fields
+from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
-from kernel_env.environment import KernelEnvironment
-from kernel_env.errors import KernelEnvError, ResetNeeded
+from kernel_env.environment import Counters, KernelEnvironment
+from kernel_env.errors import (
+    CapacityReached,
+    ResetNeeded,
+    SessionClosed,
+    SessionError,
+    SessionExpired,
+    UnknownSession,
+)
 from kernel_env.kernel import Kernel
 from kernel_env.models import REPLAction, REPLObservation, REPLState
 from kernel_env.record import EpisodeRecord
@@ -58,59 +65,13 @@ _CLOSE_TIMEOUT = 5.0  # a kernel shutdown takes ~0.1 s
 _UNCLAIMED = "session expired: it was never claimed (no request carried its id) and was "
 
 
-class SessionError(KernelEnvError):
-    """The session cannot serve requests any more."""
-
-
-class SessionExpired(SessionError):
-    """The session was idle longer than the server's TTL and was reaped."""
-
-
-class SessionClosed(SessionError):
-    """The session was closed (by its owner, or because the server is shutting down)."""
-
-
-class UnknownSession(KernelEnvError):
-    """No session has this id (it never existed, or was forgotten long ago)."""
-
-
-class CapacityReached(KernelEnvError):
-    """``max_sessions`` sessions are open."""
-
-    def __init__(self, active_sessions: int, max_sessions: int) -> None:
-        super().__init__(
-            f"Server at capacity: {active_sessions}/{max_sessions} sessions are open; "
-            "retry later or close another session"
-        )
-        self.active_sessions = active_sessions
-        self.max_sessions = max_sessions
-
-
-@dataclass
-class Counters:
-    """Cumulative counters of episodes, kept across closed sessions."""
-
-    steps: int = 0
-    timeouts: int = 0
-    restarts: int = 0
-    truncations: int = 0
-    late_outputs: int = 0  # printed after their cell went idle: in the episode log, not a step
-    lost_outputs: int = 0  # reached neither an observation nor the log (the log was full)
-
-    def add(self, other: Counters) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-
 def _kernel_counters(kernel: Kernel) -> Counters:
     late = kernel.late_output_count
     return Counters(late_outputs=late, lost_outputs=max(0, late - len(kernel.late_outputs)))
 
 
 def _env_counters(env: KernelEnvironment) -> Counters:
-    s = env.stats
-    return Counters(steps=s.steps, timeouts=s.timeouts, restarts=s.restarts,
-                    truncations=s.truncations)
+    return replace(env.stats)  # a copy: the sums below must not change the episode's own
 
 
 class Session:

@@ -102,7 +102,7 @@ async def _answer(request: Request, session: Session) -> Frame:
         if request.kind == "state":
             return state_frame(session.state())
         return {"type": "mcp", "data": mcp_response(request.rpc)}
-    except (KernelEnvError, ValidationError, ValueError) as exc:
+    except (KernelEnvError, ValidationError) as exc:
         return error_for(exc)
     except Exception as exc:
         log.exception("unexpected error answering a %s request", request.kind)

@@ -1,0 +1,62 @@
+"""The tests' one reader of /proc: parents, children, descendants, and whether a pid runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and ")"):
+    state first, then the parent pid."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def parents() -> dict[int, int]:
+    """Every visible process's parent pid."""
+    found: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                found[int(entry)] = int(_stat_fields(entry)[1])
+    return found
+
+
+def child_pids(pid: int) -> set[int]:
+    """Processes whose parent is ``pid``."""
+    return {child for child, parent in parents().items() if parent == pid}
+
+
+def descendants(pid: int) -> set[int]:
+    """Processes whose parent chain leads to ``pid``."""
+    table = parents()
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = {p for p, pp in table.items() if pp == parent} - found
+        found |= children
+        frontier += children
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has exited: it only waits to be reaped by its parent)."""
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def cmdline(pid: int) -> bytes:
+    """The process's command line (NUL-separated), or b"" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def kernel_pids(pid: int) -> set[int]:
+    """The ipykernel processes that ``pid`` started."""
+    return {child for child in child_pids(pid) if b"ipykernel" in cmdline(child)}
