@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -24,7 +23,7 @@ from kernel_env.errors import (
     RubricError,
 )
 from kernel_env.hostcalls import HostCalls, LLMBatchFn, LLMQueryFn
-from kernel_env.kernel import ExecutionResult, Kernel
+from kernel_env.kernel import ExecutionResult, Kernel, KernelSource
 from kernel_env.kernel_side import (
     DEFAULT_DISPLAY_CHARS,
     DEFAULT_DISPLAY_COUNT,
@@ -42,7 +41,6 @@ from kernel_env.rubric import Rewards, Rubric, StepRubric, as_rubric, is_step_ru
 __all__ = ["Counters", "EnvConfig", "KernelEnvironment", "KernelSource"]
 
 # Starts (or takes from a pool) a ready kernel for a new episode.
-KernelSource = Callable[[], Awaitable[Kernel]]
 
 _KERNEL = f"__import__('sys').modules[{MODULE_NAME!r}]"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kernel_env.kernel.base import ExecutionResult, Kernel, StdinHandler
+from kernel_env.kernel.base import ExecutionResult, Kernel, KernelSource, StdinHandler
 from kernel_env.kernel.local import LocalKernel
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ __all__ = [
     "GatewayConfig",
     "GatewayKernel",
     "Kernel",
+    "KernelSource",
     "LocalKernel",
     "StdinHandler",
 ]

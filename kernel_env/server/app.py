@@ -30,11 +30,12 @@ from kernel_env import __version__
 from kernel_env.agent import solve_child
 from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import EpisodeFinished, InvalidInput, KernelError, ResetNeeded
+from kernel_env.kernel import KernelSource
 from kernel_env.kernel.factory import kernel_source_from
 from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.notebook import ExportPathError, export_zip, notebook_name, notebook_text
-from kernel_env.pool import KernelFactory, KernelPool
+from kernel_env.pool import KernelPool
 from kernel_env.record import EpisodeRecord
 from kernel_env.recursion import BackendForToken
 from kernel_env.server import metrics, protocol
@@ -99,7 +100,7 @@ def _token_backends(settings: ServerSettings) -> BackendForToken:
 class Runtime:
     """Everything the app owns while it runs; created in the lifespan, on the app's loop."""
 
-    def __init__(self, settings: ServerSettings, kernel_factory: KernelFactory) -> None:
+    def __init__(self, settings: ServerSettings, kernel_factory: KernelSource) -> None:
         self.settings = settings
         self.pool = KernelPool(kernel_factory, size=settings.pool_size,
                                max_kernels=settings.kernel_limit)
@@ -164,7 +165,7 @@ class StepResponse(BaseModel):
 
 
 def create_app(
-    settings: ServerSettings | None = None, *, kernel_factory: KernelFactory | None = None
+    settings: ServerSettings | None = None, *, kernel_factory: KernelSource | None = None
 ) -> FastAPI:
     """The app. ``kernel_factory`` starts the kernels (default: from the settings: local
     kernels, sandboxed per ``settings.sandbox``, or a gateway's when ``gateway_url`` is set)."""
