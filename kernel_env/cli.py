@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernel_env.errors import KernelEnvError
+from kernel_env.kernel.modes import SANDBOX_MODES
 from kernel_env.text import shorten
 
 if TYPE_CHECKING:
@@ -72,58 +74,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "defaults to its KERNEL_ENV_<NAME> variable, then to the built-in default. "
         "Set KERNEL_ENV_TOKEN to require a bearer token.",
     )
-    add = serve.add_argument
-    add("--host", help="interface to bind (default 127.0.0.1)")
-    add("--port", type=int, help="port to bind; 0 picks a free one (default 8000)")
-    add("--pool-size", type=int, help="kernels kept warm for resets (default 4)")
-    add("--max-sessions", type=int, help="open sessions at most, one kernel each (default 64)")
-    add("--step-timeout", type=float, help="seconds a step may run (default 30)")
-    add(
-        "--idle-ttl",
-        type=float,
-        help="reap sessions idle this many seconds; 0 = never (default 600)",
-    )
-    add(
-        "--claim-ttl",
-        type=float,
-        help="reap a session no request has named (a bare POST /reset) after this many "
-        "seconds; 0 = only --idle-ttl (default 60)",
-    )
-    add(
-        "--drain-timeout",
-        type=float,
-        help="on shutdown, seconds in-flight steps may finish (default 8)",
-    )
-    add("--max-message-bytes", type=int, help="largest WebSocket frame / HTTP body")
-    add("--max-context-chars", type=int, help="largest reset context")
-    add("--max-code-chars", type=int, help="largest code of one step")
-    add("--log-level", choices=["critical", "error", "warning", "info", "debug"])
-    add("--sandbox", choices=["auto", "bwrap", "none"],
-        help="local kernels under bubblewrap: bwrap (required; default), auto (unsandboxed "
-        "where it cannot run), none")
-    add("--gateway-url", metavar="URL",
-        help="run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead")
-    add("--gateway-token", metavar="TOKEN",
-        help="the gateway's auth token (prefer KERNEL_ENV_GATEWAY_TOKEN: flags are visible to "
-        "other users of this host)")
-    add("--gateway-kernel-name", metavar="NAME", help="the gateway's kernel spec (default python3)")
-    add("--llm-base-url", metavar="URL",
-        help="OpenAI-compatible endpoint answering the kernels' llm_query (key: "
-        "KERNEL_ENV_LLM_API_KEY)")
-    add("--llm-model", metavar="MODEL", help="model name sent to --llm-base-url")
-    add("--llm-max-calls", type=int, metavar="N", help="LLM calls per episode at most")
-    add("--llm-max-tokens", type=int, metavar="N", help="LLM tokens per episode at most")
-    add("--llm-allowed-models", type=_names, metavar="M1,M2",
-        help="models a cell may name in llm_query(model=...) besides --llm-model")
-    add("--max-prompt-chars", type=int, metavar="N", help="largest llm_query prompt")
-    add("--max-kernels", type=int, metavar="N",
-        help="kernels at most: sessions', warm ones and rlm_query children (default "
-        "max-sessions + pool-size)")
-    add("--allowed-hosts", type=_names, metavar="H1,H2",
-        help="Host names accepted (default: the bound address, localhost, 127.0.0.1, [::1]; "
-        "* for any)")
-    add("--allowed-origins", type=_names, metavar="O1,O2",
-        help="web origins allowed to call the server (CORS); none by default")
+    _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 
 
@@ -131,41 +82,43 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+_FLAG_TYPES: dict[str, Any] = {"int": int, "float": float, "tuple[str, ...]": _names}
+
+
+def _shown(default: object) -> str:
+    """A default as a user would type it: 30 for 30.0, none for None or ()."""
+    if isinstance(default, tuple):
+        return ",".join(default) or "none"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return "none" if default is None else str(default)
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per ``ServerSettings`` field that has CLI help (the settings are the one list):
+    ``--pool-size`` for ``pool_size``. Flags default to None, so that a flag not given leaves
+    the ``KERNEL_ENV_*`` variable, then the field's default, to decide."""
+    from kernel_env.server.settings import ServerSettings
+
+    for f in dataclasses.fields(ServerSettings):
+        if "help" not in f.metadata:
+            continue
+        kind = str(f.type).removesuffix("| None").strip()
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=_FLAG_TYPES.get(kind, str),
+            choices=f.metadata["choices"],
+            metavar=f.metadata["metavar"],
+            help=f"{f.metadata['help']} (default: {_shown(f.default)})",
+        )
+
+
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: `kernel-env --help` should not pay for FastAPI and uvicorn.
     from kernel_env.server.runner import build_server, return_freed_memory
     from kernel_env.server.settings import ServerSettings
 
-    explicit = {
-        name: getattr(args, name)
-        for name in (
-            "host",
-            "port",
-            "pool_size",
-            "max_sessions",
-            "step_timeout",
-            "idle_ttl",
-            "claim_ttl",
-            "drain_timeout",
-            "max_message_bytes",
-            "max_context_chars",
-            "max_code_chars",
-            "log_level",
-            "sandbox",
-            "gateway_url",
-            "gateway_token",
-            "gateway_kernel_name",
-            "llm_base_url",
-            "llm_model",
-            "llm_max_calls",
-            "llm_max_tokens",
-            "llm_allowed_models",
-            "max_prompt_chars",
-            "max_kernels",
-            "allowed_hosts",
-            "allowed_origins",
-        )
-    }
+    explicit = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
     try:
         settings = ServerSettings.from_env(**explicit)
         server, sock, settings = build_server(settings)
@@ -296,7 +249,7 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
     replay.add_argument("notebook", type=Path, help="an .ipynb file (e.g. one kernel-env exported)")
     replay.add_argument("--step-timeout", type=float, default=30.0,
                         help="seconds a cell may run (default 30)")
-    replay.add_argument("--sandbox", choices=["auto", "bwrap", "none"], default="auto",
+    replay.add_argument("--sandbox", choices=SANDBOX_MODES, default="auto",
                         help="run the kernel under bubblewrap (default: where it works)")
     replay.set_defaults(run=_replay)
 
@@ -362,7 +315,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     add("--output", type=Path, default=Path("runs"),
         help="directory for the notebook and trajectory (default ./runs)")
     add("--name", help="file name stem of the outputs (default run-<date>-<time>)")
-    add("--sandbox", choices=["auto", "bwrap", "none"], default="auto",
+    add("--sandbox", choices=SANDBOX_MODES, default="auto",
         help="local kernels under bubblewrap (default: where it works)")
     add("--gateway-url", metavar="URL",
         help="run the kernel on a Jupyter (Enterprise) Gateway (token: KERNEL_ENV_GATEWAY_TOKEN)")

@@ -187,6 +187,24 @@ def test_cli_serve_help_lists_the_flags() -> None:
         assert flag in done.stdout
 
 
+def test_serve_flags_are_the_settings_and_name_their_defaults() -> None:
+    """Every ServerSettings field but the secrets is a serve flag, whose help names its
+    default, and a flag given reaches the setting of the same name."""
+    import argparse
+    import dataclasses
+
+    from kernel_env.cli import _parser
+
+    parser = _parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {a.dest: a for a in serve.choices["serve"]._actions if a.dest != "help"}
+    secrets = {"token", "llm_api_key", "hf_router_url"}
+    assert set(flags) == {f.name for f in dataclasses.fields(ServerSettings)} - secrets
+    assert all("(default: " in (action.help or "") for action in flags.values())
+    args = parser.parse_args(["serve", "--pool-size", "2", "--llm-allowed-models", "a, b"])
+    assert (args.pool_size, args.llm_allowed_models, args.port) == (2, ("a", "b"), None)
+
+
 @pytest.mark.integration
 def test_cli_rejects_bad_settings_with_exit_2() -> None:
     """A bad flag value ends `serve` with exit code 2 and a message, before binding."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.local import describe_isolation as unsandboxed_limits
+from kernel_env.kernel.modes import SANDBOX_MODES, SandboxMode
 from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
 from kernel_env.kernel.sandbox import describe_limits as sandbox_limits
 
@@ -45,7 +46,7 @@ class BackendSettings(Protocol):
     def gateway_token(self) -> str | None: ...
 
 
-def local_source(sandbox: str = "auto", **kernel_options: Any) -> KernelSource:
+def local_source(sandbox: SandboxMode | str = "auto", **kernel_options: Any) -> KernelSource:
     """A new local kernel per call; ``kernel_options`` go to the kernel class.
 
     ``sandbox``: ``"auto"`` (bubblewrap where it works, else a plain kernel, said once in the
@@ -62,7 +63,7 @@ def local_source(sandbox: str = "auto", **kernel_options: Any) -> KernelSource:
 
 
 def _local_kind(sandbox: str) -> type[LocalKernel]:
-    if sandbox not in ("auto", "bwrap", "none"):
+    if sandbox not in SANDBOX_MODES:
         raise ValueError(f"sandbox must be 'auto', 'bwrap' or 'none', not {sandbox!r}")
     if sandbox == "none":
         return LocalKernel
