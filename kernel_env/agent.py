@@ -482,7 +482,7 @@ class _TrajectoryLog:
 
     async def write(self, turn: Iteration) -> None:
         line = json.dumps(asdict(turn), ensure_ascii=False) + "\n"
-        # Off the event loop: a server runs other sessions on it (docs/architecture.md, decision 12).
+        # Off the event loop: a server runs other sessions on it (docs/architecture.md, #12).
         await asyncio.to_thread(self._append, line)
 
     def _append(self, line: str) -> None:
