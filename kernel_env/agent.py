@@ -191,7 +191,11 @@ class AgentEnv(Protocol):
     """What the loop needs of an env: ``AsyncKernelEnv`` (local or remote) has it."""
 
     async def reset(
-        self, *, context: str = ..., task_prompt: str = ..., max_iterations: int = ...,
+        self,
+        *,
+        context: str = ...,
+        task_prompt: str = ...,
+        max_iterations: int = ...,
         expected_answer: str | None = ...,
     ) -> StepResult[REPLObservation]: ...
     async def execute(self, code: str) -> StepResult[REPLObservation]: ...

@@ -131,9 +131,12 @@ def _serve(args: argparse.Namespace) -> int:
     _guard_secrets()
     print(_status_line(settings), file=sys.stderr, flush=True)
     if not settings.token and settings.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"kernel-env: WARNING: {settings.host} is reachable from other hosts and no "
-              "KERNEL_ENV_TOKEN is set: anyone who can connect can run code",
-              file=sys.stderr, flush=True)
+        print(
+            f"kernel-env: WARNING: {settings.host} is reachable from other hosts and no "
+            "KERNEL_ENV_TOKEN is set: anyone who can connect can run code",
+            file=sys.stderr,
+            flush=True,
+        )
     server.run(sockets=[sock])
     return 0
 
@@ -167,8 +170,9 @@ def _status_line(settings: ServerSettings) -> str:
         f"/ws); warming {settings.pool_size} kernel(s); max {settings.max_sessions} sessions, "
         f"step timeout {settings.step_timeout:g} s, idle TTL {settings.idle_ttl:g} s, {auth}\n"
         f"kernel-env: {describe_backend(settings)}; {llm}"
-        + "".join(f"\nkernel-env:   {name}: {value}"
-                  for name, value in describe_limits(settings).items())
+        + "".join(
+            f"\nkernel-env:   {name}: {value}" for name, value in describe_limits(settings).items()
+        )
     )
 
 
@@ -185,14 +189,27 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
         "is read from KERNEL_ENV_TOKEN.",
     )
     export.add_argument("source", metavar="SOURCE", help="a session id, or an .ipynb file")
-    export.add_argument("-o", "--output", metavar="PATH",
-                        help="where to write (default: <session id>.ipynb, or SOURCE.html)")
-    export.add_argument("--url", default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
-                        help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})")
-    export.add_argument("--html", action="store_true",
-                        help="also write an HTML page (needs nbconvert: kernel-env[html])")
-    export.add_argument("--overwrite", action="store_true",
-                        help="replace files of the same names (refused by default)")
+    export.add_argument(
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="where to write (default: <session id>.ipynb, or SOURCE.html)",
+    )
+    export.add_argument(
+        "--url",
+        default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
+        help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})",
+    )
+    export.add_argument(
+        "--html",
+        action="store_true",
+        help="also write an HTML page (needs nbconvert: kernel-env[html])",
+    )
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files of the same names (refused by default)",
+    )
     export.set_defaults(run=_export)
 
 
@@ -211,8 +228,12 @@ def _export(args: argparse.Namespace) -> int:
                 return _fail("export", f"no such notebook: {source}")
             print(write_html(source, args.output))
             return 0
-        notebook = _download(args.url, args.source, Path(args.output or f"{args.source}.ipynb"),
-                             overwrite=args.overwrite)
+        notebook = _download(
+            args.url,
+            args.source,
+            Path(args.output or f"{args.source}.ipynb"),
+            overwrite=args.overwrite,
+        )
         print(notebook)
         if args.html:
             print(write_html(notebook))
@@ -247,10 +268,15 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "match the recorded ones, 1 otherwise.",
     )
     replay.add_argument("notebook", type=Path, help="an .ipynb file (e.g. one kernel-env exported)")
-    replay.add_argument("--step-timeout", type=float, default=30.0,
-                        help="seconds a cell may run (default 30)")
-    replay.add_argument("--sandbox", choices=SANDBOX_MODES, default="auto",
-                        help="run the kernel under bubblewrap (default: where it works)")
+    replay.add_argument(
+        "--step-timeout", type=float, default=30.0, help="seconds a cell may run (default 30)"
+    )
+    replay.add_argument(
+        "--sandbox",
+        choices=SANDBOX_MODES,
+        default="auto",
+        help="run the kernel under bubblewrap (default: where it works)",
+    )
     replay.set_defaults(run=_replay)
 
 
@@ -297,28 +323,46 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     add("--context", required=True, metavar="FILE", help="a UTF-8 text file, or - for stdin")
     add("--task", required=True, help="what to find out about the context")
     add("--model", required=True, help="the root model")
-    add("--base-url", metavar="URL",
-        default=os.environ.get("KERNEL_ENV_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
+    add(
+        "--base-url",
+        metavar="URL",
+        default=os.environ.get("KERNEL_ENV_LLM_BASE_URL")
+        or os.environ.get("OPENAI_BASE_URL")
         or "https://api.openai.com/v1",
         help="OpenAI-compatible endpoint (default $KERNEL_ENV_LLM_BASE_URL, $OPENAI_BASE_URL, "
-        "or OpenAI's)")
+        "or OpenAI's)",
+    )
     add("--sub-model", metavar="MODEL", help="the model behind llm_query (default: --model)")
-    add("--api-key-env", metavar="VAR",
+    add(
+        "--api-key-env",
+        metavar="VAR",
         help="variable holding the API key (default: the first set of KERNEL_ENV_LLM_API_KEY, "
-        "OPENAI_API_KEY, HF_TOKEN)")
+        "OPENAI_API_KEY, HF_TOKEN)",
+    )
     add("--max-iterations", type=int, default=20, help="root-model turns at most (default 20)")
     add("--time-limit", type=float, metavar="S", help="seconds for the whole run")
     add("--max-llm-calls", type=int, metavar="N", help="llm_query calls at most")
     add("--max-llm-tokens", type=int, metavar="N", help="llm_query tokens at most")
     add("--step-timeout", type=float, default=60.0, help="seconds a cell may run (default 60)")
     add("--expected-answer", help="score the answer against this (the reward is printed)")
-    add("--output", type=Path, default=Path("runs"),
-        help="directory for the notebook and trajectory (default ./runs)")
+    add(
+        "--output",
+        type=Path,
+        default=Path("runs"),
+        help="directory for the notebook and trajectory (default ./runs)",
+    )
     add("--name", help="file name stem of the outputs (default run-<date>-<time>)")
-    add("--sandbox", choices=SANDBOX_MODES, default="auto",
-        help="local kernels under bubblewrap (default: where it works)")
-    add("--gateway-url", metavar="URL",
-        help="run the kernel on a Jupyter (Enterprise) Gateway (token: KERNEL_ENV_GATEWAY_TOKEN)")
+    add(
+        "--sandbox",
+        choices=SANDBOX_MODES,
+        default="auto",
+        help="local kernels under bubblewrap (default: where it works)",
+    )
+    add(
+        "--gateway-url",
+        metavar="URL",
+        help="run the kernel on a Jupyter (Enterprise) Gateway (token: KERNEL_ENV_GATEWAY_TOKEN)",
+    )
     add("--gateway-kernel-name", metavar="NAME", help="the gateway's kernel spec")
     run.set_defaults(run=_run)
 
@@ -369,22 +413,33 @@ async def _run_episode(
     )
     root = OpenAIBackend(args.base_url, args.model, api_key=key)
     sub = OpenAIBackend(args.base_url, args.sub_model or args.model, api_key=key)
-    config = EnvConfig(step_timeout=args.step_timeout, llm_max_calls=args.max_llm_calls,
-                       llm_max_tokens=args.max_llm_tokens)
-    env = AsyncKernelEnv(config=config, kernel_source=kernel_source_from(kernels),
-                         llm_backend=sub)
+    config = EnvConfig(
+        step_timeout=args.step_timeout,
+        llm_max_calls=args.max_llm_calls,
+        llm_max_tokens=args.max_llm_tokens,
+    )
+    env = AsyncKernelEnv(config=config, kernel_source=kernel_source_from(kernels), llm_backend=sub)
     usage = Usage()
     progress = _Progress(env, usage, args.max_iterations)
-    _say(f"{len(context):,} characters of context; root model {args.model} at {args.base_url}; "
-         f"{describe_backend(kernels)}")
+    _say(
+        f"{len(context):,} characters of context; root model {args.model} at {args.base_url}; "
+        f"{describe_backend(kernels)}"
+    )
     outcome: Any = None
     try:
         heartbeat = asyncio.create_task(progress.heartbeat())
         try:
             outcome = await run_agent(
-                env, root, context=context, task=args.task, max_iterations=args.max_iterations,
-                time_limit=args.time_limit, usage=usage, on_iteration=progress.iteration,
-                trajectory_path=trajectory, expected_answer=args.expected_answer,
+                env,
+                root,
+                context=context,
+                task=args.task,
+                max_iterations=args.max_iterations,
+                time_limit=args.time_limit,
+                usage=usage,
+                on_iteration=progress.iteration,
+                trajectory_path=trajectory,
+                expected_answer=args.expected_answer,
             )
         finally:
             heartbeat.cancel()
@@ -411,8 +466,10 @@ async def _export_quietly(env: Any, notebook: Path) -> Path | None:
 def _report(outcome: Any, progress: _Progress, notebook: Path | None, trajectory: Path) -> int:
     if outcome is not None:
         reward = "" if outcome.reward is None else f", reward {outcome.reward:g}"
-        _say(f"stopped: {outcome.stop_reason} after {outcome.iterations} iteration(s), "
-             f"{outcome.elapsed:.1f} s{reward}; {progress.totals()}")
+        _say(
+            f"stopped: {outcome.stop_reason} after {outcome.iterations} iteration(s), "
+            f"{outcome.elapsed:.1f} s{reward}; {progress.totals()}"
+        )
         print(f"answer: {outcome.answer if outcome.answer is not None else '(none)'}")
     if notebook is not None:
         print(f"notebook: {notebook}")
@@ -443,21 +500,27 @@ class _Progress:
         cells = f"{len(turn.code_blocks)} cell(s)" if turn.kind == "turn" else "asked to answer"
         answer = turn.final_answer
         done = f"; final answer: {shorten(answer, 80, one_line=True)}" if answer else ""
-        self._line(f"iteration {turn.index}/{self.max_iterations}: {cells}; {self.totals()}"
-                   f"; {turn.elapsed:.1f} s{done}")
+        self._line(
+            f"iteration {turn.index}/{self.max_iterations}: {cells}; {self.totals()}"
+            f"; {turn.elapsed:.1f} s{done}"
+        )
 
     def totals(self) -> str:
         sub = self.sub_usage
-        return (f"root model {self.usage.calls} call(s) / {self.usage.total_tokens:,} tokens, "
-                f"sub-calls {sub.get('calls', 0)} / {sub.get('total_tokens', 0):,} tokens")
+        return (
+            f"root model {self.usage.calls} call(s) / {self.usage.total_tokens:,} tokens, "
+            f"sub-calls {sub.get('calls', 0)} / {sub.get('total_tokens', 0):,} tokens"
+        )
 
     async def heartbeat(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             if now - self.last_line >= self.HEARTBEAT:
-                self._line(f"still working on iteration {self.index + 1} "
-                           f"({now - self.started:.0f} s elapsed)")
+                self._line(
+                    f"still working on iteration {self.index + 1} "
+                    f"({now - self.started:.0f} s elapsed)"
+                )
 
     def _line(self, text: str) -> None:
         self.last_line = time.monotonic()

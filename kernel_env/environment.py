@@ -146,8 +146,9 @@ class KernelEnvironment:
         self.stats = Counters()
 
     def _new_output_budget(self) -> OutputBudget:
-        return OutputBudget(self.config.max_episode_outputs,
-                            self.config.max_episode_output_chars, scope="episode")
+        return OutputBudget(
+            self.config.max_episode_outputs, self.config.max_episode_output_chars, scope="episode"
+        )
 
     @property
     def kernel(self) -> Kernel | None:
@@ -496,9 +497,7 @@ def _ready_message(context: str, task_prompt: str) -> str:
     """The reset observation's stdout, worded as upstream's (models are prompted with it)."""
     parts = ["REPL environment initialized."]
     if context:
-        parts.append(
-            f"Context loaded ({len(context)} chars). Use 'context' variable to access it."
-        )
+        parts.append(f"Context loaded ({len(context)} chars). Use 'context' variable to access it.")
     if task_prompt:
         parts.append(f"Task: {task_prompt}")
     parts.append(

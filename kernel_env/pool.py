@@ -175,8 +175,9 @@ class KernelPool:
             shutdowns = {asyncio.ensure_future(k.shutdown()) for k in warm}
             _, stuck = await asyncio.wait(shutdowns, timeout=self.close_timeout)
             if stuck:
-                log.error("%d warm kernel(s) did not shut down in %.0f s", len(stuck),
-                          self.close_timeout)
+                log.error(
+                    "%d warm kernel(s) did not shut down in %.0f s", len(stuck), self.close_timeout
+                )
 
     # -- refilling ------------------------------------------------------------------------
 

@@ -20,8 +20,11 @@ DEFINED_ID = re.compile(r"^\| ([FBSP]\d{1,2}) \|", re.M)
 def _text_files() -> list[Path]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     for folder in SOURCES:
-        files += sorted(p for p in (ROOT / folder).rglob("*")
-                        if p.suffix in (".py", ".md", ".sh", ".yaml") and p.is_file())
+        files += sorted(
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.suffix in (".py", ".md", ".sh", ".yaml") and p.is_file()
+        )
     return [p for p in files if p != Path(__file__).resolve()]  # this file's examples
 
 
@@ -70,6 +73,11 @@ def test_the_checks_see_broken_references(tmp_path: Path) -> None:
     """The patterns catch what they are for, and pass over URLs and plain words."""
     assert DOC_PATH.findall("see docs/nowhere.md, https://x.org/docs/a.md") == ["docs/nowhere.md"]
     assert LINK.findall("[a](missing.md) [b](https://x.org) [c](#top) [d](ok.md#part)") == [
-        "missing.md", "ok.md"]
+        "missing.md",
+        "ok.md",
+    ]
     assert ACCEPTANCE_ID.findall("F3: killed; (P12) and S5, not PF3 or F3a or x-F1") == [
-        ("F", "3"), ("P", "12"), ("S", "5")]
+        ("F", "3"),
+        ("P", "12"),
+        ("S", "5"),
+    ]

@@ -24,12 +24,21 @@ _SECRETS = frozenset({"token"})  # blank = a start-up error, never "no auth"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-def _flag(default: Any, help: str, *, metavar: str | None = None,
-          choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+def _flag(
+    default: Any,
+    help: str,
+    *,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    secret: bool = False,
+) -> Any:
     """A setting that is also a ``kernel-env serve`` flag (``--name-with-dashes``): the CLI
     builds its flags from these fields, and its help names the default."""
-    return field(default=default, repr=not secret,
-                 metadata={"help": help, "metavar": metavar, "choices": choices})
+    return field(
+        default=default,
+        repr=not secret,
+        metadata={"help": help, "metavar": metavar, "choices": choices},
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +60,11 @@ class ServerSettings:
     idle_ttl: float = _flag(600.0, "reap sessions idle this many seconds; 0 = never")
     # A session no request has named yet (a bare POST /reset of a stateless HTTP client) is
     # reaped after this, and is the first to go when the server is full (0: idle_ttl only).
-    claim_ttl: float = _flag(60.0, "reap a session no request has named (a bare POST /reset) "
-                             "after this many seconds; 0 = only --idle-ttl")
+    claim_ttl: float = _flag(
+        60.0,
+        "reap a session no request has named (a bare POST /reset) "
+        "after this many seconds; 0 = only --idle-ttl",
+    )
     drain_timeout: float = _flag(8.0, "on shutdown, seconds in-flight steps may finish")
     token: str | None = field(default=None, repr=False)  # bearer token; None = no auth
     max_message_bytes: int = _flag(192 * _MiB, "largest WebSocket frame / HTTP body, bytes")
@@ -61,42 +73,62 @@ class ServerSettings:
     log_level: str = _flag("info", "log level", choices=LOG_LEVELS)
     # Where kernels run: local (sandboxed per `sandbox`), or on a Jupyter (Enterprise) Gateway.
     sandbox: str = _flag(
-        "bwrap", "local kernels under bubblewrap: bwrap (required: a host where it cannot run "
-        "is refused at start), auto (unsandboxed where it cannot run), none", choices=SANDBOX_MODES)
+        "bwrap",
+        "local kernels under bubblewrap: bwrap (required: a host where it cannot run "
+        "is refused at start), auto (unsandboxed where it cannot run), none",
+        choices=SANDBOX_MODES,
+    )
     gateway_url: str | None = _flag(
-        None, "run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead",
-        metavar="URL")
+        None,
+        "run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead",
+        metavar="URL",
+    )
     gateway_token: str | None = _flag(
-        None, "the gateway's auth token (prefer KERNEL_ENV_GATEWAY_TOKEN or _FILE: flags are "
-        "visible to other users of this host)", metavar="TOKEN", secret=True)
+        None,
+        "the gateway's auth token (prefer KERNEL_ENV_GATEWAY_TOKEN or _FILE: flags are "
+        "visible to other users of this host)",
+        metavar="TOKEN",
+        secret=True,
+    )
     gateway_kernel_name: str | None = _flag(
-        None, "the gateway's kernel spec (none: the gateway's python3)", metavar="NAME")
+        None, "the gateway's kernel spec (none: the gateway's python3)", metavar="NAME"
+    )
     # The model behind the kernels' llm_query (an OpenAI-compatible endpoint). A reset with an
     # hf_token uses Hugging Face's router with that token for that episode instead.
     llm_base_url: str | None = _flag(
-        None, "OpenAI-compatible endpoint answering the kernels' llm_query (key: "
-        "KERNEL_ENV_LLM_API_KEY)", metavar="URL")
+        None,
+        "OpenAI-compatible endpoint answering the kernels' llm_query (key: KERNEL_ENV_LLM_API_KEY)",
+        metavar="URL",
+    )
     llm_model: str | None = _flag(None, "model name sent to --llm-base-url", metavar="MODEL")
     llm_api_key: str | None = field(default=None, repr=False)
     hf_router_url: str | None = None  # where hf_token episodes go; None: Hugging Face's router
     llm_max_calls: int | None = _flag(
-        None, "LLM calls per episode at most (none: no limit)", metavar="N")
+        None, "LLM calls per episode at most (none: no limit)", metavar="N"
+    )
     llm_max_tokens: int | None = _flag(
-        None, "LLM tokens per episode at most (none: no limit)", metavar="N")
+        None, "LLM tokens per episode at most (none: no limit)", metavar="N"
+    )
     llm_allowed_models: tuple[str, ...] = _flag(
-        (), "models a cell may name in llm_query(model=...) besides --llm-model",
-        metavar="M1,M2")
+        (), "models a cell may name in llm_query(model=...) besides --llm-model", metavar="M1,M2"
+    )
     max_prompt_chars: int = _flag(1_000_000, "largest llm_query prompt, chars", metavar="N")
     max_kernels: int | None = _flag(
-        None, "kernels at most: sessions', warm ones and rlm_query children (none: "
-        "max-sessions + pool-size)", metavar="N")
+        None,
+        "kernels at most: sessions', warm ones and rlm_query children (none: "
+        "max-sessions + pool-size)",
+        metavar="N",
+    )
     # Browser policy. Host headers accepted (None: the bound address, localhost, 127.0.0.1,
     # [::1]; "*" accepts any), and origins a browser page may call from (CORS; none by default).
     allowed_hosts: tuple[str, ...] | None = _flag(
-        None, "Host names accepted (none: the bound address, localhost, 127.0.0.1, [::1]; "
-        "* for any)", metavar="H1,H2")
+        None,
+        "Host names accepted (none: the bound address, localhost, 127.0.0.1, [::1]; * for any)",
+        metavar="H1,H2",
+    )
     allowed_origins: tuple[str, ...] = _flag(
-        (), "web origins allowed to call the server (CORS)", metavar="O1,O2")
+        (), "web origins allowed to call the server (CORS)", metavar="O1,O2"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -104,19 +136,27 @@ class ServerSettings:
         for name in ("pool_size", "idle_ttl", "claim_ttl"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_sessions", "step_timeout", "drain_timeout", "max_message_bytes",
-                     "max_context_chars", "max_code_chars"):
+        for name in (
+            "max_sessions",
+            "step_timeout",
+            "drain_timeout",
+            "max_message_bytes",
+            "max_context_chars",
+            "max_code_chars",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("token", "gateway_token", "llm_api_key"):
             value = getattr(self, name)
             if value is not None and not value.strip():
-                raise ValueError(f"{name} must not be empty or blank (leave it unset for none)"
-                                 + (": KERNEL_ENV_TOKEN is set but blank" if name == "token"
-                                    else ""))
+                raise ValueError(
+                    f"{name} must not be empty or blank (leave it unset for none)"
+                    + (": KERNEL_ENV_TOKEN is set but blank" if name == "token" else "")
+                )
         if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
-                             f"got {self.log_level!r}")
+            raise ValueError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
         if self.max_prompt_chars <= 0:
             raise ValueError(f"max_prompt_chars must be > 0, got {self.max_prompt_chars}")
         if self.max_kernels is not None and self.max_kernels < 1:
@@ -130,9 +170,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 0, got {value}")
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **explicit: Any
-    ) -> ServerSettings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> ServerSettings:
         """Settings from ``explicit`` arguments (None = not given), then ``KERNEL_ENV_<NAME>``
         variables, then the defaults."""
         environ = os.environ if environ is None else environ
