@@ -17,7 +17,7 @@ QUICK  := -m "not integration and not slow and not soak"
 # The test and lint tools, and everything they pull in, at the versions CI runs.
 CONSTRAINTS := constraints.txt
 
-.PHONY: serve test check lint bench install system-deps clean
+.PHONY: serve test check lint format bench install system-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,8 +56,13 @@ check: lint
 	$(BIN)/python -m pytest -q $(QUICK) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check kernel_env tests benchmarks examples
+	$(BIN)/ruff check kernel_env tests benchmarks examples scripts
+	$(BIN)/ruff format --check kernel_env tests benchmarks examples scripts
 	$(BIN)/mypy kernel_env
+
+format: $(VENV)/.installed-dev
+	$(BIN)/ruff format kernel_env tests benchmarks examples scripts
+	$(BIN)/ruff check --fix kernel_env tests benchmarks examples scripts
 
 $(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-dev
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[dev,bench]'

@@ -49,16 +49,41 @@ HEADING = "## P4 — kernel_env vs smolagents' LocalPythonExecutor"
 
 # repl_env's PythonExecutor: the imports it authorizes by default (numpy is not among them)
 REPL_ENV_IMPORTS = [
-    "re", "json", "math", "random", "collections", "itertools", "functools", "operator",
-    "string", "textwrap", "difflib", "statistics", "decimal", "fractions", "datetime", "copy",
-    "pprint", "typing", "dataclasses", "enum", "bisect", "heapq", "array", "struct", "base64",
-    "hashlib", "hmac", "uuid",
+    "re",
+    "json",
+    "math",
+    "random",
+    "collections",
+    "itertools",
+    "functools",
+    "operator",
+    "string",
+    "textwrap",
+    "difflib",
+    "statistics",
+    "decimal",
+    "fractions",
+    "datetime",
+    "copy",
+    "pprint",
+    "typing",
+    "dataclasses",
+    "enum",
+    "bisect",
+    "heapq",
+    "array",
+    "struct",
+    "base64",
+    "hashlib",
+    "hmac",
+    "uuid",
 ]
 REPL_ENV_MAX_OUTPUT = 8192
 WORKER_SETUP_TIMEOUT = 180.0
 
 
 # --- the cells ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -80,19 +105,40 @@ def make_cells(context_mb: float) -> list[Cell]:
     mb = f"{context_mb:g} MB context"
     return [
         Cell("trivial: `1 + 1`", "1 + 1", "1 + 1"),
-        Cell("10⁶-iteration loop", "total = 0\nfor i in range(10**6):\n    total += i\ntotal",
-             "10⁶ loop", target=True),
-        Cell(f"count lines with \"needle\", {mb}",
-             'sum(1 for line in context.splitlines() if "needle" in line)', "line count",
-             target=True),
-        Cell(f"`len(re.findall(...))`, {mb}",
-             'import re\nlen(re.findall(r"needle\\d+", context))', "re.findall"),
-        Cell("numpy `np.dot` 1000x1000 + sum, repl_env's imports",
-             _MATRIX + "float(np.dot(a, a).sum())", "np.dot\n(stock)"),
-        Cell("numpy `np.dot` 1000x1000 + sum, numpy authorized",
-             _MATRIX + "float(np.dot(a, a).sum())", "np.dot\n(+numpy)", ("numpy",)),
-        Cell("numpy `a @ a` 1000x1000 + sum, numpy authorized",
-             _MATRIX + "float((a @ a).sum())", "a @ a\n(+numpy)", ("numpy",)),
+        Cell(
+            "10⁶-iteration loop",
+            "total = 0\nfor i in range(10**6):\n    total += i\ntotal",
+            "10⁶ loop",
+            target=True,
+        ),
+        Cell(
+            f'count lines with "needle", {mb}',
+            'sum(1 for line in context.splitlines() if "needle" in line)',
+            "line count",
+            target=True,
+        ),
+        Cell(
+            f"`len(re.findall(...))`, {mb}",
+            'import re\nlen(re.findall(r"needle\\d+", context))',
+            "re.findall",
+        ),
+        Cell(
+            "numpy `np.dot` 1000x1000 + sum, repl_env's imports",
+            _MATRIX + "float(np.dot(a, a).sum())",
+            "np.dot\n(stock)",
+        ),
+        Cell(
+            "numpy `np.dot` 1000x1000 + sum, numpy authorized",
+            _MATRIX + "float(np.dot(a, a).sum())",
+            "np.dot\n(+numpy)",
+            ("numpy",),
+        ),
+        Cell(
+            "numpy `a @ a` 1000x1000 + sum, numpy authorized",
+            _MATRIX + "float((a @ a).sum())",
+            "a @ a\n(+numpy)",
+            ("numpy",),
+        ),
     ]
 
 
@@ -111,6 +157,7 @@ def make_context(megabytes: float, every: int = 997) -> str:
 
 
 # --- one measured cell -------------------------------------------------------------------------
+
 
 @dataclass
 class Measurement:
@@ -153,6 +200,7 @@ def short_error(text: str | None) -> str:
 
 # --- kernel_env --------------------------------------------------------------------------------
 
+
 def open_episode(stack: ExitStack, source: Any, context: str, cap: float) -> Any:
     """A local episode on ``source`` with ``context`` loaded, its first (slower) step done."""
     from kernel_env import KernelEnv
@@ -178,6 +226,7 @@ def kernel_step(env: Any, code: str, m: Measurement, cap: float) -> None:
 
 
 # --- the reference: CPython itself ------------------------------------------------------------
+
 
 class PlainExec:
     """The cells run by ``exec`` in this process, a last bare expression evaluated: what CPython
@@ -206,6 +255,7 @@ class PlainExec:
 
 # --- smolagents, as repl_env runs it -----------------------------------------------------------
 
+
 class ReplEnvExecutor:
     """smolagents' LocalPythonExecutor set up and stepped the way repl_env's PythonExecutor and
     REPLEnvironment do it, so that its per-step bookkeeping is timed too."""
@@ -219,12 +269,14 @@ class ReplEnvExecutor:
         self.executor = LocalPythonExecutor(
             additional_authorized_imports=REPL_ENV_IMPORTS + list(extra_imports), **options
         )
-        self.executor.send_tools({
-            "format_exc": traceback.format_exc,
-            "safe_json_dumps": lambda obj: json.dumps(obj, default=repr),
-            "FINAL": lambda value: f"FINAL({value})",
-            "FINAL_VAR": lambda name: f"FINAL_VAR({name})",
-        })
+        self.executor.send_tools(
+            {
+                "format_exc": traceback.format_exc,
+                "safe_json_dumps": lambda obj: json.dumps(obj, default=repr),
+                "FINAL": lambda value: f"FINAL({value})",
+                "FINAL_VAR": lambda name: f"FINAL_VAR({name})",
+            }
+        )
         self.executor.send_variables({"answer": {"content": "", "ready": False}})
         self.executor.send_variables({"context": context})
 
@@ -251,8 +303,9 @@ class ReplEnvExecutor:
         return stdout, error
 
 
-def _smolagents_worker(conn: Any, context_path: str, imports: tuple[str, ...],
-                       timeout: float | None) -> None:
+def _smolagents_worker(
+    conn: Any, context_path: str, imports: tuple[str, ...], timeout: float | None
+) -> None:
     """Child process: one repl_env-style executor; runs each code it receives, reports it."""
     from smolagents.local_python_executor import ExecutionTimeoutError
 
@@ -274,13 +327,15 @@ class SmolagentsRunner:
     """An executor in a child process (a fresh one per cell), killed when a run exceeds ``cap``
     seconds: smolagents' own time limit leaves its thread running, and CPU is shared here."""
 
-    def __init__(self, context_path: str, imports: tuple[str, ...], cap: float,
-                 timeout: float | None) -> None:
+    def __init__(
+        self, context_path: str, imports: tuple[str, ...], cap: float, timeout: float | None
+    ) -> None:
         spawn = multiprocessing.get_context("spawn")
         self.cap = cap
         self.conn, theirs = spawn.Pipe()
-        self.worker = spawn.Process(target=_smolagents_worker, daemon=True,
-                                    args=(theirs, context_path, imports, timeout))
+        self.worker = spawn.Process(
+            target=_smolagents_worker, daemon=True, args=(theirs, context_path, imports, timeout)
+        )
         self.failure: str | None = None
 
     def __enter__(self) -> SmolagentsRunner:
@@ -322,6 +377,7 @@ class SmolagentsRunner:
 
 # --- the report --------------------------------------------------------------------------------
 
+
 @dataclass
 class Row:
     """One cell's results: kernel_env per backend, CPython's ``exec``, and smolagents."""
@@ -333,8 +389,11 @@ class Row:
 
     def systems(self) -> list[tuple[str, Measurement]]:
         """(name, measurement) of every system, smolagents last."""
-        return [*((f"kernel_env ({b})", m) for b, m in self.kernel.items()),
-                ("CPython `exec`", self.plain), ("smolagents", self.smol)]
+        return [
+            *((f"kernel_env ({b})", m) for b, m in self.kernel.items()),
+            ("CPython `exec`", self.plain),
+            ("smolagents", self.smol),
+        ]
 
 
 def ratio(kernel: Measurement, smol: Measurement) -> tuple[float | None, str]:
@@ -367,20 +426,34 @@ def same_answer(row: Row) -> str:
 def table(rows: list[Row]) -> str:
     """A Markdown table of the rows."""
     backends = list(rows[0].kernel)
-    head = ["cell", *[f"kernel_env ({b})" for b in backends], "CPython `exec`", "smolagents",
-            *[f"{TIMES} faster ({b})" for b in backends], "same answer"]
+    head = [
+        "cell",
+        *[f"kernel_env ({b})" for b in backends],
+        "CPython `exec`",
+        "smolagents",
+        *[f"{TIMES} faster ({b})" for b in backends],
+        "same answer",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = [row.cell.label, *[m.text() for _, m in row.systems()],
-                 *[ratio(m, row.smol)[1] for m in row.kernel.values()], same_answer(row)]
+        cells = [
+            row.cell.label,
+            *[m.text() for _, m in row.systems()],
+            *[ratio(m, row.smol)[1] for m in row.kernel.values()],
+            same_answer(row),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def notes(rows: list[Row]) -> list[str]:
     """Why a cell failed on a system, and the verdict on the P4 target."""
-    out = [f"{row.cell.label}, on {name}: `{m.error}`"
-           for row in rows for name, m in row.systems() if m.error]
+    out = [
+        f"{row.cell.label}, on {name}: `{m.error}`"
+        for row in rows
+        for name, m in row.systems()
+        if m.error
+    ]
     for backend in rows[0].kernel:
         verdicts = []
         for row in rows:
@@ -388,8 +461,9 @@ def notes(rows: list[Row]) -> list[str]:
                 value, text = ratio(row.kernel[backend], row.smol)
                 met = value is not None and value >= TARGET_RATIO
                 verdicts.append(f"{row.cell.label} {text} ({'met' if met else 'NOT met'})")
-        out.append(f"P4 target ≥ {TARGET_RATIO:g}{TIMES}, kernel_env ({backend}): "
-                   + "; ".join(verdicts))
+        out.append(
+            f"P4 target ≥ {TARGET_RATIO:g}{TIMES}, kernel_env ({backend}): " + "; ".join(verdicts)
+        )
     return out
 
 
@@ -402,11 +476,13 @@ def machine(context_mb: float, repeats: int) -> str:
             break
     mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
     load = Path("/proc/loadavg").read_text().split()[0]
-    return (f"{cpu}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB; Python "
-            f"{platform.python_version()}; smolagents {version('smolagents')}, kernel_env "
-            f"{version('kernel-env')}, numpy {version('numpy')}; {datetime.date.today()}; "
-            f"load average {load} at start (shared machine); {context_mb:g} MB context; "
-            f"median of {repeats} runs per cell")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB; Python "
+        f"{platform.python_version()}; smolagents {version('smolagents')}, kernel_env "
+        f"{version('kernel-env')}, numpy {version('numpy')}; {datetime.date.today()}; "
+        f"load average {load} at start (shared machine); {context_mb:g} MB context; "
+        f"median of {repeats} runs per cell"
+    )
 
 
 def chart(rows: list[Row], path: Path) -> None:
@@ -428,8 +504,16 @@ def chart(rows: list[Row], path: Path) -> None:
         for i, (_, m) in enumerate(row.systems()):
             pos, value = x + (i - (len(names) - 1) / 2) * width, m.over or m.median
             if value is None:
-                ax.text(pos, floor * 1.5, "not supported", ha="center", va="bottom",
-                        fontsize=7, rotation=90, color=colors[i])
+                ax.text(
+                    pos,
+                    floor * 1.5,
+                    "not supported",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    rotation=90,
+                    color=colors[i],
+                )
                 continue
             ax.bar(pos, value, width, color=colors[i], hatch="//" if m.over else None)
             if m.over:
@@ -441,8 +525,9 @@ def chart(rows: list[Row], path: Path) -> None:
     ax.set_title("The same cell as one step: kernel_env vs smolagents' LocalPythonExecutor")
     handles = [Patch(color=color, label=name) for color, name in zip(colors, names, strict=True)]
     if any(m.over for r in rows for _, m in r.systems()):
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//",
-                             label="stopped at the limit"))
+        handles.append(
+            Patch(facecolor="white", edgecolor="black", hatch="//", label="stopped at the limit")
+        )
     ax.legend(handles=handles, fontsize=8, loc="upper left", ncol=2)
     ax.grid(axis="y", which="major", alpha=0.3)
     fig.tight_layout()
@@ -451,8 +536,13 @@ def chart(rows: list[Row], path: Path) -> None:
 
 
 def _wrap(text: str, first: str = "", rest: str = "") -> str:
-    return textwrap.fill(" ".join(text.split()), width=100, break_on_hyphens=False,
-                         initial_indent=first, subsequent_indent=rest)
+    return textwrap.fill(
+        " ".join(text.split()),
+        width=100,
+        break_on_hyphens=False,
+        initial_indent=first,
+        subsequent_indent=rest,
+    )
 
 
 def section(rows: list[Row], about: str, limit: str) -> str:
@@ -517,14 +607,16 @@ def write_readme(text: str, readme: Path = README) -> None:
     if start is None:
         body = "".join(lines).rstrip("\n") + "\n\n" + text
     else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
+        )
         rest = "".join(lines[end:])
         body = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
     readme.write_text(body)
 
 
 # --- main --------------------------------------------------------------------------------------
+
 
 def backends_to_measure() -> dict[str, Any]:
     """The default local backend and the unsandboxed one (just one when they are the same)."""
@@ -538,8 +630,15 @@ def backends_to_measure() -> dict[str, Any]:
     return {"bwrap sandbox": local_source(), "no sandbox": local_source(sandbox="none")}
 
 
-def measure_cell(cell: Cell, envs: dict[str, Any], plain: PlainExec, context_path: str,
-                 repeats: int, cap: float, timeout: float | None) -> Row:
+def measure_cell(
+    cell: Cell,
+    envs: dict[str, Any],
+    plain: PlainExec,
+    context_path: str,
+    repeats: int,
+    cap: float,
+    timeout: float | None,
+) -> Row:
     """``repeats`` runs of ``cell``, each on every system in turn."""
     row = Row(cell, {name: Measurement() for name in envs})
     with SmolagentsRunner(context_path, cell.smol_imports, cap, timeout) as smol:
@@ -554,8 +653,14 @@ def measure_cell(cell: Cell, envs: dict[str, Any], plain: PlainExec, context_pat
     return row
 
 
-def measure(cells: list[Cell], backends: dict[str, Any], context: str, repeats: int,
-            cap: float, timeout: float | None) -> list[Row]:
+def measure(
+    cells: list[Cell],
+    backends: dict[str, Any],
+    context: str,
+    repeats: int,
+    cap: float,
+    timeout: float | None,
+) -> list[Row]:
     """Every cell on every system: one episode per kernel_env backend, one executor per cell."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
@@ -576,13 +681,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per cell (median reported)")
     parser.add_argument("--context-mb", type=float, default=50.0)
-    parser.add_argument("--cap", type=float, default=120.0,
-                        help="seconds one run may take before it is stopped")
-    parser.add_argument("--executor-timeout", type=float, default=None,
-                        help="smolagents' own limit in seconds (default: its default, as "
-                             "repl_env uses it; 0 = none)")
-    parser.add_argument("--write-readme", action="store_true",
-                        help=f"write the P4 section of {README.name} and {CHART.name}")
+    parser.add_argument(
+        "--cap", type=float, default=120.0, help="seconds one run may take before it is stopped"
+    )
+    parser.add_argument(
+        "--executor-timeout",
+        type=float,
+        default=None,
+        help="smolagents' own limit in seconds (default: its default, as "
+        "repl_env uses it; 0 = none)",
+    )
+    parser.add_argument(
+        "--write-readme",
+        action="store_true",
+        help=f"write the P4 section of {README.name} and {CHART.name}",
+    )
     args = parser.parse_args()
 
     about = machine(args.context_mb, args.repeats)
@@ -590,8 +703,9 @@ def main() -> None:
     context = make_context(args.context_mb)
     print(f"context: {len(context):,} characters, {context.count('needle'):,} needles")
     cells = make_cells(args.context_mb)
-    rows = measure(cells, backends_to_measure(), context, args.repeats, args.cap,
-                   args.executor_timeout)
+    rows = measure(
+        cells, backends_to_measure(), context, args.repeats, args.cap, args.executor_timeout
+    )
     print()
     print(table(rows))
     print()

@@ -61,10 +61,14 @@ async def main(episodes: int, sandbox: str) -> None:
             lost += not result.success
     print(f"episodes {episodes}, sandbox {sandbox}: lost first calls {lost}")
     print(f"kernel start -> ready: p50 {_ms(start_times, 0.5)}, p95 {_ms(start_times, 0.95)}")
-    print(f"  of which the stdin probe: p50 {_ms(probe_times, 0.5)}, "
-          f"p95 {_ms(probe_times, 0.95)}, max {_ms(probe_times, 1.0)}")
-    print(f"first cell with llm_query: p50 {_ms(steps, 0.5)}, p95 {_ms(steps, 0.95)}, "
-          f"max {_ms(steps, 1.0)}, mean {1000 * statistics.mean(steps):.1f} ms")
+    print(
+        f"  of which the stdin probe: p50 {_ms(probe_times, 0.5)}, "
+        f"p95 {_ms(probe_times, 0.95)}, max {_ms(probe_times, 1.0)}"
+    )
+    print(
+        f"first cell with llm_query: p50 {_ms(steps, 0.5)}, p95 {_ms(steps, 0.95)}, "
+        f"max {_ms(steps, 1.0)}, mean {1000 * statistics.mean(steps):.1f} ms"
+    )
 
 
 if __name__ == "__main__":

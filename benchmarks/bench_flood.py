@@ -90,9 +90,21 @@ async def run(
     seconds: float, quiet_steps: int, prompt_limit: int | None, control: bool
 ) -> dict[str, Any]:
     limit = ["--max-prompt-chars", str(prompt_limit)] if prompt_limit else []
-    server = Server("--pool-size", str(FLOODERS + 2), "--max-sessions", "16",
-                    "--llm-base-url", "http://127.0.0.1:9/v1", "--llm-model", "m",
-                    "--llm-max-calls", "0", "--step-timeout", "60", *limit)
+    server = Server(
+        "--pool-size",
+        str(FLOODERS + 2),
+        "--max-sessions",
+        "16",
+        "--llm-base-url",
+        "http://127.0.0.1:9/v1",
+        "--llm-model",
+        "m",
+        "--llm-max-calls",
+        "0",
+        "--step-timeout",
+        "60",
+        *limit,
+    )
     try:
         await server.wait_pool_full(FLOODERS + 2)
         rss_start = server.rss()
@@ -100,8 +112,9 @@ async def run(
         quiet = await step_latencies(server.ws, never, quiet_steps)
         stop, peak, sizes = asyncio.Event(), [rss_start], []
         sampler = asyncio.create_task(sample_rss(server, stop, peak))
-        floods = [asyncio.create_task(flooder(server.ws, stop, sizes, control))
-                  for _ in range(FLOODERS)]
+        floods = [
+            asyncio.create_task(flooder(server.ws, stop, sizes, control)) for _ in range(FLOODERS)
+        ]
         await asyncio.sleep(3)  # let the flood start before timing the 9th session
         timer = asyncio.create_task(step_latencies(server.ws, stop, 1 << 30))
         health = asyncio.create_task(health_latencies(server, stop))
@@ -114,9 +127,16 @@ async def run(
         await settle(sampler, "the RSS sampler")
         metrics = await server.metrics()
         return {
-            "quiet": quiet, "loaded": loaded, "health": await health, "seconds": seconds,
-            "server_cpu": server_cpu, "rss_start": rss_start, "rss_peak": peak[0],
-            "rss_end": server.rss(), "sizes": sizes, "metrics": metrics,
+            "quiet": quiet,
+            "loaded": loaded,
+            "health": await health,
+            "seconds": seconds,
+            "server_cpu": server_cpu,
+            "rss_start": rss_start,
+            "rss_peak": peak[0],
+            "rss_end": server.rss(),
+            "sizes": sizes,
+            "metrics": metrics,
         }
     finally:
         server.stop()
@@ -125,34 +145,46 @@ async def run(
 def report(r: dict[str, Any]) -> str:
     quiet95, loaded95 = pct(r["quiet"], 0.95), pct(r["loaded"], 0.95)
     sizes = r["sizes"] or [0]
-    return "\n".join([
-        f"S8 9th session `x = 1`: quiet p50 {ms(pct(r['quiet'], 0.5))}, p95 {ms(quiet95)} "
-        f"(n={len(r['quiet'])}); under flood p50 {ms(pct(r['loaded'], 0.5))}, "
-        f"p95 {ms(loaded95)} (n={len(r['loaded'])}) = {loaded95 / quiet95:.1f}x quiet p95",
-        f"   /health under flood: p50 {ms(pct(r['health'], 0.5))}, p95 "
-        f"{ms(pct(r['health'], 0.95))} (n={len(r['health'])}); server CPU "
-        f"{r['server_cpu'] / r['seconds'] * 100:.0f}% of one core",
-        f"   server RSS {r['rss_start'] / MiB:.0f} MiB at start, peak {r['rss_peak'] / MiB:.0f} "
-        f"MiB, {r['rss_end'] / MiB:.0f} MiB at the end   [bound: peak <= 1024 MiB]",
-        f"   {len(r['sizes'])} flood steps; largest reply {max(sizes) / MiB:.1f} MiB; "
-        f"server steps {r['metrics']['steps']}, lost_outputs {r['metrics']['lost_outputs']}",
-    ])
+    return "\n".join(
+        [
+            f"S8 9th session `x = 1`: quiet p50 {ms(pct(r['quiet'], 0.5))}, p95 {ms(quiet95)} "
+            f"(n={len(r['quiet'])}); under flood p50 {ms(pct(r['loaded'], 0.5))}, "
+            f"p95 {ms(loaded95)} (n={len(r['loaded'])}) = {loaded95 / quiet95:.1f}x quiet p95",
+            f"   /health under flood: p50 {ms(pct(r['health'], 0.5))}, p95 "
+            f"{ms(pct(r['health'], 0.95))} (n={len(r['health'])}); server CPU "
+            f"{r['server_cpu'] / r['seconds'] * 100:.0f}% of one core",
+            f"   server RSS {r['rss_start'] / MiB:.0f} MiB at start, "
+            f"peak {r['rss_peak'] / MiB:.0f} MiB, {r['rss_end'] / MiB:.0f} MiB at the end   "
+            "[bound: peak <= 1024 MiB]",
+            f"   {len(r['sizes'])} flood steps; largest reply {max(sizes) / MiB:.1f} MiB; "
+            f"server steps {r['metrics']['steps']}, lost_outputs {r['metrics']['lost_outputs']}",
+        ]
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter flood, fewer samples")
-    parser.add_argument("--max-prompt-chars", type=int, default=None,
-                        help="the server's prompt limit (default: its own, 1 M chars, which "
-                        "refuses the 15 MB prompts in the kernel; 16000000 lets them reach "
-                        "the host, to be refused there by the budget)")
-    parser.add_argument("--control", action="store_true",
-                        help="the 8 sessions do plain CPU work instead of flooding")
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="the server's prompt limit (default: its own, 1 M chars, which "
+        "refuses the 15 MB prompts in the kernel; 16000000 lets them reach "
+        "the host, to be refused there by the budget)",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="the 8 sessions do plain CPU work instead of flooding",
+    )
     args = parser.parse_args()
     seconds, quiet_steps = (20.0, 100) if args.quick else (60.0, 300)
     result = asyncio.run(run(seconds, quiet_steps, args.max_prompt_chars, args.control))
-    print(("control (8 sessions of plain CPU work)\n" if args.control else "") + report(result),
-          flush=True)
+    print(
+        ("control (8 sessions of plain CPU work)\n" if args.control else "") + report(result),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

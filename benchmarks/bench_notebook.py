@@ -31,8 +31,10 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             size = path.stat().st_size
     print(f"P10 export of a {STEPS}-step episode ({size / 1024:.0f} KiB .ipynb, validated):")
-    print(f"  median {statistics.median(times) * 1000:.1f} ms, "
-          f"max {max(times) * 1000:.1f} ms over {len(times)} runs (target <= 500 ms)")
+    print(
+        f"  median {statistics.median(times) * 1000:.1f} ms, "
+        f"max {max(times) * 1000:.1f} ms over {len(times)} runs (target <= 500 ms)"
+    )
 
 
 if __name__ == "__main__":

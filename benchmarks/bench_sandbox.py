@@ -78,13 +78,17 @@ async def main(count: int) -> None:
         kinds.append(SandboxedKernel)
     else:
         print(f"sandbox unavailable ({sandbox_problem()}); measuring the plain backend only")
-    print(f"{'backend':<16}{'cold start p50':>16}{'step p50':>12}"
-          f"{f'RSS/kernel ({count} idle)':>26}{'total':>12}")
+    print(
+        f"{'backend':<16}{'cold start p50':>16}{'step p50':>12}"
+        f"{f'RSS/kernel ({count} idle)':>26}{'total':>12}"
+    )
     for cls in kinds:
         start, step = await cost(cls)
         per, total = await pool_memory(cls, count)
-        print(f"{cls.__name__:<16}{start * 1000:>13.0f} ms{step * 1000:>9.2f} ms"
-              f"{per:>22.1f} MiB{total / 1024:>9.2f} GiB")
+        print(
+            f"{cls.__name__:<16}{start * 1000:>13.0f} ms{step * 1000:>9.2f} ms"
+            f"{per:>22.1f} MiB{total / 1024:>9.2f} GiB"
+        )
     print("targets: P7 <= 60 MiB RSS per idle kernel; 64 kernels <= 5 GB")
 
 
@@ -111,8 +115,14 @@ def step_p50(pythonpath: str | None) -> float:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    out = subprocess.run([sys.executable, "-c", STEP_P50], capture_output=True, text=True,
-                         env=env, check=True, cwd="/")
+    out = subprocess.run(
+        [sys.executable, "-c", STEP_P50],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        cwd="/",
+    )
     return float(out.stdout.split()[-1])
 
 
@@ -125,8 +135,10 @@ def compare(baseline: str, rounds: int) -> None:
     base = statistics.median(runs["baseline"])
     for name, values in runs.items():
         p50 = statistics.median(values)
-        print(f"{name:<16} sandboxed step p50 {p50 * 1000:6.2f} ms "
-              f"(rounds: {', '.join(f'{v * 1000:.2f}' for v in values)}) x{p50 / base:.2f}")
+        print(
+            f"{name:<16} sandboxed step p50 {p50 * 1000:6.2f} ms "
+            f"(rounds: {', '.join(f'{v * 1000:.2f}' for v in values)}) x{p50 / base:.2f}"
+        )
 
 
 if __name__ == "__main__":

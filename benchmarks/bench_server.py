@@ -93,11 +93,21 @@ class Server:
 
     def __init__(self, *args: str) -> None:
         self.log = Path(tempfile.mkstemp(prefix="bench-serve-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "kernel_env", "serve", "--port", "0",
-               "--log-level", "warning", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kernel_env",
+            "serve",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            *args,
+        ]
         with open(self.log, "wb") as sink:
-            self.process = subprocess.Popen(cmd, stdout=sink, stderr=sink,
-                                            preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(
+                cmd, stdout=sink, stderr=sink, preexec_fn=_die_with_parent
+            )
         self.url = self._wait_url()
         self.ws = self.url.replace("http", "ws", 1) + "/ws"
 
@@ -176,9 +186,11 @@ class RawKernel:
                 break
         while True:
             msg = await self.kc.get_iopub_msg(timeout=30)
-            if (msg["parent_header"].get("msg_id") == msg_id
-                    and msg["msg_type"] == "status"
-                    and msg["content"]["execution_state"] == "idle"):
+            if (
+                msg["parent_header"].get("msg_id") == msg_id
+                and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"
+            ):
                 return
 
     async def stop(self) -> None:
@@ -232,8 +244,11 @@ async def p1(server: Server, rounds: int, pool: int) -> dict[str, Any]:
             await ws.close()
     cold_p50 = statistics.median(cold)
     return {
-        "reset_p50": statistics.median(resets), "reset_p95": pct(resets, 0.95),
-        "cold_p50": cold_p50, "ratio": statistics.median(resets) / cold_p50, "n": len(resets),
+        "reset_p50": statistics.median(resets),
+        "reset_p95": pct(resets, 0.95),
+        "cold_p50": cold_p50,
+        "ratio": statistics.median(resets) / cold_p50,
+        "n": len(resets),
     }
 
 
@@ -243,11 +258,16 @@ async def p2(server: Server, n: int) -> dict[str, Any]:
     async with connect(server.ws) as ws:
         await ws_request(ws, {"type": "reset", "data": {"max_iterations": 100_000}})
         frame = {"type": "step", "data": {"code": "x = 1"}}
-        via_ws, via_raw = await interleaved(lambda: ws_request(ws, frame),
-                                            lambda: raw.execute("x = 1"), n)
+        via_ws, via_raw = await interleaved(
+            lambda: ws_request(ws, frame), lambda: raw.execute("x = 1"), n
+        )
     await raw.stop()
-    return {"ws_p50": statistics.median(via_ws), "raw_p50": statistics.median(via_raw),
-            "ratio": statistics.median(via_ws) / statistics.median(via_raw), "n": n}
+    return {
+        "ws_p50": statistics.median(via_ws),
+        "raw_p50": statistics.median(via_raw),
+        "ratio": statistics.median(via_ws) / statistics.median(via_raw),
+        "n": n,
+    }
 
 
 async def p3(n: int) -> dict[str, Any]:
@@ -256,27 +276,37 @@ async def p3(n: int) -> dict[str, Any]:
     env = AsyncKernelEnv()
     try:
         await env.reset(max_iterations=100_000)
-        local, via_raw = await interleaved(lambda: env.execute("x = 1"),
-                                           lambda: raw.execute("x = 1"), n)
+        local, via_raw = await interleaved(
+            lambda: env.execute("x = 1"), lambda: raw.execute("x = 1"), n
+        )
     finally:
         await settle(env.close(), "the local client's close")
     await raw.stop()
-    return {"local_p50": statistics.median(local), "raw_p50": statistics.median(via_raw),
-            "ratio": statistics.median(local) / statistics.median(via_raw), "n": n}
+    return {
+        "local_p50": statistics.median(local),
+        "raw_p50": statistics.median(via_raw),
+        "ratio": statistics.median(local) / statistics.median(via_raw),
+        "n": n,
+    }
 
 
 async def p6(server: Server, sessions: int, steps: int) -> dict[str, Any]:
     rss_before = server.rss()
     sockets = await asyncio.gather(*(connect(server.ws) for _ in range(sessions)))
-    await asyncio.gather(*(ws_request(ws, {"type": "reset", "data": {"max_iterations": steps + 10}})
-                           for ws in sockets))
+    await asyncio.gather(
+        *(
+            ws_request(ws, {"type": "reset", "data": {"max_iterations": steps + 10}})
+            for ws in sockets
+        )
+    )
     lost = duplicated = misrouted = 0
 
     async def run(tag: int, ws: ClientConnection) -> None:
         nonlocal lost, duplicated, misrouted
         for i in range(steps):
-            reply = await ws_request(ws, {"type": "step", "data": {
-                "code": f"x = {i}\nprint('{tag}:{i}')"}})
+            reply = await ws_request(
+                ws, {"type": "step", "data": {"code": f"x = {i}\nprint('{tag}:{i}')"}}
+            )
             out = reply["data"]["observation"]["result"]["stdout"]
             expected = f"{tag}:{i}\n"
             if out == expected:
@@ -299,10 +329,16 @@ async def p6(server: Server, sessions: int, steps: int) -> dict[str, Any]:
         await ws.close()
     m = await server.metrics()
     return {
-        "steps": sessions * steps, "elapsed": elapsed, "rate": sessions * steps / elapsed,
-        "lost": lost, "duplicated": duplicated, "misrouted": misrouted,
-        "rss_before": rss_before, "rss_after": rss_peak,
-        "server_lost_outputs": m["lost_outputs"], "late_outputs": m["late_outputs"],
+        "steps": sessions * steps,
+        "elapsed": elapsed,
+        "rate": sessions * steps / elapsed,
+        "lost": lost,
+        "duplicated": duplicated,
+        "misrouted": misrouted,
+        "rss_before": rss_before,
+        "rss_after": rss_peak,
+        "server_lost_outputs": m["lost_outputs"],
+        "late_outputs": m["late_outputs"],
         # CPU per step: where a CPU-bound run spends its two cores
         "cpu_server": (cpu1[0] - cpu0[0]) / (sessions * steps),
         "cpu_kernels": (cpu1[1] - cpu0[1]) / (sessions * steps),
@@ -324,30 +360,38 @@ async def bounded(coro: Awaitable[Any], seconds: float, label: str) -> Any:
 
 
 def report_p1(r: dict[str, Any]) -> str:
-    return (f"P1 pooled reset, 8 sessions in turn (n={r['n']}): p50 {ms(r['reset_p50'])}, "
-            f"p95 {ms(r['reset_p95'])}; cold kernel start p50 {ms(r['cold_p50'])}; "
-            f"reset/cold = {r['ratio']:.1%}   [target p50<=25 ms, p95<=100 ms, <=5%]")
+    return (
+        f"P1 pooled reset, 8 sessions in turn (n={r['n']}): p50 {ms(r['reset_p50'])}, "
+        f"p95 {ms(r['reset_p95'])}; cold kernel start p50 {ms(r['cold_p50'])}; "
+        f"reset/cold = {r['ratio']:.1%}   [target p50<=25 ms, p95<=100 ms, <=5%]"
+    )
 
 
 def report_p2(r: dict[str, Any]) -> str:
-    return (f"P2 step via /ws (n={r['n']}): p50 {ms(r['ws_p50'])} vs raw jupyter_client "
-            f"{ms(r['raw_p50'])} = {r['ratio']:.2f}x   [target <=1.3x]")
+    return (
+        f"P2 step via /ws (n={r['n']}): p50 {ms(r['ws_p50'])} vs raw jupyter_client "
+        f"{ms(r['raw_p50'])} = {r['ratio']:.2f}x   [target <=1.3x]"
+    )
 
 
 def report_p3(r: dict[str, Any]) -> str:
-    return (f"P3 step via local client (n={r['n']}): p50 {ms(r['local_p50'])} vs raw "
-            f"{ms(r['raw_p50'])} = {r['ratio']:.2f}x   [target <=1.15x]")
+    return (
+        f"P3 step via local client (n={r['n']}): p50 {ms(r['local_p50'])} vs raw "
+        f"{ms(r['raw_p50'])} = {r['ratio']:.2f}x   [target <=1.15x]"
+    )
 
 
 def report_p6(r: dict[str, Any], sessions: int, steps: int) -> str:
-    return (f"P6 {sessions} sessions x {steps} steps: {r['steps']} steps in {r['elapsed']:.1f} s "
-            f"= {r['rate']:.0f} steps/s; lost {r['lost']}, duplicated {r['duplicated']}, "
-            f"misrouted {r['misrouted']} (server lost_outputs {r['server_lost_outputs']}); "
-            f"server RSS {r['rss_before'] / MiB:.0f} -> {r['rss_after'] / MiB:.0f} MiB "
-            f"(+{(r['rss_after'] - r['rss_before']) / MiB:.0f})   "
-            f"[target 0 lost, >=250 steps/s, <=+150 MB]\n"
-            f"   CPU per step: server {ms(r['cpu_server'])}, kernels {ms(r['cpu_kernels'])}, "
-            f"this client {ms(r['cpu_client'])}, on {os.cpu_count()} cores")
+    return (
+        f"P6 {sessions} sessions x {steps} steps: {r['steps']} steps in {r['elapsed']:.1f} s "
+        f"= {r['rate']:.0f} steps/s; lost {r['lost']}, duplicated {r['duplicated']}, "
+        f"misrouted {r['misrouted']} (server lost_outputs {r['server_lost_outputs']}); "
+        f"server RSS {r['rss_before'] / MiB:.0f} -> {r['rss_after'] / MiB:.0f} MiB "
+        f"(+{(r['rss_after'] - r['rss_before']) / MiB:.0f})   "
+        f"[target 0 lost, >=250 steps/s, <=+150 MB]\n"
+        f"   CPU per step: server {ms(r['cpu_server'])}, kernels {ms(r['cpu_kernels'])}, "
+        f"this client {ms(r['cpu_client'])}, on {os.cpu_count()} cores"
+    )
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -358,8 +402,11 @@ async def main(args: argparse.Namespace) -> None:
             ("P1", p1(server, args.rounds, args.pool), report_p1),
             ("P2", p2(server, args.steps), report_p2),
             ("P3", p3(args.steps), report_p3),
-            ("P6", p6_after_refill(server, args),
-             lambda r: report_p6(r, args.sessions, args.p6_steps)),
+            (
+                "P6",
+                p6_after_refill(server, args),
+                lambda r: report_p6(r, args.sessions, args.p6_steps),
+            ),
         ]
         for label, phase, report in phases:
             result = await bounded(phase, 300, label)

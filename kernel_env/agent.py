@@ -191,7 +191,11 @@ class AgentEnv(Protocol):
     """What the loop needs of an env: ``AsyncKernelEnv`` (local or remote) has it."""
 
     async def reset(
-        self, *, context: str = ..., task_prompt: str = ..., max_iterations: int = ...,
+        self,
+        *,
+        context: str = ...,
+        task_prompt: str = ...,
+        max_iterations: int = ...,
         expected_answer: str | None = ...,
     ) -> StepResult[REPLObservation]: ...
     async def execute(self, code: str) -> StepResult[REPLObservation]: ...
@@ -482,7 +486,7 @@ class _TrajectoryLog:
 
     async def write(self, turn: Iteration) -> None:
         line = json.dumps(asdict(turn), ensure_ascii=False) + "\n"
-        # Off the event loop: a server runs other sessions on it (DESIGN: never block the loop).
+        # Off the event loop: a server runs other sessions on it (docs/architecture.md, #12).
         await asyncio.to_thread(self._append, line)
 
     def _append(self, line: str) -> None:

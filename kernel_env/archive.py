@@ -69,8 +69,14 @@ def _first_notebook_stem(members: list[zipfile.ZipInfo]) -> str:
 
 def _target(root: Path, member: zipfile.ZipInfo, stem: str, overwrite: bool) -> Path:
     name = member.filename
-    plain = (name and "/" not in name and "\\" not in name and "\x00" not in name
-             and not name.startswith(".") and name not in (".", ".."))
+    plain = (
+        name
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+        and not name.startswith(".")
+        and name not in (".", "..")
+    )
     if not plain or member.is_dir():
         raise ArchiveError(f"{name[:100]!r} is not a plain file name (no dotfiles, no paths)")
     if not (name.startswith(stem) and name.endswith(_SUFFIXES)):
@@ -81,8 +87,13 @@ def _target(root: Path, member: zipfile.ZipInfo, stem: str, overwrite: bool) -> 
     return target
 
 
-def _copy(archive: zipfile.ZipFile, member: zipfile.ZipInfo, target: Path, budget: list[int],
-          max_ratio: int) -> None:
+def _copy(
+    archive: zipfile.ZipFile,
+    member: zipfile.ZipInfo,
+    target: Path,
+    budget: list[int],
+    max_ratio: int,
+) -> None:
     limit = min(budget[0], max(RATIO_FREE, member.compress_size * max_ratio))
     size = 0
     with archive.open(member) as source, open(target, "wb") as sink:

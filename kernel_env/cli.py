@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernel_env.errors import KernelEnvError
+from kernel_env.kernel.modes import SANDBOX_MODES
 from kernel_env.text import shorten
 
 if TYPE_CHECKING:
@@ -72,58 +74,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "defaults to its KERNEL_ENV_<NAME> variable, then to the built-in default. "
         "Set KERNEL_ENV_TOKEN to require a bearer token.",
     )
-    add = serve.add_argument
-    add("--host", help="interface to bind (default 127.0.0.1)")
-    add("--port", type=int, help="port to bind; 0 picks a free one (default 8000)")
-    add("--pool-size", type=int, help="kernels kept warm for resets (default 4)")
-    add("--max-sessions", type=int, help="open sessions at most, one kernel each (default 64)")
-    add("--step-timeout", type=float, help="seconds a step may run (default 30)")
-    add(
-        "--idle-ttl",
-        type=float,
-        help="reap sessions idle this many seconds; 0 = never (default 600)",
-    )
-    add(
-        "--claim-ttl",
-        type=float,
-        help="reap a session no request has named (a bare POST /reset) after this many "
-        "seconds; 0 = only --idle-ttl (default 60)",
-    )
-    add(
-        "--drain-timeout",
-        type=float,
-        help="on shutdown, seconds in-flight steps may finish (default 8)",
-    )
-    add("--max-message-bytes", type=int, help="largest WebSocket frame / HTTP body")
-    add("--max-context-chars", type=int, help="largest reset context")
-    add("--max-code-chars", type=int, help="largest code of one step")
-    add("--log-level", choices=["critical", "error", "warning", "info", "debug"])
-    add("--sandbox", choices=["auto", "bwrap", "none"],
-        help="local kernels under bubblewrap: bwrap (required; default), auto (unsandboxed "
-        "where it cannot run), none")
-    add("--gateway-url", metavar="URL",
-        help="run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead")
-    add("--gateway-token", metavar="TOKEN",
-        help="the gateway's auth token (prefer KERNEL_ENV_GATEWAY_TOKEN: flags are visible to "
-        "other users of this host)")
-    add("--gateway-kernel-name", metavar="NAME", help="the gateway's kernel spec (default python3)")
-    add("--llm-base-url", metavar="URL",
-        help="OpenAI-compatible endpoint answering the kernels' llm_query (key: "
-        "KERNEL_ENV_LLM_API_KEY)")
-    add("--llm-model", metavar="MODEL", help="model name sent to --llm-base-url")
-    add("--llm-max-calls", type=int, metavar="N", help="LLM calls per episode at most")
-    add("--llm-max-tokens", type=int, metavar="N", help="LLM tokens per episode at most")
-    add("--llm-allowed-models", type=_names, metavar="M1,M2",
-        help="models a cell may name in llm_query(model=...) besides --llm-model")
-    add("--max-prompt-chars", type=int, metavar="N", help="largest llm_query prompt")
-    add("--max-kernels", type=int, metavar="N",
-        help="kernels at most: sessions', warm ones and rlm_query children (default "
-        "max-sessions + pool-size)")
-    add("--allowed-hosts", type=_names, metavar="H1,H2",
-        help="Host names accepted (default: the bound address, localhost, 127.0.0.1, [::1]; "
-        "* for any)")
-    add("--allowed-origins", type=_names, metavar="O1,O2",
-        help="web origins allowed to call the server (CORS); none by default")
+    _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 
 
@@ -131,41 +82,43 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+_FLAG_TYPES: dict[str, Any] = {"int": int, "float": float, "tuple[str, ...]": _names}
+
+
+def _shown(default: object) -> str:
+    """A default as a user would type it: 30 for 30.0, none for None or ()."""
+    if isinstance(default, tuple):
+        return ",".join(default) or "none"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return "none" if default is None else str(default)
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per ``ServerSettings`` field that has CLI help (the settings are the one list):
+    ``--pool-size`` for ``pool_size``. Flags default to None, so that a flag not given leaves
+    the ``KERNEL_ENV_*`` variable, then the field's default, to decide."""
+    from kernel_env.server.settings import ServerSettings
+
+    for f in dataclasses.fields(ServerSettings):
+        if "help" not in f.metadata:
+            continue
+        kind = str(f.type).removesuffix("| None").strip()
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=_FLAG_TYPES.get(kind, str),
+            choices=f.metadata["choices"],
+            metavar=f.metadata["metavar"],
+            help=f"{f.metadata['help']} (default: {_shown(f.default)})",
+        )
+
+
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: `kernel-env --help` should not pay for FastAPI and uvicorn.
     from kernel_env.server.runner import build_server, return_freed_memory
     from kernel_env.server.settings import ServerSettings
 
-    explicit = {
-        name: getattr(args, name)
-        for name in (
-            "host",
-            "port",
-            "pool_size",
-            "max_sessions",
-            "step_timeout",
-            "idle_ttl",
-            "claim_ttl",
-            "drain_timeout",
-            "max_message_bytes",
-            "max_context_chars",
-            "max_code_chars",
-            "log_level",
-            "sandbox",
-            "gateway_url",
-            "gateway_token",
-            "gateway_kernel_name",
-            "llm_base_url",
-            "llm_model",
-            "llm_max_calls",
-            "llm_max_tokens",
-            "llm_allowed_models",
-            "max_prompt_chars",
-            "max_kernels",
-            "allowed_hosts",
-            "allowed_origins",
-        )
-    }
+    explicit = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
     try:
         settings = ServerSettings.from_env(**explicit)
         server, sock, settings = build_server(settings)
@@ -178,9 +131,12 @@ def _serve(args: argparse.Namespace) -> int:
     _guard_secrets()
     print(_status_line(settings), file=sys.stderr, flush=True)
     if not settings.token and settings.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"kernel-env: WARNING: {settings.host} is reachable from other hosts and no "
-              "KERNEL_ENV_TOKEN is set: anyone who can connect can run code",
-              file=sys.stderr, flush=True)
+        print(
+            f"kernel-env: WARNING: {settings.host} is reachable from other hosts and no "
+            "KERNEL_ENV_TOKEN is set: anyone who can connect can run code",
+            file=sys.stderr,
+            flush=True,
+        )
     server.run(sockets=[sock])
     return 0
 
@@ -214,8 +170,9 @@ def _status_line(settings: ServerSettings) -> str:
         f"/ws); warming {settings.pool_size} kernel(s); max {settings.max_sessions} sessions, "
         f"step timeout {settings.step_timeout:g} s, idle TTL {settings.idle_ttl:g} s, {auth}\n"
         f"kernel-env: {describe_backend(settings)}; {llm}"
-        + "".join(f"\nkernel-env:   {name}: {value}"
-                  for name, value in describe_limits(settings).items())
+        + "".join(
+            f"\nkernel-env:   {name}: {value}" for name, value in describe_limits(settings).items()
+        )
     )
 
 
@@ -232,14 +189,27 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
         "is read from KERNEL_ENV_TOKEN.",
     )
     export.add_argument("source", metavar="SOURCE", help="a session id, or an .ipynb file")
-    export.add_argument("-o", "--output", metavar="PATH",
-                        help="where to write (default: <session id>.ipynb, or SOURCE.html)")
-    export.add_argument("--url", default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
-                        help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})")
-    export.add_argument("--html", action="store_true",
-                        help="also write an HTML page (needs nbconvert: kernel-env[html])")
-    export.add_argument("--overwrite", action="store_true",
-                        help="replace files of the same names (refused by default)")
+    export.add_argument(
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="where to write (default: <session id>.ipynb, or SOURCE.html)",
+    )
+    export.add_argument(
+        "--url",
+        default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
+        help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})",
+    )
+    export.add_argument(
+        "--html",
+        action="store_true",
+        help="also write an HTML page (needs nbconvert: kernel-env[html])",
+    )
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files of the same names (refused by default)",
+    )
     export.set_defaults(run=_export)
 
 
@@ -258,8 +228,12 @@ def _export(args: argparse.Namespace) -> int:
                 return _fail("export", f"no such notebook: {source}")
             print(write_html(source, args.output))
             return 0
-        notebook = _download(args.url, args.source, Path(args.output or f"{args.source}.ipynb"),
-                             overwrite=args.overwrite)
+        notebook = _download(
+            args.url,
+            args.source,
+            Path(args.output or f"{args.source}.ipynb"),
+            overwrite=args.overwrite,
+        )
         print(notebook)
         if args.html:
             print(write_html(notebook))
@@ -294,10 +268,15 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "match the recorded ones, 1 otherwise.",
     )
     replay.add_argument("notebook", type=Path, help="an .ipynb file (e.g. one kernel-env exported)")
-    replay.add_argument("--step-timeout", type=float, default=30.0,
-                        help="seconds a cell may run (default 30)")
-    replay.add_argument("--sandbox", choices=["auto", "bwrap", "none"], default="auto",
-                        help="run the kernel under bubblewrap (default: where it works)")
+    replay.add_argument(
+        "--step-timeout", type=float, default=30.0, help="seconds a cell may run (default 30)"
+    )
+    replay.add_argument(
+        "--sandbox",
+        choices=SANDBOX_MODES,
+        default="auto",
+        help="run the kernel under bubblewrap (default: where it works)",
+    )
     replay.set_defaults(run=_replay)
 
 
@@ -344,28 +323,46 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     add("--context", required=True, metavar="FILE", help="a UTF-8 text file, or - for stdin")
     add("--task", required=True, help="what to find out about the context")
     add("--model", required=True, help="the root model")
-    add("--base-url", metavar="URL",
-        default=os.environ.get("KERNEL_ENV_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
+    add(
+        "--base-url",
+        metavar="URL",
+        default=os.environ.get("KERNEL_ENV_LLM_BASE_URL")
+        or os.environ.get("OPENAI_BASE_URL")
         or "https://api.openai.com/v1",
         help="OpenAI-compatible endpoint (default $KERNEL_ENV_LLM_BASE_URL, $OPENAI_BASE_URL, "
-        "or OpenAI's)")
+        "or OpenAI's)",
+    )
     add("--sub-model", metavar="MODEL", help="the model behind llm_query (default: --model)")
-    add("--api-key-env", metavar="VAR",
+    add(
+        "--api-key-env",
+        metavar="VAR",
         help="variable holding the API key (default: the first set of KERNEL_ENV_LLM_API_KEY, "
-        "OPENAI_API_KEY, HF_TOKEN)")
+        "OPENAI_API_KEY, HF_TOKEN)",
+    )
     add("--max-iterations", type=int, default=20, help="root-model turns at most (default 20)")
     add("--time-limit", type=float, metavar="S", help="seconds for the whole run")
     add("--max-llm-calls", type=int, metavar="N", help="llm_query calls at most")
     add("--max-llm-tokens", type=int, metavar="N", help="llm_query tokens at most")
     add("--step-timeout", type=float, default=60.0, help="seconds a cell may run (default 60)")
     add("--expected-answer", help="score the answer against this (the reward is printed)")
-    add("--output", type=Path, default=Path("runs"),
-        help="directory for the notebook and trajectory (default ./runs)")
+    add(
+        "--output",
+        type=Path,
+        default=Path("runs"),
+        help="directory for the notebook and trajectory (default ./runs)",
+    )
     add("--name", help="file name stem of the outputs (default run-<date>-<time>)")
-    add("--sandbox", choices=["auto", "bwrap", "none"], default="auto",
-        help="local kernels under bubblewrap (default: where it works)")
-    add("--gateway-url", metavar="URL",
-        help="run the kernel on a Jupyter (Enterprise) Gateway (token: KERNEL_ENV_GATEWAY_TOKEN)")
+    add(
+        "--sandbox",
+        choices=SANDBOX_MODES,
+        default="auto",
+        help="local kernels under bubblewrap (default: where it works)",
+    )
+    add(
+        "--gateway-url",
+        metavar="URL",
+        help="run the kernel on a Jupyter (Enterprise) Gateway (token: KERNEL_ENV_GATEWAY_TOKEN)",
+    )
     add("--gateway-kernel-name", metavar="NAME", help="the gateway's kernel spec")
     run.set_defaults(run=_run)
 
@@ -416,22 +413,33 @@ async def _run_episode(
     )
     root = OpenAIBackend(args.base_url, args.model, api_key=key)
     sub = OpenAIBackend(args.base_url, args.sub_model or args.model, api_key=key)
-    config = EnvConfig(step_timeout=args.step_timeout, llm_max_calls=args.max_llm_calls,
-                       llm_max_tokens=args.max_llm_tokens)
-    env = AsyncKernelEnv(config=config, kernel_source=kernel_source_from(kernels),
-                         llm_backend=sub)
+    config = EnvConfig(
+        step_timeout=args.step_timeout,
+        llm_max_calls=args.max_llm_calls,
+        llm_max_tokens=args.max_llm_tokens,
+    )
+    env = AsyncKernelEnv(config=config, kernel_source=kernel_source_from(kernels), llm_backend=sub)
     usage = Usage()
     progress = _Progress(env, usage, args.max_iterations)
-    _say(f"{len(context):,} characters of context; root model {args.model} at {args.base_url}; "
-         f"{describe_backend(kernels)}")
+    _say(
+        f"{len(context):,} characters of context; root model {args.model} at {args.base_url}; "
+        f"{describe_backend(kernels)}"
+    )
     outcome: Any = None
     try:
         heartbeat = asyncio.create_task(progress.heartbeat())
         try:
             outcome = await run_agent(
-                env, root, context=context, task=args.task, max_iterations=args.max_iterations,
-                time_limit=args.time_limit, usage=usage, on_iteration=progress.iteration,
-                trajectory_path=trajectory, expected_answer=args.expected_answer,
+                env,
+                root,
+                context=context,
+                task=args.task,
+                max_iterations=args.max_iterations,
+                time_limit=args.time_limit,
+                usage=usage,
+                on_iteration=progress.iteration,
+                trajectory_path=trajectory,
+                expected_answer=args.expected_answer,
             )
         finally:
             heartbeat.cancel()
@@ -458,8 +466,10 @@ async def _export_quietly(env: Any, notebook: Path) -> Path | None:
 def _report(outcome: Any, progress: _Progress, notebook: Path | None, trajectory: Path) -> int:
     if outcome is not None:
         reward = "" if outcome.reward is None else f", reward {outcome.reward:g}"
-        _say(f"stopped: {outcome.stop_reason} after {outcome.iterations} iteration(s), "
-             f"{outcome.elapsed:.1f} s{reward}; {progress.totals()}")
+        _say(
+            f"stopped: {outcome.stop_reason} after {outcome.iterations} iteration(s), "
+            f"{outcome.elapsed:.1f} s{reward}; {progress.totals()}"
+        )
         print(f"answer: {outcome.answer if outcome.answer is not None else '(none)'}")
     if notebook is not None:
         print(f"notebook: {notebook}")
@@ -490,21 +500,27 @@ class _Progress:
         cells = f"{len(turn.code_blocks)} cell(s)" if turn.kind == "turn" else "asked to answer"
         answer = turn.final_answer
         done = f"; final answer: {shorten(answer, 80, one_line=True)}" if answer else ""
-        self._line(f"iteration {turn.index}/{self.max_iterations}: {cells}; {self.totals()}"
-                   f"; {turn.elapsed:.1f} s{done}")
+        self._line(
+            f"iteration {turn.index}/{self.max_iterations}: {cells}; {self.totals()}"
+            f"; {turn.elapsed:.1f} s{done}"
+        )
 
     def totals(self) -> str:
         sub = self.sub_usage
-        return (f"root model {self.usage.calls} call(s) / {self.usage.total_tokens:,} tokens, "
-                f"sub-calls {sub.get('calls', 0)} / {sub.get('total_tokens', 0):,} tokens")
+        return (
+            f"root model {self.usage.calls} call(s) / {self.usage.total_tokens:,} tokens, "
+            f"sub-calls {sub.get('calls', 0)} / {sub.get('total_tokens', 0):,} tokens"
+        )
 
     async def heartbeat(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             if now - self.last_line >= self.HEARTBEAT:
-                self._line(f"still working on iteration {self.index + 1} "
-                           f"({now - self.started:.0f} s elapsed)")
+                self._line(
+                    f"still working on iteration {self.index + 1} "
+                    f"({now - self.started:.0f} s elapsed)"
+                )
 
     def _line(self, text: str) -> None:
         self.last_line = time.monotonic()

@@ -22,7 +22,7 @@ from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
 from kernel_env.errors import ClientClosed, ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.llm import LLMBackend
-from kernel_env.models import REPLAction, REPLObservation, REPLState, StepResult
+from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions, StepResult
 from kernel_env.notebook import write_notebook
 from kernel_env.rubric import Rewards
 
@@ -175,20 +175,12 @@ class AsyncKernelEnv:
         rlm_max_depth: int | None = None,
         rlm_max_iterations: int | None = None,
     ) -> StepResult[REPLObservation]:
-        """Start a new episode in a fresh kernel; ``context`` is loaded as a variable."""
-        kwargs: dict[str, Any] = {
-            "context": context,
-            "task_prompt": task_prompt,
-            "max_iterations": max_iterations,
-            "seed": seed,
-            "episode_id": episode_id,
-            "hf_token": hf_token,
-            "llm_model": llm_model,
-            "expected_answer": expected_answer,
-            "rlm_max_depth": rlm_max_depth,
-            "rlm_max_iterations": rlm_max_iterations,
-        }
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        """Start a new episode in a fresh kernel; ``context`` is loaded as a variable.
+
+        The keywords are :class:`~kernel_env.models.ResetOptions`'s fields (a test keeps the two
+        in step); None means "the episode's default"."""
+        given = locals()
+        kwargs = {k: given[k] for k in ResetOptions.model_fields if given[k] is not None}
         return await self._call(lambda session: session.reset(**kwargs))
 
     async def step(self, action: REPLAction) -> StepResult[REPLObservation]:

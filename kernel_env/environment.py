@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -24,7 +23,7 @@ from kernel_env.errors import (
     RubricError,
 )
 from kernel_env.hostcalls import HostCalls, LLMBatchFn, LLMQueryFn
-from kernel_env.kernel import ExecutionResult, Kernel
+from kernel_env.kernel import ExecutionResult, Kernel, KernelSource
 from kernel_env.kernel_side import (
     DEFAULT_DISPLAY_CHARS,
     DEFAULT_DISPLAY_COUNT,
@@ -42,7 +41,6 @@ from kernel_env.rubric import Rewards, Rubric, StepRubric, as_rubric, is_step_ru
 __all__ = ["Counters", "EnvConfig", "KernelEnvironment", "KernelSource"]
 
 # Starts (or takes from a pool) a ready kernel for a new episode.
-KernelSource = Callable[[], Awaitable[Kernel]]
 
 _KERNEL = f"__import__('sys').modules[{MODULE_NAME!r}]"
 
@@ -148,8 +146,9 @@ class KernelEnvironment:
         self.stats = Counters()
 
     def _new_output_budget(self) -> OutputBudget:
-        return OutputBudget(self.config.max_episode_outputs,
-                            self.config.max_episode_output_chars, scope="episode")
+        return OutputBudget(
+            self.config.max_episode_outputs, self.config.max_episode_output_chars, scope="episode"
+        )
 
     @property
     def kernel(self) -> Kernel | None:
@@ -498,9 +497,7 @@ def _ready_message(context: str, task_prompt: str) -> str:
     """The reset observation's stdout, worded as upstream's (models are prompted with it)."""
     parts = ["REPL environment initialized."]
     if context:
-        parts.append(
-            f"Context loaded ({len(context)} chars). Use 'context' variable to access it."
-        )
+        parts.append(f"Context loaded ({len(context)} chars). Use 'context' variable to access it.")
     if task_prompt:
         parts.append(f"Task: {task_prompt}")
     parts.append(

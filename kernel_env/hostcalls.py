@@ -97,8 +97,11 @@ class HostCalls:
         try:
             text = prompt[len(REQUEST_TAG) :]
             # A 15 MB prompt's JSON must not stall every other session's steps.
-            parsed = await asyncio.to_thread(_parse, text) if len(text) > _OFF_LOOP_CHARS \
+            parsed = (
+                await asyncio.to_thread(_parse, text)
+                if len(text) > _OFF_LOOP_CHARS
                 else _parse(text)
+            )
             result = await self._dispatch(*parsed)
         except RequestError as exc:
             return json.dumps({"ok": False, "error": f"bad request: {exc}"})
@@ -152,8 +155,10 @@ class HostCalls:
         """One prompt; a failure is a call record with ``error`` set, never an exception."""
         t0 = time.perf_counter()
         if len(prompt) > self.max_prompt_chars:
-            message = (f"prompt of {len(prompt):,} chars exceeds the limit of "
-                       f"{self.max_prompt_chars:,}; split it (llm_query_batched) or shorten it")
+            message = (
+                f"prompt of {len(prompt):,} chars exceeds the limit of "
+                f"{self.max_prompt_chars:,}; split it (llm_query_batched) or shorten it"
+            )
             return LLMCall(op, prompt, message, model, 0.0, error=True)
         try:
             if op == "rlm_query" and self.rlm is not None:
@@ -196,8 +201,10 @@ class HostCalls:
         """A user's batch function answers the whole batch; each prompt counts as one call."""
         for prompt in prompts:
             if len(prompt) > self.max_prompt_chars:
-                raise RequestError(f"a prompt of {len(prompt):,} chars exceeds the limit of "
-                                   f"{self.max_prompt_chars:,}")
+                raise RequestError(
+                    f"a prompt of {len(prompt):,} chars exceeds the limit of "
+                    f"{self.max_prompt_chars:,}"
+                )
         for _ in prompts:
             self.usage.start(self.budget)  # refuses the batch when it would not fit
         assert self.batch_fn is not None  # only called when the user gave one

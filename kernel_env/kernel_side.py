@@ -391,8 +391,7 @@ class _DisplayCap:
         self.sent = self.sent_chars = self.dropped = self.dropped_chars = 0
 
     def admit(self, data: Any) -> bool:
-        size = sum(len(v) if isinstance(v, str) else len(str(v))
-                   for v in (data or {}).values())
+        size = sum(len(v) if isinstance(v, str) else len(str(v)) for v in (data or {}).values())
         if self.sent < self.count and self.sent_chars + size <= self.chars:
             self.sent += 1
             self.sent_chars += size
@@ -404,9 +403,11 @@ class _DisplayCap:
     def marker(self) -> str | None:
         if not self.dropped:
             return None
-        return (f"[kernel_env: {self.dropped} rich output(s) ({self.dropped_chars:,} chars) not "
-                f"sent: a cell may send {self.count} rich outputs and {self.chars:,} chars of "
-                "them]")
+        return (
+            f"[kernel_env: {self.dropped} rich output(s) ({self.dropped_chars:,} chars) not "
+            f"sent: a cell may send {self.count} rich outputs and {self.chars:,} chars of "
+            "them]"
+        )
 
 
 def _cap_publish(shell: Any, episode: _Episode) -> None:
@@ -491,8 +492,7 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def llm_query(prompt: str, model: str | None = None) -> str:
         """Ask a language model; returns its answer as a string."""
-        return str(episode.call_host("llm_query", prompt=episode.check_prompt(prompt),
-                                     model=model))
+        return str(episode.call_host("llm_query", prompt=episode.check_prompt(prompt), model=model))
 
     def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """Ask a model many prompts concurrently. Order is kept; a failed item is "Error: ..."."""
@@ -504,8 +504,7 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
     def rlm_query(prompt: str, model: str | None = None) -> str:
         """Ask a recursive sub-agent. Without an agent configured on the host, this is a plain
         llm_query."""
-        return str(episode.call_host("rlm_query", prompt=episode.check_prompt(prompt),
-                                     model=model))
+        return str(episode.call_host("rlm_query", prompt=episode.check_prompt(prompt), model=model))
 
     def rlm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """rlm_query over many prompts concurrently; order kept, failures as "Error: ..."."""

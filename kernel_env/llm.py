@@ -394,9 +394,7 @@ class OpenAIBackend:
         await self.aclose()
 
 
-def huggingface_router(
-    token: str, model: str = HF_DEFAULT_MODEL, **options: Any
-) -> OpenAIBackend:
+def huggingface_router(token: str, model: str = HF_DEFAULT_MODEL, **options: Any) -> OpenAIBackend:
     """Hugging Face's OpenAI-compatible router, with ``token`` (an ``hf_...`` token) as key;
     ``model`` defaults to OpenEnv repl_env's default (:data:`HF_DEFAULT_MODEL`)."""
     return OpenAIBackend(HF_ROUTER_URL, model, api_key=token, **options)

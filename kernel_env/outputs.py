@@ -204,8 +204,7 @@ class OutputBudget:
         self.outputs = self.chars = self.dropped = self.dropped_chars = 0
 
     def admit(self, size: int, *, new_output: bool = True) -> bool:
-        if (self.outputs + new_output <= self.max_outputs
-                and self.chars + size <= self.max_chars):
+        if self.outputs + new_output <= self.max_outputs and self.chars + size <= self.max_chars:
             self.outputs += new_output
             self.chars += size
             return True

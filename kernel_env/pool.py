@@ -14,17 +14,15 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
 
 from kernel_env.errors import KernelCapacity, KernelError
-from kernel_env.kernel import Kernel
+from kernel_env.kernel import Kernel, KernelSource
 
-__all__ = ["KernelCapacity", "KernelFactory", "KernelPool"]
+__all__ = ["KernelCapacity", "KernelPool"]
 
 log = logging.getLogger(__name__)
 
 # Starts a kernel and returns it once it is ready.
-KernelFactory = Callable[[], Awaitable[Kernel]]
 
 _MAX_BACKOFF = 30.0  # seconds between refill attempts while kernels keep failing to start
 _CAPPED_RECHECK = 0.5  # seconds between refill checks while max_kernels holds the pool back
@@ -45,7 +43,7 @@ class KernelPool:
 
     def __init__(
         self,
-        kernel_factory: KernelFactory,
+        kernel_factory: KernelSource,
         *,
         size: int = 4,
         start_concurrency: int | None = None,
@@ -177,8 +175,9 @@ class KernelPool:
             shutdowns = {asyncio.ensure_future(k.shutdown()) for k in warm}
             _, stuck = await asyncio.wait(shutdowns, timeout=self.close_timeout)
             if stuck:
-                log.error("%d warm kernel(s) did not shut down in %.0f s", len(stuck),
-                          self.close_timeout)
+                log.error(
+                    "%d warm kernel(s) did not shut down in %.0f s", len(stuck), self.close_timeout
+                )
 
     # -- refilling ------------------------------------------------------------------------
 

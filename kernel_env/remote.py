@@ -146,8 +146,9 @@ class RemoteSession:
         from ``GET /sessions/{id}/export.zip``."""
         if self.session_id is None or self._base_url is None:
             raise RemoteError("no episode to export: call reset() first", code="NO_EPISODE")
-        return await fetch_export(self._base_url, self.session_id, name, token=self._token,
-                                  timeout=self.message_timeout_s)
+        return await fetch_export(
+            self._base_url, self.session_id, name, token=self._token, timeout=self.message_timeout_s
+        )
 
     async def close(self) -> None:
         """Tell the server to end the session and close the socket; idempotent."""

@@ -110,7 +110,9 @@ def run_episode(env: KernelEnv) -> tuple[str, dict[str, Any]]:
     check(bool(session_id), f"no session_id in the reset observation: {result.observation}")
     step = env.execute("n = len(context)\nn")
     check(step.observation.result.stdout.strip() == "11", f"len(context): {step.observation}")
-    secrets = [s for s in (os.environ.get("KERNEL_ENV_TOKEN"), os.environ.get("SMOKE_LLM_KEY")) if s]
+    secrets = [
+        s for s in (os.environ.get("KERNEL_ENV_TOKEN"), os.environ.get("SMOKE_LLM_KEY")) if s
+    ]
     probe = env.execute(PROBE_CODE.format(secrets=secrets))
     check(probe.observation.result.success, f"probe cell failed: {probe.observation}")
     facts = json.loads(probe.observation.result.stdout.strip().splitlines()[-1])
@@ -154,8 +156,7 @@ def episode(url: str, sandboxed: bool) -> str:
 
     token = os.environ.get("KERNEL_ENV_TOKEN") or None
     # A second episode's kernel runs beside the probed one: the probe must not reach it.
-    with KernelEnv(base_url=url, token=token) as other, \
-            KernelEnv(base_url=url, token=token) as env:
+    with KernelEnv(base_url=url, token=token) as other, KernelEnv(base_url=url, token=token) as env:
         other.reset(context="the other episode")
         other.execute("secret_of_the_other_episode = 42")
         session_id, facts = run_episode(env)

@@ -16,7 +16,7 @@ from gateway import GatewayProcess
 
 from kernel_env import KernelEnv
 
-STEP_TIMEOUT = 5.0  # "T" of the fault tests in docs/acceptance
+STEP_TIMEOUT = 5.0  # "T" of the fault tests in docs/acceptance.md
 
 
 _KERNEL_FIXTURES = {"env", "gateway"}

@@ -69,9 +69,21 @@ def malicious_server(payload: bytes) -> Iterator[str]:
 
 def _cli_export(url: str, target: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kernel_env", "export", "0123abcd", "--url", url,
-         "-o", str(target), *extra],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "kernel_env",
+            "export",
+            "0123abcd",
+            "--url",
+            url,
+            "-o",
+            str(target),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -130,8 +142,9 @@ def test_a_zip_bomb_is_refused_with_flat_memory(tmp_path: Path) -> None:
         "    print('refused:', exc)\n"
         "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     refused, peak_kib = result.stdout.strip().splitlines()
     assert refused.startswith("refused:") and "200x its compressed size" in refused

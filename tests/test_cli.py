@@ -37,22 +37,45 @@ def _model(body: dict[str, Any]) -> str:
 
 
 def _run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kernel_env", "run", *args],
-                          capture_output=True, text=True, timeout=180, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kernel_env", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
 
 
 def test_run_solves_a_task_and_exports_it(tmp_path: Path) -> None:
     context = tmp_path / "haystack.txt"
     context.write_text(("hay " * 300 + "needle\n") * 17)
     with FakeOpenAI(_model) as fake:
-        run = _run("--context", str(context), "--task", "How many needles?", "--model", "root",
-                   "--sub-model", "sub", "--base-url", fake.url, "--output", str(tmp_path),
-                   "--name", "needles", "--expected-answer", "17",
-                   env={**os.environ, "KERNEL_ENV_LLM_API_KEY": KEY})
+        run = _run(
+            "--context",
+            str(context),
+            "--task",
+            "How many needles?",
+            "--model",
+            "root",
+            "--sub-model",
+            "sub",
+            "--base-url",
+            fake.url,
+            "--output",
+            str(tmp_path),
+            "--name",
+            "needles",
+            "--expected-answer",
+            "17",
+            env={**os.environ, "KERNEL_ENV_LLM_API_KEY": KEY},
+        )
     assert run.returncode == 0, run.stderr
     notebook, trajectory = tmp_path / "needles.ipynb", tmp_path / "needles.trajectory.jsonl"
     assert run.stdout.splitlines() == [
-        "answer: 17", f"notebook: {notebook}", f"trajectory: {trajectory}"]
+        "answer: 17",
+        f"notebook: {notebook}",
+        f"trajectory: {trajectory}",
+    ]
     assert "iteration 1/20: 1 cell(s); root model 1 call(s)" in run.stderr
     assert "stopped: final after 2 iteration(s)" in run.stderr and "reward 1" in run.stderr
 
@@ -75,9 +98,21 @@ def test_run_reports_a_model_failure_and_keeps_the_notebook(tmp_path: Path) -> N
     context = tmp_path / "c.txt"
     context.write_text("data")
     env = {**os.environ, "KERNEL_ENV_LLM_API_KEY": KEY}
-    run = _run("--context", str(context), "--task", "t", "--model", "m",
-               "--base-url", "http://127.0.0.1:9/v1", "--output", str(tmp_path), "--name", "x",
-               env=env)
+    run = _run(
+        "--context",
+        str(context),
+        "--task",
+        "t",
+        "--model",
+        "m",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--output",
+        str(tmp_path),
+        "--name",
+        "x",
+        env=env,
+    )
     assert run.returncode == 1
     assert "the run failed: LLM call to http://127.0.0.1:9/v1 failed" in run.stderr
     assert (tmp_path / "x.ipynb").exists() and KEY not in run.stderr
@@ -88,6 +123,17 @@ def test_run_rejects_bad_input(tmp_path: Path) -> None:
     missing = _run("--context", str(tmp_path / "nope.txt"), "--task", "t", "--model", "m", env=env)
     assert missing.returncode == 2 and "nope.txt" in missing.stderr
     (tmp_path / "c.txt").write_text("x")
-    outside = _run("--context", str(tmp_path / "c.txt"), "--task", "t", "--model", "m",
-                   "--output", str(tmp_path), "--name", "../escape", env=env)
+    outside = _run(
+        "--context",
+        str(tmp_path / "c.txt"),
+        "--task",
+        "t",
+        "--model",
+        "m",
+        "--output",
+        str(tmp_path),
+        "--name",
+        "../escape",
+        env=env,
+    )
     assert outside.returncode == 2 and "outside" in outside.stderr

@@ -230,9 +230,14 @@ def test_f12_gateway_killed_mid_step_then_back(tmp_path: Path) -> None:
 
 def test_server_episode_on_gateway_kernels(gateway: GatewayProcess) -> None:
     """Settings with a gateway URL: the server's pool and /ws run episodes on its kernels."""
-    settings = ServerSettings(pool_size=1, max_sessions=2, step_timeout=10.0,
-                              gateway_url=gateway.url, gateway_token=gateway.token,
-                              gateway_kernel_name="kernel_env")
+    settings = ServerSettings(
+        pool_size=1,
+        max_sessions=2,
+        step_timeout=10.0,
+        gateway_url=gateway.url,
+        gateway_token=gateway.token,
+        gateway_kernel_name="kernel_env",
+    )
     with LoopbackClient(create_app(settings)) as client, client.websocket_connect("/ws") as ws:
         ws.send_json({"type": "reset", "data": {"context": "Hello World"}})
         assert ws.receive_json()["type"] == "observation"
@@ -247,8 +252,15 @@ def test_serve_gateway_flags(gateway: GatewayProcess) -> None:
     KERNEL_ENV_GATEWAY_TOKEN: the status line names the gateway, episodes run there, and the
     token is never logged."""
     env = {**os.environ, "KERNEL_ENV_GATEWAY_TOKEN": gateway.token}
-    with serve_process("--gateway-url", gateway.url, "--gateway-kernel-name", "kernel_env",
-                       "--pool-size", "1", env=env) as server:
+    with serve_process(
+        "--gateway-url",
+        gateway.url,
+        "--gateway-kernel-name",
+        "kernel_env",
+        "--pool-size",
+        "1",
+        env=env,
+    ) as server:
         with KernelEnv(server.url) as client:
             client.reset(context="abc")
             assert client.execute("print(context[::-1])").observation.result.stdout == "cba\n"

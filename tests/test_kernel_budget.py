@@ -79,15 +79,17 @@ def test_rlm_children_never_exceed_the_kernel_budget(depth: int, prompt: str) ->
     runs at most 2 kernels at once, with children and with grandchildren; children that get
     none fail in the cell with a clear error, and the episode goes on."""
     with FakeOpenAI(child_model) as fake:
-        settings = small_settings(max_sessions=1, pool_size=1, llm_base_url=fake.url,
-                                  llm_model="m", step_timeout=120)
+        settings = small_settings(
+            max_sessions=1, pool_size=1, llm_base_url=fake.url, llm_model="m", step_timeout=120
+        )
         with thread_server(settings) as url, httpx.Client(base_url=url, timeout=180) as http:
             reset = http.post("/reset", json={"context": "c", "rlm_max_depth": depth})
             sid = reset.headers["X-Session-Id"]
             code = f"r = rlm_query_batched([{prompt!r}] * 8)\nprint(r)"
             with peak_kernels() as peak:
-                step = http.post("/step", json={"action": {"code": code}},
-                                 headers={"X-Session-Id": sid})
+                step = http.post(
+                    "/step", json={"action": {"code": code}}, headers={"X-Session-Id": sid}
+                )
             result = step.json()["observation"]["result"]
             assert result["success"], result
             answers = eval(result["stdout"])  # the printed list of 8 answers
@@ -95,8 +97,9 @@ def test_rlm_children_never_exceed_the_kernel_budget(depth: int, prompt: str) ->
             refused = [a for a in answers if a.startswith("Error:")]
             assert refused and all("no kernel available" in a for a in refused)
             assert "all 2 kernels of this server are in use" in refused[0]
-            after = http.post("/step", json={"action": {"code": "print(1 + 1)"}},
-                              headers={"X-Session-Id": sid})
+            after = http.post(
+                "/step", json={"action": {"code": "print(1 + 1)"}}, headers={"X-Session-Id": sid}
+            )
             assert after.json()["observation"]["result"]["stdout"] == "2\n"
             metrics = http.get("/metrics").json()
     assert 1 <= peak[0] <= 2, peak[0]

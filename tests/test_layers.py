@@ -16,11 +16,15 @@ PACKAGE = Path(kernel_env.__file__).parent
 # Lowest first. A module may import its own layer and those below. A name ending in "." is a
 # package: every module under it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "text", "answers", "outputs", "models", "kernel_side", "rubric",
-                    "llm")),
+    (
+        "foundation",
+        ("errors", "text", "answers", "outputs", "models", "kernel_side", "rubric", "llm"),
+    ),
     ("kernel", ("kernel", "kernel.", "pool")),
-    ("episode", ("hostcalls", "record", "recursion", "environment", "notebook", "archive",
-                 "checker")),
+    (
+        "episode",
+        ("hostcalls", "record", "recursion", "environment", "notebook", "archive", "checker"),
+    ),
     ("agent", ("agent",)),
     ("client", ("client", "remote", "replay")),
     ("server", ("server", "server.")),
@@ -52,9 +56,11 @@ def _imports(path: Path) -> set[str]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module == "kernel_env":  # `from kernel_env import answers` is a module
-                names = [f"kernel_env.{alias.name}" for alias in node.names
-                         if (PACKAGE / f"{alias.name}.py").exists()
-                         or (PACKAGE / alias.name).is_dir()]
+                names = [
+                    f"kernel_env.{alias.name}"
+                    for alias in node.names
+                    if (PACKAGE / f"{alias.name}.py").exists() or (PACKAGE / alias.name).is_dir()
+                ]
             else:
                 names = [node.module]
         else:
@@ -80,8 +86,10 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
             continue
         for target in sorted(_imports(path)):
             if _layer(target) > _layer(module):
-                upward.append(f"kernel_env.{module} imports kernel_env.{target} "
-                              f"({LAYERS[_layer(module)][0]} -> {LAYERS[_layer(target)][0]})")
+                upward.append(
+                    f"kernel_env.{module} imports kernel_env.{target} "
+                    f"({LAYERS[_layer(module)][0]} -> {LAYERS[_layer(target)][0]})"
+                )
     assert upward == []
 
 
@@ -89,6 +97,8 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     """The reader finds call-time imports (the kind that hid the episode layer's dependency
     on the client and the agent)."""
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from kernel_env.client import AsyncKernelEnv\n"
-                      "    from kernel_env import agent\n")
+    module.write_text(
+        "def f():\n    from kernel_env.client import AsyncKernelEnv\n"
+        "    from kernel_env import agent\n"
+    )
     assert _imports(module) == {"client", "agent"}

@@ -93,7 +93,9 @@ def test_export_rerun_and_replay(tmp_path: Path, context: str) -> None:
     # `kernel-env replay`: the cells as a fresh episode, reported cell by cell.
     replay = subprocess.run(
         [sys.executable, "-m", "kernel_env", "replay", str(path), "--step-timeout", "10"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert "all cells match: 7 match, 2 recorded" in replay.stdout
@@ -117,8 +119,12 @@ def test_replay_reports_a_mismatch(tmp_path: Path) -> None:
     nbformat.write(nb, path)
     report = replay_notebook(path, step_timeout=10)
     assert [c.verdict for c in report.cells] == ["mismatch", "match"]
-    replay = subprocess.run([sys.executable, "-m", "kernel_env", "replay", str(path)],
-                            capture_output=True, text=True, timeout=120)
+    replay = subprocess.run(
+        [sys.executable, "-m", "kernel_env", "replay", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert replay.returncode == 1 and "MISMATCH: 1 match, 1 mismatch" in replay.stdout
 
 

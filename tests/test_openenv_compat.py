@@ -27,7 +27,9 @@ def test_openenv_validate_passes_all_criteria(server: ServeProcess) -> None:
     """`openenv validate --url` reports 6/6 criteria passed (simulation mode)."""
     done = subprocess.run(
         [sys.executable, "-m", "openenv.cli", "validate", "--url", server.url],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     report = json.loads(done.stdout)
     assert done.returncode == 0, report
@@ -40,8 +42,9 @@ def test_openenv_validate_passes_all_criteria(server: ServeProcess) -> None:
 async def test_generic_env_client_reset_step_state_final(server: ServeProcess) -> None:
     """OpenEnv's GenericEnvClient runs reset -> step -> state -> final answer unchanged."""
     async with GenericEnvClient(base_url=server.url) as env:
-        reset = await env.reset(context="Hello World", task_prompt="Count the characters",
-                                expected_answer="11")
+        reset = await env.reset(
+            context="Hello World", task_prompt="Count the characters", expected_answer="11"
+        )
         assert reset.done is False
         assert reset.observation["context_length"] == 11
 

@@ -337,8 +337,7 @@ def test_a_flood_of_displays_is_cut_at_the_step_budget_with_one_marker() -> None
     assert outputs[-1]["name"] == "stderr"
     assert "297 output(s) (89,100 chars) dropped" in outputs[-1]["text"]
     assert "dropped" in collector.stderr_text()
-    nbformat.validate(nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_code_cell(outputs=outputs)]))
+    nbformat.validate(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=outputs)]))
 
 
 def test_cleared_outputs_free_their_room_and_updates_are_charged() -> None:
@@ -349,10 +348,17 @@ def test_cleared_outputs_free_their_room_and_updates_are_charged() -> None:
         collector.feed(msg("clear_output", wait=False))
         collector.feed(_html(600))
     assert len(collector.outputs) == 1 and collector.budget.dropped == 0
-    shown = msg("display_data", data={"text/plain": "a"}, metadata={},
-                transient={"display_id": "d"})
+    shown = msg(
+        "display_data", data={"text/plain": "a"}, metadata={}, transient={"display_id": "d"}
+    )
     collector.feed(shown)
     for _ in range(10):
-        collector.feed(msg("update_display_data", data={"text/plain": "y" * 300}, metadata={},
-                           transient={"display_id": "d"}))
+        collector.feed(
+            msg(
+                "update_display_data",
+                data={"text/plain": "y" * 300},
+                metadata={},
+                transient={"display_id": "d"},
+            )
+        )
     assert collector.budget.chars <= 1000 and collector.budget.dropped > 0

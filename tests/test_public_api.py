@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -26,3 +27,25 @@ def test_import_is_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.integration
+def test_local_episodes_do_not_load_the_gateway_backend() -> None:
+    """The environment, the client and the kernel factory load neither httpx nor websockets
+    (the gateway backend's and the model client's): they load when first used."""
+    code = (
+        "import sys, kernel_env.environment, kernel_env.client, kernel_env.kernel.factory\n"
+        "print(sorted(m for m in ('httpx', 'websockets', 'kernel_env.kernel.gateway')"
+        " if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_clients_reset_keywords_are_the_reset_options() -> None:
+    """reset()'s keywords on the client are exactly ResetOptions' fields: one vocabulary."""
+    from kernel_env.models import ResetOptions
+
+    parameters = inspect.signature(kernel_env.AsyncKernelEnv.reset).parameters
+    keywords = [n for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert keywords == list(ResetOptions.model_fields)

@@ -31,8 +31,9 @@ def _block(section: str) -> str:
 def test_ten_line_example_runs_as_written(tmp_path: Path) -> None:
     code = _block("Ten lines")
     assert len(code.strip().splitlines()) <= 10
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == ["11", "", '"a model\'s answer"', "", "True 1.0"]
 
@@ -43,9 +44,13 @@ def test_make_serve_serves(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
-        make = subprocess.Popen(["make", "--no-print-directory", "serve", f"PORT={port}"],
-                                cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        make = subprocess.Popen(
+            ["make", "--no-print-directory", "serve", f"PORT={port}"],
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 300  # the first run may install the package
         while time.monotonic() < deadline and make.poll() is None:

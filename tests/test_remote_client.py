@@ -73,8 +73,11 @@ def _comparable(result: Any) -> dict[str, Any]:
 
 
 async def _episode(env: AsyncKernelEnv) -> tuple[list[dict[str, Any]], Any]:
-    results = [await env.reset(context="the quick brown fox", task_prompt="count letters",
-                               expected_answer="16")]
+    results = [
+        await env.reset(
+            context="the quick brown fox", task_prompt="count letters", expected_answer="16"
+        )
+    ]
     results += [await env.step(action) for action in STEPS]
     return [_comparable(r) for r in results], await env.state()
 
@@ -89,10 +92,20 @@ async def test_remote_gives_the_same_results_as_local(url: str) -> None:
     assert remote_obs == local_obs
     assert remote_obs[-1]["done"] is True and remote_obs[-1]["final"] == "16"
     assert remote_obs[-1]["reward"] == 1.0
-    fields = ("step_count", "context", "task_prompt", "iteration", "max_iterations",
-              "namespace_keys", "final_answer", "done", "reward")
-    assert {f: getattr(remote_state, f) for f in fields} == \
-        {f: getattr(local_state, f) for f in fields}
+    fields = (
+        "step_count",
+        "context",
+        "task_prompt",
+        "iteration",
+        "max_iterations",
+        "namespace_keys",
+        "final_answer",
+        "done",
+        "reward",
+    )
+    assert {f: getattr(remote_state, f) for f in fields} == {
+        f: getattr(local_state, f) for f in fields
+    }
 
 
 @pytest.mark.integration
@@ -175,8 +188,10 @@ async def test_many_remote_clients_at_once_get_their_own_outputs(url: str) -> No
     async def run(tag: int) -> list[str]:
         async with AsyncKernelEnv(url) as env:
             await env.reset()
-            return [(await env.execute(f"print('{tag}:{i}')")).observation.result.stdout
-                    for i in range(10)]
+            return [
+                (await env.execute(f"print('{tag}:{i}')")).observation.result.stdout
+                for i in range(10)
+            ]
 
     results = await asyncio.gather(*(run(t) for t in range(6)))
     assert results == [[f"{t}:{i}\n" for i in range(10)] for t in range(6)]

@@ -17,9 +17,12 @@ from kernel_env import KernelEnv
 from kernel_env.kernel import Kernel, LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, launch_guard, sandbox_problem
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(
-    sandbox_problem() is not None, reason=f"sandbox unavailable: {sandbox_problem()}"
-)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        sandbox_problem() is not None, reason=f"sandbox unavailable: {sandbox_problem()}"
+    ),
+]
 
 SECRETS = {"HF_TOKEN": "hf_sandbox_secret", "KERNEL_ENV_TOKEN": "server-secret-token"}
 
@@ -244,13 +247,15 @@ def test_launch_guard_ties_the_kernel_to_its_parent() -> None:
         "print(child.pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=60)
+    parent = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     child = int(parent.stdout)
     gone = wait_until(lambda: not alive(child), timeout=10)
     assert gone, f"pid {child} outlived its parent"
-    wrong = subprocess.run([*launch_guard(parent=1), "echo", "started"], capture_output=True,
-                           text=True, timeout=10)
+    wrong = subprocess.run(
+        [*launch_guard(parent=1), "echo", "started"], capture_output=True, text=True, timeout=10
+    )
     assert wrong.returncode != 0 and "started" not in wrong.stdout
 
 
@@ -272,7 +277,9 @@ def test_served_kernels_are_sandboxed_by_default() -> None:
 
 
 def test_serve_says_whether_kernels_are_sandboxed() -> None:
-    for args, status in [((), "local kernels, sandboxed (bubblewrap)"),
-                         (("--sandbox", "none"), "local kernels, NOT sandboxed (sandbox=none)")]:
+    for args, status in [
+        ((), "local kernels, sandboxed (bubblewrap)"),
+        (("--sandbox", "none"), "local kernels, NOT sandboxed (sandbox=none)"),
+    ]:
         with serve_process(*args, "--pool-size", "0") as server:
             assert status in server.log.read_text(), server.log.read_text()

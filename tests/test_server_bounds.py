@@ -26,8 +26,7 @@ HUGE_PROMPT = "llm_query('p' * 15_000_000)"
 
 
 def _step(client: httpx.Client, sid: str, code: str) -> httpx.Response:
-    response = client.post("/step", json={"action": {"code": code}},
-                           headers={"X-Session-Id": sid})
+    response = client.post("/step", json={"action": {"code": code}}, headers={"X-Session-Id": sid})
     assert response.status_code == 200, response.text[:500]
     return response
 
@@ -43,8 +42,10 @@ def test_a_flood_of_rich_outputs_is_cut_with_one_marker_everywhere() -> None:
     """display(HTML('x' * 999_000)) 300 times: the reply holds a few MB, not 286 MiB, and the
     marker saying how many outputs were dropped is in the observation (outputs and text), the
     record and the exported notebook."""
-    with thread_server(small_settings(pool_size=1)) as url, \
-            httpx.Client(base_url=url, timeout=120) as client:
+    with (
+        thread_server(small_settings(pool_size=1)) as url,
+        httpx.Client(base_url=url, timeout=120) as client,
+    ):
         sid = client.post("/reset", json={"context": "c"}).headers["X-Session-Id"]
         replies = [_step(client, sid, FLOOD) for _ in range(2)]
         for reply in replies:
@@ -85,12 +86,12 @@ def test_refused_huge_prompts_keep_nothing_but_their_error(max_prompt_chars: int
     the kernel-side one) is covered by test_the_host_refuses_long_prompts_the_kernel_sent."""
     with FakeOpenAI(lambda body: "ok") as fake:
         extra = {"max_prompt_chars": max_prompt_chars} if max_prompt_chars else {}
-        settings = small_settings(llm_base_url=fake.url, llm_model="m", llm_max_calls=1,
-                                  **extra)
+        settings = small_settings(llm_base_url=fake.url, llm_model="m", llm_max_calls=1, **extra)
         with thread_server(settings) as url, httpx.Client(base_url=url, timeout=120) as client:
             sid = client.post("/reset", json={"context": "c"}).headers["X-Session-Id"]
             assert _step(client, sid, "llm_query('spend the budget')").json()["observation"][
-                "result"]["success"]
+                "result"
+            ]["success"]
             for _ in range(3):
                 result = _step(client, sid, HUGE_PROMPT).json()["observation"]["result"]
                 expected = "budget exceeded" if max_prompt_chars else "exceeds the limit"
@@ -109,9 +110,11 @@ def test_refused_huge_prompts_keep_nothing_but_their_error(max_prompt_chars: int
 def test_the_host_refuses_long_prompts_the_kernel_sent() -> None:
     """A cell that skips the kernel-side check (calling the host directly) still gets its
     over-long prompt refused by the host, and the record keeps only the error."""
-    code = ("import sys\n"
-            "ks = sys.modules['kernel_env.kernel_side']\n"
-            "ks._episode.call_host('llm_query', prompt='q' * 2_000_000, model=None)")
+    code = (
+        "import sys\n"
+        "ks = sys.modules['kernel_env.kernel_side']\n"
+        "ks._episode.call_host('llm_query', prompt='q' * 2_000_000, model=None)"
+    )
     with FakeOpenAI(lambda body: "ok") as fake:
         settings = small_settings(llm_base_url=fake.url, llm_model="m")
         with thread_server(settings) as url, httpx.Client(base_url=url, timeout=120) as client:

@@ -35,8 +35,9 @@ def client() -> Iterator[TestClient]:
 def _episode(client: TestClient, context: str) -> str:
     reset = client.post("/reset", json={"context": context, "task_prompt": "Count words."})
     sid = reset.headers["X-Session-Id"]
-    step = client.post("/step", json={"action": {"code": "len(context.split())"}},
-                       headers={"X-Session-Id": sid})
+    step = client.post(
+        "/step", json={"action": {"code": "len(context.split())"}}, headers={"X-Session-Id": sid}
+    )
     assert step.status_code == 200
     return sid
 
@@ -111,9 +112,21 @@ def test_remote_client_exports_through_the_server(tmp_path: Path) -> None:
         assert re.fullmatch(r"[0-9a-f]{32}", sid)
         env.execute("print(context * 2)")
         cli = subprocess.run(
-            [sys.executable, "-m", "kernel_env", "export", sid, "--url", url,
-             "-o", str(tmp_path / "cli.ipynb"), "--html"],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "kernel_env",
+                "export",
+                sid,
+                "--url",
+                url,
+                "-o",
+                str(tmp_path / "cli.ipynb"),
+                "--html",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert cli.returncode == 0, cli.stderr
         assert cli.stdout.split() == [str(tmp_path / "cli.ipynb"), str(tmp_path / "cli.html")]
@@ -130,6 +143,7 @@ def test_cli_export_errors_are_clear(tmp_path: Path) -> None:
         (["export", "some-session", "--url", "http://127.0.0.1:9"], "cannot reach"),
     ]
     for args, message in cases:
-        run = subprocess.run([sys.executable, "-m", "kernel_env", *args],
-                             capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [sys.executable, "-m", "kernel_env", *args], capture_output=True, text=True, timeout=60
+        )
         assert run.returncode == 2 and message in run.stderr, run.stderr

@@ -11,8 +11,7 @@ import pytest
 from serverkit import kernel_pids, make_client, wait_until
 
 CONTEXT_PATH = (
-    "import sys\n"
-    "print(sys.modules['kernel_env.kernel_side']._episode.setup_params['context_path'])"
+    "import sys\nprint(sys.modules['kernel_env.kernel_side']._episode.setup_params['context_path'])"
 )
 
 
@@ -23,8 +22,7 @@ def test_refused_resets_leave_no_session_or_kernel() -> None:
     body = b'{"context": "\\ud800"}'  # JSON's escape for a lone surrogate
     with make_client(max_sessions=8, pool_size=1) as c:
         for _ in range(8):
-            response = c.post("/reset", content=body,
-                              headers={"Content-Type": "application/json"})
+            response = c.post("/reset", content=body, headers={"Content-Type": "application/json"})
             assert response.status_code == 422
             assert "X-Session-Id" not in response.headers
             assert "surrogate" in str(response.json()["detail"])
@@ -64,8 +62,7 @@ def test_restarts_are_counted_when_setup_fails_after_a_restart() -> None:
         staged = Path(path.json()["observation"]["result"]["stdout"].strip())
         staged.unlink()
         staged.mkdir()
-        step = c.post("/step", json={"action": {"code": "import os; os._exit(1)"}},
-                      headers=headers)
+        step = c.post("/step", json={"action": {"code": "import os; os._exit(1)"}}, headers=headers)
         assert step.status_code == 503, step.text
         assert "setup failed" in step.json()["detail"]
         assert c.get("/metrics").json()["restarts"] == 1

@@ -50,13 +50,19 @@ def test_foreign_origin_is_refused_at_the_websocket_handshake(open_server: str) 
 def test_rebinding_host_is_refused_and_nothing_runs(open_server: str) -> None:
     """DNS rebinding: POST /reset under Host rebind.evil.example gets 403 and opens no
     session; a WebSocket under that Host is refused too."""
-    response = httpx.post(f"{open_server}/reset", json={"context": "x"},
-                          headers={"Host": "rebind.evil.example"}, timeout=10)
+    response = httpx.post(
+        f"{open_server}/reset",
+        json={"context": "x"},
+        headers={"Host": "rebind.evil.example"},
+        timeout=10,
+    )
     assert response.status_code == 403
     assert "X-Session-Id" not in response.headers
     port = int(open_server.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, \
-            pytest.raises(InvalidStatus) as refused:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as sock,
+        pytest.raises(InvalidStatus) as refused,
+    ):
         # The page's name in the URL (so in Host), its rebound address underneath.
         connect(f"ws://rebind.evil.example:{port}/ws", sock=sock, open_timeout=10)
     assert refused.value.response.status_code == 403
@@ -85,8 +91,11 @@ def test_clients_without_origin_and_same_origin_pages_work(open_server: str) -> 
 
 def test_configured_origins_get_cors_and_hosts_can_be_widened() -> None:
     """--allowed-origins opens CORS for those origins only; --allowed-hosts adds names."""
-    settings = small_settings(pool_size=0, allowed_origins=("https://app.example",),
-                              allowed_hosts=("kernels.internal", "127.0.0.1"))
+    settings = small_settings(
+        pool_size=0,
+        allowed_origins=("https://app.example",),
+        allowed_hosts=("kernels.internal", "127.0.0.1"),
+    )
     with thread_server(settings) as url:
         ok = httpx.get(f"{url}/health", headers={"Origin": "https://app.example"}, timeout=10)
         assert ok.headers["access-control-allow-origin"] == "https://app.example"
@@ -118,12 +127,16 @@ def test_unauthenticated_huge_body_gets_401_before_it_is_sent(token_server: str)
     """A 150 MiB POST /reset without a token is answered 401 from its headers alone: the
     server never waits for (or buffers) the body."""
     host = token_server.removeprefix("http://")
-    head = (f"POST /reset HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {150 << 20}\r\n")
+    head = (
+        f"POST /reset HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {150 << 20}\r\n"
+    )
     status, reply = _raw_request(token_server, head, b'{"context": "' + b"x" * 65536)
     assert status == 401, reply[:200]
-    chunked = (f"POST /step HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
-               "Content-Type: application/json\r\n")
+    chunked = (
+        f"POST /step HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
+        "Content-Type: application/json\r\n"
+    )
     status, reply = _raw_request(token_server, chunked, b"10000\r\n" + b"x" * 65536 + b"\r\n")
     assert status == 401, reply[:200]
 
@@ -132,8 +145,10 @@ def test_oversized_step_body_is_refused_from_its_length(token_server: str) -> No
     """With the token, a /step body over the step's own limit (code, not context) gets 413
     before it is sent; /reset keeps the larger context limit."""
     host = token_server.removeprefix("http://")
-    head = (f"POST /step HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {100 << 20}\r\n")
+    head = (
+        f"POST /step HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {100 << 20}\r\n"
+    )
     status, reply = _raw_request(token_server, head)
     assert status == 413, reply[:200]
 
@@ -147,7 +162,9 @@ def test_blank_token_is_a_startup_error() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kernel_env", "serve", "--port", "0"],
         env={"KERNEL_ENV_TOKEN": " ", "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "KERNEL_ENV_TOKEN is set but blank" in result.stderr
@@ -157,8 +174,7 @@ def test_with_a_token_any_name_is_served_but_foreign_origins_are_not(token_serve
     """A server with a token is reachable under any name (a Space, a Service): the token
     admits. A foreign Origin is refused all the same."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    named = httpx.get(f"{token_server}/metrics", headers={**auth, "Host": "x.hf.space"},
-                      timeout=10)
+    named = httpx.get(f"{token_server}/metrics", headers={**auth, "Host": "x.hf.space"}, timeout=10)
     assert named.status_code == 200
     evil = httpx.get(f"{token_server}/metrics", headers={**auth, "Origin": EVIL}, timeout=10)
     assert evil.status_code == 403

@@ -39,8 +39,9 @@ del SECRET
 
 def test_llm_query_uses_the_servers_model() -> None:
     with FakeOpenAI(lambda body: f"{body['model']} says hi") as fake:
-        settings = small_settings(llm_base_url=fake.url, llm_model="served-model",
-                                  llm_api_key=API_KEY)
+        settings = small_settings(
+            llm_base_url=fake.url, llm_model="served-model", llm_api_key=API_KEY
+        )
         with thread_server(settings) as url, KernelEnv(url) as env:
             env.reset(context="x")
             out = env.execute("print(llm_query('hello'))").observation.result
@@ -72,8 +73,11 @@ def test_hf_token_reaches_only_its_backend(tmp_path: Path) -> None:
     assert request.body["model"] == "org/model"
     exported = "".join(p.read_text() for p in tmp_path.iterdir())
     assert notebook.exists() and "router answer" in exported
-    for place, text in [("observations/state", "".join(seen)), ("export", exported),
-                        ("server log", log)]:
+    for place, text in [
+        ("observations/state", "".join(seen)),
+        ("export", exported),
+        ("server log", log),
+    ]:
         assert HF_TOKEN not in text, place
 
 
@@ -97,8 +101,12 @@ def test_served_llm_settings_come_from_the_environment() -> None:
     """KERNEL_ENV_LLM_* configure `kernel-env serve`; the status line names the model and
     never the key."""
     with FakeOpenAI(lambda body: "ok") as fake:
-        env_vars = {**os.environ, "KERNEL_ENV_LLM_BASE_URL": fake.url,
-                    "KERNEL_ENV_LLM_MODEL": "env-model", "KERNEL_ENV_LLM_API_KEY": API_KEY}
+        env_vars = {
+            **os.environ,
+            "KERNEL_ENV_LLM_BASE_URL": fake.url,
+            "KERNEL_ENV_LLM_MODEL": "env-model",
+            "KERNEL_ENV_LLM_API_KEY": API_KEY,
+        }
         with serve_process(env=env_vars) as server:
             with KernelEnv(server.url) as env:
                 env.reset(context="x")
@@ -114,8 +122,12 @@ def test_a_cell_may_name_only_the_configured_models() -> None:
     """Item 6: llm_query("hi", model="any-expensive-model") never reaches the operator's
     endpoint; --llm-allowed-models names the extra models a cell may pick."""
     with FakeOpenAI(lambda body: f"{body['model']} says hi") as fake:
-        settings = small_settings(llm_base_url=fake.url, llm_model="served-model",
-                                  llm_api_key=API_KEY, llm_allowed_models=("cheap-model",))
+        settings = small_settings(
+            llm_base_url=fake.url,
+            llm_model="served-model",
+            llm_api_key=API_KEY,
+            llm_allowed_models=("cheap-model",),
+        )
         with thread_server(settings) as url, KernelEnv(url) as env:
             env.reset(context="x")
             refused = env.execute("llm_query('hi', model='any-expensive-model')")
@@ -135,6 +147,7 @@ def test_a_cell_may_name_only_the_configured_models() -> None:
 def test_endpoint_errors_echoing_most_of_the_key_are_redacted() -> None:
     """Item 6: an endpoint error that echoes the key minus one character (or any 8+ char
     piece of it) reaches the kernel with those pieces redacted."""
+
     def echo_key(body: dict[str, object]) -> Reply:
         return Reply(401, f"invalid key {API_KEY[:-1]} / tail {API_KEY[5:14]}")
 

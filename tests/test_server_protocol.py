@@ -68,8 +68,9 @@ def test_unknown_type_message_is_bounded() -> None:
 
 def test_observation_frame_puts_metadata_in_both_places() -> None:
     """reward and done sit at data; metadata at data.metadata and inside the observation."""
-    obs = REPLObservation(result=CodeBlockResult(stdout="hi"), reward=0.5, done=True,
-                          metadata={"final_answer": "x"})
+    obs = REPLObservation(
+        result=CodeBlockResult(stdout="hi"), reward=0.5, done=True, metadata={"final_answer": "x"}
+    )
     frame = observation_frame(obs, session_id="s")
     data = frame["data"]
     assert frame["type"] == "observation"
@@ -132,8 +133,12 @@ def test_mcp_response_is_always_json_rpc(payload: object, code: int) -> None:
 
 def test_settings_read_env_but_explicit_arguments_win() -> None:
     """KERNEL_ENV_* fill unset settings; an explicit argument always wins."""
-    env = {"KERNEL_ENV_POOL_SIZE": "7", "KERNEL_ENV_STEP_TIMEOUT": "12.5",
-           "KERNEL_ENV_TOKEN": "tok-7f3a", "KERNEL_ENV_PORT": "9000"}
+    env = {
+        "KERNEL_ENV_POOL_SIZE": "7",
+        "KERNEL_ENV_STEP_TIMEOUT": "12.5",
+        "KERNEL_ENV_TOKEN": "tok-7f3a",
+        "KERNEL_ENV_PORT": "9000",
+    }
     settings = ServerSettings.from_env(env, port=8123, pool_size=None)
     assert settings.port == 8123
     assert settings.pool_size == 7 and settings.step_timeout == 12.5
@@ -154,11 +159,17 @@ def test_settings_reject_bad_values() -> None:
 def test_backend_and_llm_settings_from_env() -> None:
     """Gateway, sandbox and LLM settings read KERNEL_ENV_*; an empty variable means unset;
     secrets stay out of repr."""
-    env = {"KERNEL_ENV_GATEWAY_URL": "http://gw:8888", "KERNEL_ENV_GATEWAY_TOKEN": "gw-secret",
-           "KERNEL_ENV_GATEWAY_KERNEL_NAME": "", "KERNEL_ENV_SANDBOX": "none",
-           "KERNEL_ENV_LLM_BASE_URL": "http://llm/v1", "KERNEL_ENV_LLM_MODEL": "m",
-           "KERNEL_ENV_LLM_API_KEY": "sk-secret", "KERNEL_ENV_LLM_MAX_CALLS": "50",
-           "KERNEL_ENV_LLM_MAX_TOKENS": ""}
+    env = {
+        "KERNEL_ENV_GATEWAY_URL": "http://gw:8888",
+        "KERNEL_ENV_GATEWAY_TOKEN": "gw-secret",
+        "KERNEL_ENV_GATEWAY_KERNEL_NAME": "",
+        "KERNEL_ENV_SANDBOX": "none",
+        "KERNEL_ENV_LLM_BASE_URL": "http://llm/v1",
+        "KERNEL_ENV_LLM_MODEL": "m",
+        "KERNEL_ENV_LLM_API_KEY": "sk-secret",
+        "KERNEL_ENV_LLM_MAX_CALLS": "50",
+        "KERNEL_ENV_LLM_MAX_TOKENS": "",
+    }
     settings = ServerSettings.from_env(env)
     assert (settings.gateway_url, settings.gateway_token) == ("http://gw:8888", "gw-secret")
     assert settings.gateway_kernel_name is None and settings.llm_max_tokens is None
@@ -180,16 +191,50 @@ def test_default_step_timeout_is_below_the_client_wait() -> None:
 @pytest.mark.integration
 def test_cli_serve_help_lists_the_flags() -> None:
     """`python -m kernel_env serve --help` documents the serve flags."""
-    done = subprocess.run([sys.executable, "-m", "kernel_env", "serve", "--help"],
-                          capture_output=True, text=True, timeout=60, check=True)
-    for flag in ("--host", "--port", "--pool-size", "--max-sessions", "--step-timeout",
-                 "--idle-ttl", "KERNEL_ENV_TOKEN"):
+    done = subprocess.run(
+        [sys.executable, "-m", "kernel_env", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for flag in (
+        "--host",
+        "--port",
+        "--pool-size",
+        "--max-sessions",
+        "--step-timeout",
+        "--idle-ttl",
+        "KERNEL_ENV_TOKEN",
+    ):
         assert flag in done.stdout
+
+
+def test_serve_flags_are_the_settings_and_name_their_defaults() -> None:
+    """Every ServerSettings field but the secrets is a serve flag, whose help names its
+    default, and a flag given reaches the setting of the same name."""
+    import argparse
+    import dataclasses
+
+    from kernel_env.cli import _parser
+
+    parser = _parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {a.dest: a for a in serve.choices["serve"]._actions if a.dest != "help"}
+    secrets = {"token", "llm_api_key", "hf_router_url"}
+    assert set(flags) == {f.name for f in dataclasses.fields(ServerSettings)} - secrets
+    assert all("(default: " in (action.help or "") for action in flags.values())
+    args = parser.parse_args(["serve", "--pool-size", "2", "--llm-allowed-models", "a, b"])
+    assert (args.pool_size, args.llm_allowed_models, args.port) == (2, ("a", "b"), None)
 
 
 @pytest.mark.integration
 def test_cli_rejects_bad_settings_with_exit_2() -> None:
     """A bad flag value ends `serve` with exit code 2 and a message, before binding."""
-    done = subprocess.run([sys.executable, "-m", "kernel_env", "serve", "--step-timeout", "-1"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "kernel_env", "serve", "--step-timeout", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "step_timeout" in done.stderr

@@ -69,11 +69,16 @@ def test_sigkill_leaves_no_orphan_kernel_after_10_s() -> None:
         sid = httpx.post(f"{server.url}/reset", json={}, timeout=30).headers["X-Session-Id"]
         assert sid
         # Wait for a full pool: a kernel killed half-way through its own start is another case.
-        assert wait_until(lambda: metrics(server.url)["pool_warm"] == 2
-                          and metrics(server.url)["pool_starting"] == 0, 30)
+        assert wait_until(
+            lambda: (
+                metrics(server.url)["pool_warm"] == 2 and metrics(server.url)["pool_starting"] == 0
+            ),
+            30,
+        )
         kernels = kernel_pids(server.pid)
         assert len(kernels) == 3
         terminate(server.process, signal.SIGKILL)
         server.process.wait(10)
-        assert wait_until(lambda: not any(alive(pid) for pid in kernels), 10, interval=0.2), \
-            [pid for pid in kernels if alive(pid)]
+        assert wait_until(lambda: not any(alive(pid) for pid in kernels), 10, interval=0.2), [
+            pid for pid in kernels if alive(pid)
+        ]

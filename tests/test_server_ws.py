@@ -246,8 +246,10 @@ def test_idle_session_is_reaped_and_answers_session_expired() -> None:
     """F13: an idle session is reaped, its kernel killed; later calls get "session expired"."""
     # Unsandboxed: the test watches the kernel's own pid (a sandboxed kernel sees its own pid
     # namespace); the sandbox's teardown has its own tests.
-    with make_client(pool_size=0, idle_ttl=0.5, sandbox="none") as c, \
-            c.websocket_connect("/ws") as ws:
+    with (
+        make_client(pool_size=0, idle_ttl=0.5, sandbox="none") as c,
+        c.websocket_connect("/ws") as ws,
+    ):
         ask(ws, {"type": "reset"})
         pid = int(
             ask(ws, {"type": "step", "data": {"code": "import os; print(os.getpid())"}})["data"][
@@ -455,5 +457,3 @@ async def test_fuzzed_frames_get_error_frames_while_a_healthy_session_works(
     }
     assert replies["INVALID_JSON"] and replies["UNKNOWN_TYPE"] and replies["VALIDATION_ERROR"]
     assert healthy_outputs == [f"{i}\n" for i in range(40)]
-
-

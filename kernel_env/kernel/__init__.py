@@ -1,7 +1,7 @@
 """Kernel backends: one kernel process each, driven by the shared logic in ``base``.
 
-The gateway backend loads on first use: it needs httpx and websockets, which a local episode
-never does.
+Names load on first use: ``kernel_env.kernel.modes`` (the CLI's vocabulary) costs nothing, and
+the gateway backend, which needs httpx and websockets, loads only when chosen.
 """
 
 from __future__ import annotations
@@ -9,26 +9,34 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kernel_env.kernel.base import ExecutionResult, Kernel, StdinHandler
-from kernel_env.kernel.local import LocalKernel
-
 if TYPE_CHECKING:
+    from kernel_env.kernel.base import ExecutionResult, Kernel, KernelSource, StdinHandler
     from kernel_env.kernel.gateway import GatewayConfig, GatewayKernel
+    from kernel_env.kernel.local import LocalKernel
 
 __all__ = [
     "ExecutionResult",
     "GatewayConfig",
     "GatewayKernel",
     "Kernel",
+    "KernelSource",
     "LocalKernel",
     "StdinHandler",
 ]
 
-_LAZY = {"GatewayConfig": "kernel_env.kernel.gateway", "GatewayKernel": "kernel_env.kernel.gateway"}
+_HOMES = {
+    "ExecutionResult": "base",
+    "Kernel": "base",
+    "KernelSource": "base",
+    "StdinHandler": "base",
+    "GatewayConfig": "gateway",
+    "GatewayKernel": "gateway",
+    "LocalKernel": "local",
+}
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    home = _HOMES.get(name)
+    if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(f"kernel_env.kernel.{home}"), name)

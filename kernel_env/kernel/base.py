@@ -100,6 +100,11 @@ def _msg_type(msg: dict[str, Any]) -> str | None:
     return (msg.get("header") or {}).get("msg_type")
 
 
+# Where an episode's kernels come from: a coroutine function that returns a started, ready
+# kernel (kernel_env.kernel.factory builds them: local, sandboxed, or a gateway's).
+KernelSource = Callable[[], Awaitable["Kernel"]]
+
+
 class Kernel(ABC):
     """One kernel process and its channels. Subclasses implement the transport hooks."""
 

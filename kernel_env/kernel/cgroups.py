@@ -100,9 +100,7 @@ class KernelCgroup:
         self.paths: list[Path] = []
         wanted = {"memory": memory_bytes, "pids": processes, "cpu": cpus}
         # pids always, limit or not: it is how closing the kernel finds all its processes.
-        controllers = [
-            c for c in available_controllers() if wanted[c] is not None or c == "pids"
-        ]
+        controllers = [c for c in available_controllers() if wanted[c] is not None or c == "pids"]
         self.controllers = tuple(controllers)
         if not controllers:
             return

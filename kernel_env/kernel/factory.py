@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kernel_env.kernel.base import Kernel
-from kernel_env.kernel.gateway import GatewayConfig, GatewayKernel
+from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.local import describe_isolation as unsandboxed_limits
+from kernel_env.kernel.modes import SANDBOX_MODES, SandboxMode
 from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
 from kernel_env.kernel.sandbox import describe_limits as sandbox_limits
+
+if TYPE_CHECKING:  # the gateway backend (httpx, websockets) loads only when it is chosen
+    from kernel_env.kernel.gateway import GatewayConfig
 
 __all__ = [
     "BackendSettings",
@@ -30,8 +32,6 @@ __all__ = [
     "kernel_source_from",
     "local_source",
 ]
-
-KernelSource = Callable[[], Awaitable[Kernel]]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class BackendSettings(Protocol):
     def gateway_token(self) -> str | None: ...
 
 
-def local_source(sandbox: str = "auto", **kernel_options: Any) -> KernelSource:
+def local_source(sandbox: SandboxMode | str = "auto", **kernel_options: Any) -> KernelSource:
     """A new local kernel per call; ``kernel_options`` go to the kernel class.
 
     ``sandbox``: ``"auto"`` (bubblewrap where it works, else a plain kernel, said once in the
@@ -63,7 +63,7 @@ def local_source(sandbox: str = "auto", **kernel_options: Any) -> KernelSource:
 
 
 def _local_kind(sandbox: str) -> type[LocalKernel]:
-    if sandbox not in ("auto", "bwrap", "none"):
+    if sandbox not in SANDBOX_MODES:
         raise ValueError(f"sandbox must be 'auto', 'bwrap' or 'none', not {sandbox!r}")
     if sandbox == "none":
         return LocalKernel
@@ -105,6 +105,8 @@ def describe_limits(settings: BackendSettings | None = None) -> dict[str, str]:
 def gateway_source(config: GatewayConfig, **kernel_options: Any) -> KernelSource:
     """A new gateway kernel per call; ``kernel_options`` go to :class:`GatewayKernel`."""
 
+    from kernel_env.kernel.gateway import GatewayKernel
+
     async def start_gateway_kernel() -> Kernel:
         kernel = GatewayKernel(config, **kernel_options)
         await kernel.start()
@@ -124,6 +126,8 @@ def kernel_source_from(settings: BackendSettings | None = None) -> KernelSource:
     url = getattr(settings, "gateway_url", None) if settings is not None else None
     if not url:
         return local_source(getattr(settings, "sandbox", "auto") or "auto")
+    from kernel_env.kernel.gateway import GatewayConfig
+
     options: dict[str, Any] = {}
     for name in GatewayConfig.__dataclass_fields__:
         value = getattr(settings, f"gateway_{name}", None)

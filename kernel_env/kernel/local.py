@@ -389,8 +389,13 @@ def _reachable_by_kernel_uid(python: str, runtime_parent: str) -> bool:
     dir; if not, a root server's unsandboxed kernels keep root, and the log says so once."""
     import kernel_env
 
-    needed = [python, os.path.realpath(python), sys.prefix, sys.base_prefix,
-              str(Path(kernel_env.__file__).parent)]
+    needed = [
+        python,
+        os.path.realpath(python),
+        sys.prefix,
+        sys.base_prefix,
+        str(Path(kernel_env.__file__).parent),
+    ]
     missing = [path for path in needed if not privilege.reachable(path)]
     if not privilege.reachable(runtime_parent, list_dir=False):  # traversed, never listed
         missing.append(runtime_parent)
@@ -438,6 +443,7 @@ def describe_isolation(python: str = sys.executable) -> dict[str, str]:
         "cpu": "not capped (no sandbox)",
         "disk": "not capped (no sandbox)",
         "network": "shared with the host",
-        "leftovers": "killed at close" if tracked else
-                     "a process that leaves the kernel's session may survive it",
+        "leftovers": "killed at close"
+        if tracked
+        else "a process that leaves the kernel's session may survive it",
     }

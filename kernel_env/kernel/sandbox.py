@@ -175,19 +175,22 @@ def describe_limits(limits: SandboxLimits | None = None) -> dict[str, str]:
     def per_kernel(controller: str, value: str) -> str:
         if controller in cgroups:
             return f"{value} per kernel ({via})"
-        return f"not capped per kernel (no writable {controller} cgroup: needs root or a " \
-               f"delegated cgroup v2 subtree)"
+        return (
+            f"not capped per kernel (no writable {controller} cgroup: needs root or a "
+            f"delegated cgroup v2 subtree)"
+        )
 
     out = {
         "kernel_uid": (
             f"one uid per kernel from {privilege.KERNEL_UIDS[0]}-{privilege.KERNEL_UIDS[1]}"
-            if privilege.privileged() else f"the server's uid ({os.getuid()}), mapped to nobody"
+            if privilege.privileged()
+            else f"the server's uid ({os.getuid()}), mapped to nobody"
         ),
         "memory": per_kernel("memory", _size(limits.memory_bytes)),
         "processes": per_kernel("pids", str(limits.processes)),
         "cpu": per_kernel("cpu", f"{limits.cpus} CPU"),
         "disk": f"{_size(limits.workspace_bytes)} each for the workspace, /tmp and /dev/shm "
-                "(tmpfs); no host path is writable",
+        "(tmpfs); no host path is writable",
         "network": "shared with the host" if limits.network else "none",
     }
     address_space = limits.address_space_bytes or limits.memory_bytes

@@ -30,11 +30,12 @@ from kernel_env import __version__
 from kernel_env.agent import solve_child
 from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import EpisodeFinished, InvalidInput, KernelError, ResetNeeded
+from kernel_env.kernel import KernelSource
 from kernel_env.kernel.factory import kernel_source_from
 from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.notebook import ExportPathError, export_zip, notebook_name, notebook_text
-from kernel_env.pool import KernelFactory, KernelPool
+from kernel_env.pool import KernelPool
 from kernel_env.record import EpisodeRecord
 from kernel_env.recursion import BackendForToken
 from kernel_env.server import metrics, protocol
@@ -99,10 +100,11 @@ def _token_backends(settings: ServerSettings) -> BackendForToken:
 class Runtime:
     """Everything the app owns while it runs; created in the lifespan, on the app's loop."""
 
-    def __init__(self, settings: ServerSettings, kernel_factory: KernelFactory) -> None:
+    def __init__(self, settings: ServerSettings, kernel_factory: KernelSource) -> None:
         self.settings = settings
-        self.pool = KernelPool(kernel_factory, size=settings.pool_size,
-                               max_kernels=settings.kernel_limit)
+        self.pool = KernelPool(
+            kernel_factory, size=settings.pool_size, max_kernels=settings.kernel_limit
+        )
         self.llm = llm_backend_from(settings)
         config = EnvConfig(
             step_timeout=settings.step_timeout,
@@ -151,8 +153,10 @@ class StepRequest(BaseModel):
 
     action: REPLAction
     timeout_s: float | None = Field(
-        default=None, gt=0, description="Accepted for compatibility; the server's step timeout "
-        "applies (it is kept below OpenEnv clients' 60 s wait)."
+        default=None,
+        gt=0,
+        description="Accepted for compatibility; the server's step timeout "
+        "applies (it is kept below OpenEnv clients' 60 s wait).",
     )
     request_id: str | None = Field(default=None, max_length=255)
 
@@ -164,7 +168,7 @@ class StepResponse(BaseModel):
 
 
 def create_app(
-    settings: ServerSettings | None = None, *, kernel_factory: KernelFactory | None = None
+    settings: ServerSettings | None = None, *, kernel_factory: KernelSource | None = None
 ) -> FastAPI:
     """The app. ``kernel_factory`` starts the kernels (default: from the settings: local
     kernels, sandboxed per ``settings.sandbox``, or a gateway's when ``gateway_url`` is set)."""
@@ -199,8 +203,16 @@ def create_app(
     return app
 
 
-PUBLIC_PATHS = ("/health", "/metadata", "/schema", "/openapi.json", "/docs",
-                "/docs/oauth2-redirect", "/redoc", "/mcp")
+PUBLIC_PATHS = (
+    "/health",
+    "/metadata",
+    "/schema",
+    "/openapi.json",
+    "/docs",
+    "/docs/oauth2-redirect",
+    "/redoc",
+    "/mcp",
+)
 _SMALL_BODY = 1 << 20  # any route but /reset and /step: a small JSON document
 
 
@@ -209,21 +221,29 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     body limit, so a body is read only from an allowed, authenticated request."""
     # Added innermost first (each add_middleware wraps everything added before it).
     step_bytes = min(settings.max_message_bytes, 6 * settings.max_code_chars + (64 << 10))
-    app.add_middleware(BodyLimit, max_bytes=settings.max_message_bytes,
-                       per_path={"/reset": settings.max_message_bytes, "/step": step_bytes},
-                       default_bytes=min(settings.max_message_bytes, _SMALL_BODY))
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_message_bytes,
+        per_path={"/reset": settings.max_message_bytes, "/step": step_bytes},
+        default_bytes=min(settings.max_message_bytes, _SMALL_BODY),
+    )
     app.add_middleware(AuthGate, auth=app.state.auth, public=PUBLIC_PATHS)
     if settings.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"],
-                           expose_headers=[SESSION_HEADER])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=[SESSION_HEADER],
+        )
     hosts = settings.allowed_hosts
     if hosts is None and settings.token:
         # With a token, the token admits, whatever name the server is reached by (a Space, a
         # Service, a proxy); the Host check is what guards a server that has none.
         hosts = ("*",)
-    policy = HostPolicy.for_bind(settings.host, hosts or settings.host_allowlist,
-                                 settings.allowed_origins)
+    policy = HostPolicy.for_bind(
+        settings.host, hosts or settings.host_allowlist, settings.allowed_origins
+    )
     app.add_middleware(BrowserGuard, policy=policy)
 
 
@@ -285,16 +305,23 @@ def _add_info_routes(app: FastAPI) -> None:
 
 # -- episode routes -----------------------------------------------------------------------
 
-SessionHeader = Annotated[str | None, Header(
-    alias=SESSION_HEADER,
-    description="The session id that `POST /reset` returned in its `X-Session-Id` header.",
-)]
+SessionHeader = Annotated[
+    str | None,
+    Header(
+        alias=SESSION_HEADER,
+        description="The session id that `POST /reset` returned in its `X-Session-Id` header.",
+    ),
+]
 
 
 def _add_episode_routes(app: FastAPI) -> None:
-    @app.post("/reset", tags=["Environment Control"], response_model=StepResponse,
-              summary="Start an episode (opens a session if none is named)",
-              description=_SESSIONS_DOC)
+    @app.post(
+        "/reset",
+        tags=["Environment Control"],
+        response_model=StepResponse,
+        summary="Start an episode (opens a session if none is named)",
+        description=_SESSIONS_DOC,
+    )
     async def reset(
         request: Request,
         options: Annotated[ResetOptions | None, Body()] = None,
@@ -302,8 +329,11 @@ def _add_episode_routes(app: FastAPI) -> None:
     ) -> Response:
         runtime = _runtime(request)
         # Every field the caller set, hf_token included (ResetOptions never dumps it).
-        kwargs = {name: getattr(options, name) for name in options.model_fields_set} \
-            if options is not None else {}
+        kwargs = (
+            {name: getattr(options, name) for name in options.model_fields_set}
+            if options is not None
+            else {}
+        )
         _require_text(kwargs)
         session = runtime.sessions.get(session_id) if session_id else None
         new = session is None
@@ -318,10 +348,14 @@ def _add_episode_routes(app: FastAPI) -> None:
                 await asyncio.shield(runtime.sessions.close_soon(session))
             raise
 
-    @app.post("/step", tags=["Environment Control"], response_model=StepResponse,
-              summary="Run one action in the session's episode",
-              description="Requires the `X-Session-Id` header from `POST /reset`; without it, "
-              "400. An invalid action is 422.\n" + _SESSIONS_DOC)
+    @app.post(
+        "/step",
+        tags=["Environment Control"],
+        response_model=StepResponse,
+        summary="Run one action in the session's episode",
+        description="Requires the `X-Session-Id` header from `POST /reset`; without it, "
+        "400. An invalid action is 422.\n" + _SESSIONS_DOC,
+    )
     async def step(
         request: Request, body: StepRequest, session_id: SessionHeader = None
     ) -> Response:
@@ -331,19 +365,28 @@ def _add_episode_routes(app: FastAPI) -> None:
             obs = await session.step(body.action)
         return _observation_response(obs, session)
 
-    @app.get("/state", tags=["State Management"], response_model=REPLState,
-             summary="The session's episode state",
-             description="Requires the `X-Session-Id` header from `POST /reset`.")
+    @app.get(
+        "/state",
+        tags=["State Management"],
+        response_model=REPLState,
+        summary="The session's episode state",
+        description="Requires the `X-Session-Id` header from `POST /reset`.",
+    )
     async def state(request: Request, session_id: SessionHeader = None) -> Response:
         session = _require_session(_runtime(request), session_id)
         current = session.state()
         big = len(current.context or "") > 1 << 20
-        body = await asyncio.to_thread(current.model_dump_json) if big \
-            else current.model_dump_json()
+        body = (
+            await asyncio.to_thread(current.model_dump_json) if big else current.model_dump_json()
+        )
         return Response(body, media_type="application/json")
 
-    @app.delete("/sessions/{session_id}", tags=["Sessions"],
-                status_code=status.HTTP_204_NO_CONTENT, summary="Close a session (idempotent)")
+    @app.delete(
+        "/sessions/{session_id}",
+        tags=["Sessions"],
+        status_code=status.HTTP_204_NO_CONTENT,
+        summary="Close a session (idempotent)",
+    )
     async def close_session(request: Request, session_id: str) -> Response:
         runtime = _runtime(request)
         try:
@@ -353,37 +396,47 @@ def _add_episode_routes(app: FastAPI) -> None:
         await runtime.sessions.close_session(session)
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
-    @app.get("/sessions/{session_id}/notebook", tags=["Sessions"],
-             summary="The session's current (or last) episode as a Jupyter notebook",
-             description="A context larger than 10,000 characters is not inlined: the "
-             "notebook reads it from `<name>.context.txt` beside it, and child episodes are "
-             "separate notebooks; `GET /sessions/{id}/export.zip` has them all.",
-             response_class=Response,
-             responses={200: {"content": {NOTEBOOK_MEDIA_TYPE: {}}}})
+    @app.get(
+        "/sessions/{session_id}/notebook",
+        tags=["Sessions"],
+        summary="The session's current (or last) episode as a Jupyter notebook",
+        description="A context larger than 10,000 characters is not inlined: the "
+        "notebook reads it from `<name>.context.txt` beside it, and child episodes are "
+        "separate notebooks; `GET /sessions/{id}/export.zip` has them all.",
+        response_class=Response,
+        responses={200: {"content": {NOTEBOOK_MEDIA_TYPE: {}}}},
+    )
     async def notebook(request: Request, session_id: str) -> Response:
         session = _runtime(request).sessions.get(session_id)
         name, body = await session.export(_notebook_text)
-        return Response(body, media_type=NOTEBOOK_MEDIA_TYPE,
-                        headers=_attachment(name))
+        return Response(body, media_type=NOTEBOOK_MEDIA_TYPE, headers=_attachment(name))
 
-    @app.get("/sessions/{session_id}/export.zip", tags=["Sessions"],
-             summary="The episode's notebook, context file and child episodes, zipped",
-             response_class=Response,
-             responses={200: {"content": {"application/zip": {}}}})
+    @app.get(
+        "/sessions/{session_id}/export.zip",
+        tags=["Sessions"],
+        summary="The episode's notebook, context file and child episodes, zipped",
+        response_class=Response,
+        responses={200: {"content": {"application/zip": {}}}},
+    )
     async def export(request: Request, session_id: str, name: str | None = None) -> Response:
         """``name``: the notebook's file name in the archive (default: the episode id)."""
         session = _runtime(request).sessions.get(session_id)
-        if name is not None and (not name or Path(name).name != name or name[0] == "."
-                                 or len(name.encode()) > _MAX_NAME_BYTES):
-            raise ExportPathError(f"name must be a plain file name of at most "
-                                  f"{_MAX_NAME_BYTES} bytes, got {name[:80]!r}")
+        if name is not None and (
+            not name
+            or Path(name).name != name
+            or name[0] == "."
+            or len(name.encode()) > _MAX_NAME_BYTES
+        ):
+            raise ExportPathError(
+                f"name must be a plain file name of at most "
+                f"{_MAX_NAME_BYTES} bytes, got {name[:80]!r}"
+            )
 
         def archive(record: EpisodeRecord) -> bytes:
             return export_zip(record, name or notebook_name(record.episode_id))
 
         body = await session.export(archive)
-        return Response(body, media_type="application/zip",
-                        headers=_attachment("episode.zip"))
+        return Response(body, media_type="application/zip", headers=_attachment("episode.zip"))
 
 
 NOTEBOOK_MEDIA_TYPE = "application/x-ipynb+json"
@@ -399,8 +452,9 @@ def _require_text(kwargs: dict[str, Any]) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise InvalidInput(f"{key} is not valid Unicode text (a lone surrogate at "
-                                 f"position {exc.start})") from None
+                raise InvalidInput(
+                    f"{key} is not valid Unicode text (a lone surrogate at position {exc.start})"
+                ) from None
 
 
 def _notebook_text(record: EpisodeRecord) -> tuple[str, str]:
@@ -444,17 +498,25 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _detail(410, str(exc))
 
     async def capacity(_: Request, exc: Any) -> JSONResponse:
-        return _detail(503, {"code": "CAPACITY_REACHED", "message": str(exc),
-                             "active_sessions": exc.active_sessions,
-                             "max_sessions": exc.max_sessions}, {"Retry-After": "5"})
+        return _detail(
+            503,
+            {
+                "code": "CAPACITY_REACHED",
+                "message": str(exc),
+                "active_sessions": exc.active_sessions,
+                "max_sessions": exc.max_sessions,
+            },
+            {"Retry-After": "5"},
+        )
 
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, ValidationError):
             return _detail(422, protocol.validation_errors(exc))
         if isinstance(exc, RequestValidationError):
             # FastAPI's errors without the offending input (it may hold a token, or 100 MB).
-            return _detail(422, [{k: e[k] for k in ("type", "loc", "msg") if k in e}
-                                 for e in exc.errors()])
+            return _detail(
+                422, [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]
+            )
         return _detail(422, [{"type": "value_error", "loc": ["body"], "msg": str(exc)}])
 
     async def conflict(_: Request, exc: Exception) -> JSONResponse:

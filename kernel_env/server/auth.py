@@ -55,17 +55,28 @@ class AuthGate:
         self.public = frozenset(public)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] not in ("http", "websocket") or not self.auth.enabled
-                or scope["path"] in self.public):
+        if (
+            scope["type"] not in ("http", "websocket")
+            or not self.auth.enabled
+            or scope["path"] in self.public
+        ):
             await self.app(scope, receive, send)
             return
-        authorization = next((v.decode("latin-1") for k, v in scope.get("headers", [])
-                              if k == b"authorization"), None)
+        authorization = next(
+            (v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"authorization"),
+            None,
+        )
         if self.auth.allows(authorization):
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008,
-                        "reason": "missing or invalid bearer token"})
+            await send(
+                {
+                    "type": "websocket.close",
+                    "code": 1008,
+                    "reason": "missing or invalid bearer token",
+                }
+            )
         else:
-            await forbid(send, 401, "missing or invalid bearer token",
-                         [(b"www-authenticate", b"Bearer")])
+            await forbid(
+                send, 401, "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")]
+            )

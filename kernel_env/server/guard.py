@@ -88,8 +88,11 @@ class BrowserGuard:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        headers = {k.decode(): v.decode("latin-1") for k, v in scope.get("headers", [])
-                   if k in (b"host", b"origin")}
+        headers = {
+            k.decode(): v.decode("latin-1")
+            for k, v in scope.get("headers", [])
+            if k in (b"host", b"origin")
+        }
         problem = None
         if not self.policy.host_allowed(headers.get("host")):
             problem = "Host header not allowed (set --allowed-hosts to serve this name)"
@@ -104,19 +107,22 @@ class BrowserGuard:
             await forbid(send, 403, problem)
 
 
-async def forbid(send: Send, status: int, detail: str,
-                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def forbid(
+    send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     """Answer a plain HTTP request with ``{"detail": ...}`` and close the connection (its body,
     if any, is never read)."""
     payload = json.dumps({"detail": detail}).encode()
-    await send({
-        "type": "http.response.start",
-        "status": status,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"connection", b"close"),
-            *(headers or []),
-        ],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"connection", b"close"),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})

@@ -62,15 +62,17 @@ class BodyLimit:
         payload = json.dumps(
             {"detail": f"request body exceeds the server's limit of {limit} bytes for {path}"}
         ).encode()
-        await send({
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                (b"connection", b"close"),
-            ],
-        })
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})
 
 

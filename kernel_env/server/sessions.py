@@ -77,8 +77,9 @@ def _env_counters(env: KernelEnvironment) -> Counters:
 class Session:
     """One client's episodes, served one request at a time."""
 
-    def __init__(self, manager: SessionManager, session_id: str, kind: Kind,
-                 env: KernelEnvironment) -> None:
+    def __init__(
+        self, manager: SessionManager, session_id: str, kind: Kind, env: KernelEnvironment
+    ) -> None:
         self.id = session_id
         self.kind = kind
         self.env = env
@@ -304,8 +305,11 @@ class SessionManager:
         if not done:
             self._stuck.add(closing)
             closing.add_done_callback(self._stuck.discard)
-            log.error("session %s: its kernel did not shut down within %.0f s",
-                      session.id[:8], _CLOSE_TIMEOUT)
+            log.error(
+                "session %s: its kernel did not shut down within %.0f s",
+                session.id[:8],
+                _CLOSE_TIMEOUT,
+            )
         elif (exc := closing.exception()) is not None:
             log.error("closing session %s failed: %r", session.id[:8], exc)
         if kernel is not None and session.env.kernel is None:
@@ -356,8 +360,7 @@ class SessionManager:
             await asyncio.sleep(interval)
             now = loop.time()
             idle = [
-                s for s in self.sessions()
-                if s.busy == 0 and now - s.last_active > self._ttl(s)
+                s for s in self.sessions() if s.busy == 0 and now - s.last_active > self._ttl(s)
             ]
             if not idle:
                 continue

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ENV_PREFIX", "ServerSettings"]
+from kernel_env.kernel.modes import SANDBOX_MODES
+
+__all__ = ["ENV_PREFIX", "LOG_LEVELS", "ServerSettings"]
 
 ENV_PREFIX = "KERNEL_ENV_"
 
@@ -19,53 +21,114 @@ _MiB = 1024 * 1024
 _SECRETS = frozenset({"token"})  # blank = a start-up error, never "no auth"
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _flag(
+    default: Any,
+    help: str,
+    *,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    secret: bool = False,
+) -> Any:
+    """A setting that is also a ``kernel-env serve`` flag (``--name-with-dashes``): the CLI
+    builds its flags from these fields, and its help names the default."""
+    return field(
+        default=default,
+        repr=not secret,
+        metadata={"help": help, "metavar": metavar, "choices": choices},
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerSettings:
-    """Every knob of the server. Sizes in bytes or characters, times in seconds."""
+    """Every knob of the server. Sizes in bytes or characters, times in seconds.
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    pool_size: int = 4  # kernels kept warm for resets
-    max_sessions: int = 64  # open sessions (WebSocket or HTTP); one kernel each
+    Each field is a ``KERNEL_ENV_<NAME>`` variable; those made with ``_flag`` are also a
+    ``kernel-env serve --<name>`` flag (the others are secrets: variables or files only).
+    """
+
+    host: str = _flag("127.0.0.1", "interface to bind")
+    port: int = _flag(8000, "port to bind; 0 picks a free one")
+    pool_size: int = _flag(4, "kernels kept warm for resets")
+    max_sessions: int = _flag(64, "open sessions at most, one kernel each")
     # Below the 60 s an OpenEnv client waits for a reply: a step that ran out must still
     # answer (with a timeout observation) before the client gives up, or every later reply
     # on that connection is shifted by one. Worst case ~ step_timeout + interrupt + restart.
-    step_timeout: float = 30.0
-    idle_ttl: float = 600.0  # a session idle this long is reaped (0 disables)
+    step_timeout: float = _flag(30.0, "seconds a step may run")
+    idle_ttl: float = _flag(600.0, "reap sessions idle this many seconds; 0 = never")
     # A session no request has named yet (a bare POST /reset of a stateless HTTP client) is
     # reaped after this, and is the first to go when the server is full (0: idle_ttl only).
-    claim_ttl: float = 60.0
-    drain_timeout: float = 8.0  # on shutdown, how long in-flight steps may finish
+    claim_ttl: float = _flag(
+        60.0,
+        "reap a session no request has named (a bare POST /reset) "
+        "after this many seconds; 0 = only --idle-ttl",
+    )
+    drain_timeout: float = _flag(8.0, "on shutdown, seconds in-flight steps may finish")
     token: str | None = field(default=None, repr=False)  # bearer token; None = no auth
-    max_message_bytes: int = 192 * _MiB  # a WebSocket frame or an HTTP body
-    max_context_chars: int = 128 * _MiB  # reset(context=...)
-    max_code_chars: int = 1 * _MiB  # one step's code
-    log_level: str = "info"
+    max_message_bytes: int = _flag(192 * _MiB, "largest WebSocket frame / HTTP body, bytes")
+    max_context_chars: int = _flag(128 * _MiB, "largest reset context, chars")
+    max_code_chars: int = _flag(1 * _MiB, "largest code of one step, chars")
+    log_level: str = _flag("info", "log level", choices=LOG_LEVELS)
     # Where kernels run: local (sandboxed per `sandbox`), or on a Jupyter (Enterprise) Gateway.
-    # bwrap: the sandbox is required (a host where it cannot run is refused at start);
-    # auto: the sandbox where it runs, else unsandboxed kernels; none: never sandboxed.
-    sandbox: str = "bwrap"
-    gateway_url: str | None = None
-    gateway_token: str | None = field(default=None, repr=False)
-    gateway_kernel_name: str | None = None  # None: the gateway's "python3"
+    sandbox: str = _flag(
+        "bwrap",
+        "local kernels under bubblewrap: bwrap (required: a host where it cannot run "
+        "is refused at start), auto (unsandboxed where it cannot run), none",
+        choices=SANDBOX_MODES,
+    )
+    gateway_url: str | None = _flag(
+        None,
+        "run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead",
+        metavar="URL",
+    )
+    gateway_token: str | None = _flag(
+        None,
+        "the gateway's auth token (prefer KERNEL_ENV_GATEWAY_TOKEN or _FILE: flags are "
+        "visible to other users of this host)",
+        metavar="TOKEN",
+        secret=True,
+    )
+    gateway_kernel_name: str | None = _flag(
+        None, "the gateway's kernel spec (none: the gateway's python3)", metavar="NAME"
+    )
     # The model behind the kernels' llm_query (an OpenAI-compatible endpoint). A reset with an
     # hf_token uses Hugging Face's router with that token for that episode instead.
-    llm_base_url: str | None = None
-    llm_model: str | None = None
+    llm_base_url: str | None = _flag(
+        None,
+        "OpenAI-compatible endpoint answering the kernels' llm_query (key: KERNEL_ENV_LLM_API_KEY)",
+        metavar="URL",
+    )
+    llm_model: str | None = _flag(None, "model name sent to --llm-base-url", metavar="MODEL")
     llm_api_key: str | None = field(default=None, repr=False)
     hf_router_url: str | None = None  # where hf_token episodes go; None: Hugging Face's router
-    llm_max_calls: int | None = None  # per-episode budget (children's calls included)
-    llm_max_tokens: int | None = None
-    # Models a cell may name in llm_query(model=...), besides llm_model (and a reset's).
-    llm_allowed_models: tuple[str, ...] = ()
-    max_prompt_chars: int = 1_000_000  # one llm_query prompt, chars
-    # Every kernel the server runs: sessions', warm pool kernels and rlm_query children.
-    # None: max_sessions + pool_size.
-    max_kernels: int | None = None
+    llm_max_calls: int | None = _flag(
+        None, "LLM calls per episode at most (none: no limit)", metavar="N"
+    )
+    llm_max_tokens: int | None = _flag(
+        None, "LLM tokens per episode at most (none: no limit)", metavar="N"
+    )
+    llm_allowed_models: tuple[str, ...] = _flag(
+        (), "models a cell may name in llm_query(model=...) besides --llm-model", metavar="M1,M2"
+    )
+    max_prompt_chars: int = _flag(1_000_000, "largest llm_query prompt, chars", metavar="N")
+    max_kernels: int | None = _flag(
+        None,
+        "kernels at most: sessions', warm ones and rlm_query children (none: "
+        "max-sessions + pool-size)",
+        metavar="N",
+    )
     # Browser policy. Host headers accepted (None: the bound address, localhost, 127.0.0.1,
     # [::1]; "*" accepts any), and origins a browser page may call from (CORS; none by default).
-    allowed_hosts: tuple[str, ...] | None = None
-    allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] | None = _flag(
+        None,
+        "Host names accepted (none: the bound address, localhost, 127.0.0.1, [::1]; * for any)",
+        metavar="H1,H2",
+    )
+    allowed_origins: tuple[str, ...] = _flag(
+        (), "web origins allowed to call the server (CORS)", metavar="O1,O2"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -73,21 +136,32 @@ class ServerSettings:
         for name in ("pool_size", "idle_ttl", "claim_ttl"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_sessions", "step_timeout", "drain_timeout", "max_message_bytes",
-                     "max_context_chars", "max_code_chars"):
+        for name in (
+            "max_sessions",
+            "step_timeout",
+            "drain_timeout",
+            "max_message_bytes",
+            "max_context_chars",
+            "max_code_chars",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("token", "gateway_token", "llm_api_key"):
             value = getattr(self, name)
             if value is not None and not value.strip():
-                raise ValueError(f"{name} must not be empty or blank (leave it unset for none)"
-                                 + (": KERNEL_ENV_TOKEN is set but blank" if name == "token"
-                                    else ""))
+                raise ValueError(
+                    f"{name} must not be empty or blank (leave it unset for none)"
+                    + (": KERNEL_ENV_TOKEN is set but blank" if name == "token" else "")
+                )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
         if self.max_prompt_chars <= 0:
             raise ValueError(f"max_prompt_chars must be > 0, got {self.max_prompt_chars}")
         if self.max_kernels is not None and self.max_kernels < 1:
             raise ValueError(f"max_kernels must be >= 1, got {self.max_kernels}")
-        if self.sandbox not in ("auto", "bwrap", "none"):
+        if self.sandbox not in SANDBOX_MODES:
             raise ValueError(f"sandbox must be auto, bwrap or none, got {self.sandbox!r}")
         if self.llm_base_url and not self.llm_model:
             raise ValueError("llm_base_url needs llm_model (the model name to request)")
@@ -96,9 +170,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 0, got {value}")
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **explicit: Any
-    ) -> ServerSettings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> ServerSettings:
         """Settings from ``explicit`` arguments (None = not given), then ``KERNEL_ENV_<NAME>``
         variables, then the defaults."""
         environ = os.environ if environ is None else environ

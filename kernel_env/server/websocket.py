@@ -53,8 +53,12 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     try:
         session = runtime.sessions.open("ws")
     except CapacityReached as exc:
-        frame = error_frame(ErrorCode.CAPACITY_REACHED, str(exc),
-                            active_sessions=exc.active_sessions, max_sessions=exc.max_sessions)
+        frame = error_frame(
+            ErrorCode.CAPACITY_REACHED,
+            str(exc),
+            active_sessions=exc.active_sessions,
+            max_sessions=exc.max_sessions,
+        )
         await _refuse(websocket, frame, _CLOSE_TRY_LATER)
         return
     except SessionError as exc:  # shutting down

@@ -1,0 +1,83 @@
+"""Every reference a newcomer follows resolves: docs paths, markdown links, acceptance ids."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("kernel_env", "tests", "benchmarks", "examples", "scripts", "deploy")
+
+# docs/<page>.md written as a path (not the tail of a URL such as https://x/docs/y.md)
+DOC_PATH = re.compile(r"(?<![\w/.:-])docs/[\w./-]+\.md\b")
+# [text](target): a relative link (not a URL, not an in-page anchor)
+LINK = re.compile(r"\[[^\]]*\]\((?!https?:|mailto:|#)([^)\s#]+)(?:#[^)]*)?\)")
+# an acceptance id as cited: F3, B1, S5, P12 (a letter, then a number; a word of its own)
+ACCEPTANCE_ID = re.compile(r"(?<![\w-])([FBSP])(\d{1,2})(?![\w-])")
+DEFINED_ID = re.compile(r"^\| ([FBSP]\d{1,2}) \|", re.M)
+
+
+def _text_files() -> list[Path]:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for folder in SOURCES:
+        files += sorted(
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.suffix in (".py", ".md", ".sh", ".yaml") and p.is_file()
+        )
+    return [p for p in files if p != Path(__file__).resolve()]  # this file's examples
+
+
+def _markdown_files() -> list[Path]:
+    return [p for p in _text_files() if p.suffix == ".md"] + [ROOT / "notebooks" / "README.md"]
+
+
+def test_every_docs_path_exists() -> None:
+    """A `docs/<page>.md` named in code, tests, benchmarks or docs is a file in docs/."""
+    missing = [
+        f"{path.relative_to(ROOT)}: {ref}"
+        for path in _text_files()
+        for ref in DOC_PATH.findall(path.read_text(errors="replace"))
+        if not (ROOT / ref).is_file()
+    ]
+    assert missing == []
+
+
+def test_every_relative_markdown_link_resolves() -> None:
+    """Relative links in the README, docs/ and the other READMEs point at files that exist."""
+    broken = [
+        f"{path.relative_to(ROOT)}: {target}"
+        for path in _markdown_files()
+        for target in LINK.findall(path.read_text())
+        if not (path.parent / target).exists()
+    ]
+    assert broken == []
+
+
+def test_every_cited_acceptance_id_is_defined() -> None:
+    """An id such as F3 or P1 cited in the code, tests or benchmarks is a row of
+    docs/acceptance.md, which says what it means and where it is checked."""
+    defined = set(DEFINED_ID.findall((ROOT / "docs" / "acceptance.md").read_text()))
+    cited = {
+        f"{letter}{number}": path.relative_to(ROOT)
+        for folder in ("kernel_env", "tests", "benchmarks")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != Path(__file__).resolve()
+        for letter, number in ACCEPTANCE_ID.findall(path.read_text())
+    }
+    assert {ident: str(path) for ident, path in cited.items() if ident not in defined} == {}
+    assert len(cited) > 20  # the pattern still finds the ids the code cites
+
+
+def test_the_checks_see_broken_references(tmp_path: Path) -> None:
+    """The patterns catch what they are for, and pass over URLs and plain words."""
+    assert DOC_PATH.findall("see docs/nowhere.md, https://x.org/docs/a.md") == ["docs/nowhere.md"]
+    assert LINK.findall("[a](missing.md) [b](https://x.org) [c](#top) [d](ok.md#part)") == [
+        "missing.md",
+        "ok.md",
+    ]
+    assert ACCEPTANCE_ID.findall("F3: killed; (P12) and S5, not PF3 or F3a or x-F1") == [
+        ("F", "3"),
+        ("P", "12"),
+        ("S", "5"),
+    ]
