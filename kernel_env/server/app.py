@@ -14,6 +14,7 @@ Unlike OpenEnv's stateless HTTP, ``/reset`` opens a *session*: its id comes back
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,6 +33,7 @@ from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import EpisodeFinished, InvalidInput, KernelError, ResetNeeded
 from kernel_env.kernel import KernelSource
 from kernel_env.kernel.factory import kernel_source_from
+from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.notebook import ExportPathError, export_zip, notebook_name, notebook_text
@@ -97,11 +99,20 @@ def _token_backends(settings: ServerSettings) -> BackendForToken:
     return build
 
 
+log = logging.getLogger("kernel_env.server")
+
+
 class Runtime:
     """Everything the app owns while it runs; created in the lifespan, on the app's loop."""
 
-    def __init__(self, settings: ServerSettings, kernel_factory: KernelSource) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        kernel_factory: KernelSource,
+        forkserver: ForkServer | None = None,
+    ) -> None:
         self.settings = settings
+        self.forkserver = forkserver
         self.pool = KernelPool(
             kernel_factory, size=settings.pool_size, max_kernels=settings.kernel_limit
         )
@@ -131,6 +142,9 @@ class Runtime:
         self.started = time.monotonic()
 
     async def start(self) -> None:
+        if self.forkserver is not None:
+            await self.forkserver.start()
+            log.info("kernels start: %s", self.forkserver.status)
         await self.pool.start()
         await self.sessions.start()
 
@@ -142,8 +156,19 @@ class Runtime:
     async def close(self) -> None:
         await self.sessions.close()
         await self.pool.close()
+        if self.forkserver is not None:
+            await self.forkserver.close()
         if self.llm is not None:
             await self.llm.aclose()
+
+    @property
+    def start_mode(self) -> str:
+        """How the server's kernels start, in words (for /health and /metadata)."""
+        if self.forkserver is not None:
+            return self.forkserver.status
+        if self.settings.gateway_url:
+            return "started by the gateway"
+        return "cold start (a new interpreter per kernel; forkserver off)"
 
 
 class StepRequest(BaseModel):
@@ -173,11 +198,12 @@ def create_app(
     """The app. ``kernel_factory`` starts the kernels (default: from the settings: local
     kernels, sandboxed per ``settings.sandbox``, or a gateway's when ``gateway_url`` is set)."""
     settings = settings or ServerSettings()
-    factory = kernel_factory or kernel_source_from(settings)
+    forkserver = _forkserver_for(settings) if kernel_factory is None else None
+    factory = kernel_factory or kernel_source_from(settings, forkserver=forkserver)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = Runtime(settings, factory)
+        runtime = Runtime(settings, factory, forkserver)
         app.state.runtime = runtime
         await runtime.start()
         try:
@@ -256,7 +282,7 @@ def _runtime(request: Request) -> Runtime:
 
 
 def _isolation(app: FastAPI) -> dict[str, str]:
-    """Where kernels run, what isolates them and which limits hold (computed once)."""
+    """Where kernels run, how they start, what isolates them and which limits hold."""
     cached = getattr(app.state, "isolation", None)
     if cached is None:
         from kernel_env.kernel.factory import describe_backend, describe_limits
@@ -264,7 +290,16 @@ def _isolation(app: FastAPI) -> dict[str, str]:
         settings = app.state.settings
         cached = {"backend": describe_backend(settings), **describe_limits(settings)}
         app.state.isolation = cached
-    return cached
+    runtime = getattr(app.state, "runtime", None)
+    start = runtime.start_mode if runtime is not None else "not started"
+    return {"backend": cached["backend"], "start": start, **cached}
+
+
+def _forkserver_for(settings: ServerSettings) -> ForkServer | None:
+    """The forkserver of a server whose kernels are local (started with the app)."""
+    if settings.gateway_url or not settings.forkserver:
+        return None
+    return ForkServer(preload=settings.preload)
 
 
 def _add_info_routes(app: FastAPI) -> None:
