@@ -55,6 +55,7 @@ class ForkServer:
         self._control: socket.socket | None = None
         self._replies: Any = None
         self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
         self._problem: str | None = "not started"
         self.forks = 0
 
@@ -74,12 +75,21 @@ class ForkServer:
         return self._process.pid if self._process is not None else None
 
     async def start(self) -> ForkServer:
-        """Start the zygote and wait until it has imported everything; on failure, the
-        reason is in ``status`` and kernels start cold."""
-        await asyncio.to_thread(self._start)
-        if self._problem is not None:
-            log.warning("kernels start cold: the forkserver %s", self._problem)
+        """Start the zygote, if it is not running yet, and wait until it has imported
+        everything; on failure, the reason is in ``status`` and kernels start cold. The
+        first kernel that needs it starts it, so a server that starts no kernel pays nothing."""
+        await asyncio.to_thread(self._start_once)
         return self
+
+    def _start_once(self) -> None:
+        with self._start_lock:
+            if self._problem != "not started":
+                return
+            self._start()
+            if self._problem is None:
+                log.info("kernels start: %s", self.status)
+            else:
+                log.warning("kernels start cold: the forkserver %s", self._problem)
 
     def _start(self) -> None:
         if not hasattr(os, "fork") or not hasattr(os, "pidfd_open"):
@@ -100,6 +110,9 @@ class ForkServer:
             ours.close()
             self._problem = f"could not start: {exc}"
             return
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self._control = ours

@@ -246,6 +246,8 @@ class LocalKernel(Kernel):
         km = self._km
         if km is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        if self._forkserver is not None:
+            await self._forkserver.start()
         self.forked = self._forkserver is not None and self._forkserver.ready
         km._kernel_spec = self._kernel_spec()
         await km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))

@@ -14,7 +14,6 @@ Unlike OpenEnv's stateless HTTP, ``/reset`` opens a *session*: its id comes back
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -99,9 +98,6 @@ def _token_backends(settings: ServerSettings) -> BackendForToken:
     return build
 
 
-log = logging.getLogger("kernel_env.server")
-
-
 class Runtime:
     """Everything the app owns while it runs; created in the lifespan, on the app's loop."""
 
@@ -142,9 +138,6 @@ class Runtime:
         self.started = time.monotonic()
 
     async def start(self) -> None:
-        if self.forkserver is not None:
-            await self.forkserver.start()
-            log.info("kernels start: %s", self.forkserver.status)
         await self.pool.start()
         await self.sessions.start()
 
