@@ -129,6 +129,7 @@ class LocalKernel(Kernel):
         self._cgroup: KernelCgroup | None = None
         self._forkserver = forkserver if argv is None else None
         self.forked = False  # whether the running kernel came from the forkserver
+        self.keeper_pid: int | None = None  # its keeper (the kernel's parent, on the host)
 
     @property
     def runtime_dir(self) -> Path | None:
@@ -279,7 +280,7 @@ class LocalKernel(Kernel):
             "cwd": str(self.workdir),
             "rlimits": self._rlimits(),
         }
-        await forkserver.fork(request)
+        self.keeper_pid = await forkserver.fork(request)
 
     async def _namespaces_of(self, process: Any) -> int | None:
         """The process whose namespaces a forked kernel joins (the sandbox's); None here."""
