@@ -62,6 +62,33 @@ async def test_forked_kernels_are_fresh_sandboxed_kernels(forkserver: ForkServer
             env, "import os; print(sorted(p for p in os.listdir('/proc') if p.isdigit()))"
         )
         assert len(eval(pids)) <= 4  # the sandbox's init, the placeholder, the kernel, a child
+        fds = await _run(
+            env,
+            "import os\ntargets = []\n"
+            "for fd in os.listdir('/proc/self/fd'):\n"
+            "    try:\n        targets.append(os.readlink(f'/proc/self/fd/{fd}'))\n"
+            "    except OSError:\n        pass  # the listing's own descriptor, closed by now\n"
+            "print(targets)",
+        )
+        # Nothing inherited from the zygote or its keeper: no namespace, no host directory.
+        leaked = [
+            t
+            for t in eval(fds)
+            if t.startswith(
+                (
+                    "/proc/",
+                    "/run",
+                    "/sys",
+                    "/root",
+                    "/work",
+                    "mnt:",
+                    "user:",
+                    "pid:",
+                    "anon_inode:[pidfd]",
+                )
+            )
+        ]
+        assert leaked == []
     assert "forked from a preloaded forkserver" in forkserver.status
     assert forkserver.forks >= 1
 
