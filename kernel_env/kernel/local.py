@@ -228,7 +228,9 @@ class LocalKernel(Kernel):
         )
         # The host's sockets connect before the kernel binds its own; zmq then retries every
         # 100 ms by default, which a forked kernel (ready in tens of ms) would wait out.
+        # (Backing off to 1 s: a dead kernel's sockets are not retried every 5 ms.)
         self._km.context.setsockopt(zmq.RECONNECT_IVL, 5)
+        self._km.context.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._km.write_connection_file()
         if gid is not None:
             os.chown(self._km.connection_file, -1, gid)

@@ -69,6 +69,12 @@ KERNEL_MODULES = (
 # last (it applies to the children made after it).
 _NAMESPACES = ("user", "mnt", "net", "ipc", "uts", "pid")
 
+# The processes' names (``ps -o comm``, /proc/<pid>/comm): a forked kernel keeps the zygote's
+# command line, so the name is what tells them apart.
+KERNEL_NAME = "ke-kernel"
+KEEPER_NAME = "ke-keeper"
+
+_PR_SET_NAME = 15
 _NS_GET_PARENT = 0xB702  # ioctl_ns(2): _IO(0xb7, 0x2)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
@@ -120,6 +126,7 @@ def _keeper(request: dict[str, Any]) -> None:
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing to keep
+        _name(KEEPER_NAME)
         placeholder = os.pidfd_open(request["placeholder"])
         namespaces = _open_namespaces(request.get("namespaces_of"))
         for procs in request.get("cgroup_procs", []):
@@ -131,9 +138,14 @@ def _keeper(request: dict[str, Any]) -> None:
             os.setresuid(request["uid"], request["uid"], request["uid"])
         if namespaces:
             _join(namespaces)
+        # The kernel's view of its keeper: outside its PID namespace (0), or this pid.
+        keeper = 0 if namespaces else os.getpid()
         kernel = os.fork()
         if kernel == 0:
             os.close(placeholder)
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # its keeper gone (killed with the server)
+            if os.getppid() != keeper:
+                os._exit(1)  # the keeper died before the line above took effect
             _become_kernel(request)  # never returns
         status = _watch(kernel, placeholder)
     except BaseException as exc:  # said on the zygote's stderr (the server's log)
@@ -217,6 +229,7 @@ def _prctl(option: int, arg: int) -> int:
 def _become_kernel(request: dict[str, Any]) -> None:
     try:
         os.setsid()  # its own process group: ipykernel's interrupt signals the kernel's group
+        _name(KERNEL_NAME)
         _drop_capabilities()
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
         _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self, as a started kernel has
@@ -237,6 +250,10 @@ def _become_kernel(request: dict[str, Any]) -> None:
         _say(f"kernel_env: a forked kernel failed: {type(exc).__name__}: {exc}")
         os._exit(1)
     os._exit(0)
+
+
+def _name(name: str) -> None:
+    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()), 0, 0, 0)
 
 
 def _say(message: str) -> None:
