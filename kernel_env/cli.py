@@ -82,13 +82,24 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
-_FLAG_TYPES: dict[str, Any] = {"int": int, "float": float, "tuple[str, ...]": _names}
+def _bool(text: str) -> bool:
+    from kernel_env.server.settings import parse_bool
+
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
+
+
+_FLAG_TYPES: dict[str, Any] = {"int": int, "float": float, "bool": _bool, "tuple[str, ...]": _names}
 
 
 def _shown(default: object) -> str:
     """A default as a user would type it: 30 for 30.0, none for None or ()."""
     if isinstance(default, tuple):
         return ",".join(default) or "none"
+    if isinstance(default, bool):
+        return str(default).lower()
     if isinstance(default, float):
         return f"{default:g}"
     return "none" if default is None else str(default)
@@ -170,10 +181,20 @@ def _status_line(settings: ServerSettings) -> str:
         f"/ws); warming {settings.pool_size} kernel(s); max {settings.max_sessions} sessions, "
         f"step timeout {settings.step_timeout:g} s, idle TTL {settings.idle_ttl:g} s, {auth}\n"
         f"kernel-env: {describe_backend(settings)}; {llm}"
+        f"\nkernel-env: kernels start: {_start_mode(settings)}"
         + "".join(
             f"\nkernel-env:   {name}: {value}" for name, value in describe_limits(settings).items()
         )
     )
+
+
+def _start_mode(settings: ServerSettings) -> str:
+    if settings.gateway_url:
+        return "on the gateway"
+    if not settings.forkserver:
+        return "cold, a new interpreter each (--forkserver false)"
+    preload = f", preloading {','.join(settings.preload)}" if settings.preload else ""
+    return f"forked from a preloaded forkserver{preload} (cold if it cannot start: logged)"
 
 
 # -- export ------------------------------------------------------------------------------

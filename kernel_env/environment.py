@@ -8,7 +8,9 @@ reports in the same reply, detects a final answer, and scores it.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
@@ -37,6 +39,8 @@ from kernel_env.outputs import OutputBudget, truncate
 from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.recursion import BackendForToken, ChildEpisodes, ChildSolver, ParentLink
 from kernel_env.rubric import Rewards, Rubric, StepRubric, as_rubric, is_step_rubric, score_final
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Counters", "EnvConfig", "KernelEnvironment", "KernelSource"]
 
@@ -137,6 +141,7 @@ class KernelEnvironment:
         self._parent = parent
         self._child_solver = child_solver
         self._kernel: Kernel | None = None
+        self._discarding: set[asyncio.Future[None]] = set()  # reset's old kernels, shutting down
         self._record: EpisodeRecord | None = None
         self._calls = HostCalls()
         self._names: list[str] = []
@@ -169,7 +174,7 @@ class KernelEnvironment:
                 f"context of {len(opts.context)} chars exceeds the limit of "
                 f"{self.config.max_context_chars}"
             )
-        await self._discard_kernel()
+        self._discard_in_background()
         self._record = EpisodeRecord(
             episode_id=opts.episode_id or str(uuid.uuid4()),
             task_prompt=opts.task_prompt,
@@ -478,14 +483,31 @@ class KernelEnvironment:
         )
 
     async def close(self) -> None:
-        """Shut the episode's kernel down; idempotent. The record stays readable."""
+        """Shut the episode's kernel down, and those of earlier episodes still shutting
+        down; idempotent. The record stays readable."""
         await self._discard_kernel()
+        if self._discarding:
+            await asyncio.gather(*self._discarding, return_exceptions=True)
         await self._close_token_backend()
 
     async def _discard_kernel(self) -> None:
         kernel, self._kernel = self._kernel, None
         if kernel is not None:
             await kernel.shutdown()
+
+    def _discard_in_background(self) -> None:
+        """A reset's old kernel shuts down (~0.1 s) while the new episode starts; ``close``
+        waits for it."""
+        kernel, self._kernel = self._kernel, None
+        if kernel is not None:
+            task = asyncio.ensure_future(kernel.shutdown())
+            self._discarding.add(task)
+            task.add_done_callback(self._discarded)
+
+    def _discarded(self, task: asyncio.Future[None]) -> None:
+        self._discarding.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a discarded kernel failed to shut down: %r", task.exception())
 
     def _require(self) -> tuple[EpisodeRecord, Kernel]:
         if self._record is None or self._kernel is None:

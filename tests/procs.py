@@ -58,5 +58,15 @@ def cmdline(pid: int) -> bytes:
 
 
 def kernel_pids(pid: int) -> set[int]:
-    """The ipykernel processes that ``pid`` started."""
-    return {child for child in child_pids(pid) if b"ipykernel" in cmdline(child)}
+    """The kernels that ``pid`` started: the processes it launched for cold kernels (their
+    command line names ipykernel), and its forkserver's kernels (named ``ke-kernel``)."""
+    cold = {child for child in child_pids(pid) if b"ipykernel" in cmdline(child)}
+    return cold | {p for p in descendants(pid) if comm(p) == "ke-kernel"}
+
+
+def comm(pid: int) -> str:
+    """The process's name, or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

@@ -15,6 +15,8 @@ import pytest
 from fake_openai import FakeOpenAI
 from serverkit import small_settings, thread_server
 
+from kernel_env.kernel.zygote import KERNEL_NAME
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
@@ -32,7 +34,8 @@ def kernel_processes(root: int) -> int:
             continue
         with contextlib.suppress(OSError, IndexError, ValueError):
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if len(argv) < 3 or argv[1:3] != [b"-m", b"ipykernel_launcher"]:
+            forked = Path(f"/proc/{entry}/comm").read_text().strip() == KERNEL_NAME
+            if not forked and (len(argv) < 3 or argv[1:3] != [b"-m", b"ipykernel_launcher"]):
                 continue
             pid = int(entry)
             while pid > 1:

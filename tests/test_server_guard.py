@@ -38,6 +38,7 @@ def _ws(url: str) -> str:
     return url.replace("http://", "ws://") + "/ws"
 
 
+@pytest.mark.integration  # its server starts a kernel
 def test_foreign_origin_is_refused_at_the_websocket_handshake(open_server: str) -> None:
     """A page on evil.example cannot open /ws: the handshake gets 403, no session opens."""
     with pytest.raises(InvalidStatus) as refused:
@@ -47,6 +48,7 @@ def test_foreign_origin_is_refused_at_the_websocket_handshake(open_server: str) 
     assert metrics["sessions_total"] == 0
 
 
+@pytest.mark.integration  # its server starts a kernel
 def test_rebinding_host_is_refused_and_nothing_runs(open_server: str) -> None:
     """DNS rebinding: POST /reset under Host rebind.evil.example gets 403 and opens no
     session; a WebSocket under that Host is refused too."""
@@ -69,6 +71,7 @@ def test_rebinding_host_is_refused_and_nothing_runs(open_server: str) -> None:
     assert httpx.get(f"{open_server}/metrics", timeout=10).json()["sessions_total"] == 0
 
 
+@pytest.mark.integration  # its server starts a kernel
 def test_cross_site_post_is_refused(open_server: str) -> None:
     """A fetch() from a foreign page (Origin set, right Host) is refused, and CORS is closed."""
     response = httpx.post(f"{open_server}/reset", json={}, headers={"Origin": EVIL}, timeout=10)
@@ -76,7 +79,7 @@ def test_cross_site_post_is_refused(open_server: str) -> None:
     assert "access-control-allow-origin" not in response.headers
 
 
-@pytest.mark.integration
+@pytest.mark.integration  # its server starts a kernel
 def test_clients_without_origin_and_same_origin_pages_work(open_server: str) -> None:
     """Non-browser clients (no Origin) and the server's own pages (/docs) are served."""
     with connect(_ws(open_server), open_timeout=10) as ws:

@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kernel_env.kernel.base import Kernel, KernelSource
+from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.local import describe_isolation as unsandboxed_limits
 from kernel_env.kernel.modes import SANDBOX_MODES, SandboxMode
@@ -115,9 +116,12 @@ def gateway_source(config: GatewayConfig, **kernel_options: Any) -> KernelSource
     return start_gateway_kernel
 
 
-def kernel_source_from(settings: BackendSettings | None = None) -> KernelSource:
+def kernel_source_from(
+    settings: BackendSettings | None = None, *, forkserver: ForkServer | None = None
+) -> KernelSource:
     """Local kernels (sandboxed per ``settings.sandbox``, default ``"auto"``), or gateway
-    kernels when ``settings.gateway_url`` is set.
+    kernels when ``settings.gateway_url`` is set. Local kernels fork from ``forkserver``
+    when one is given and ready.
 
     Optional attributes: ``gateway_kernel_name`` (default ``python3``), and any other
     :class:`GatewayConfig` field prefixed ``gateway_`` (``gateway_start_timeout``, ...).
@@ -125,7 +129,8 @@ def kernel_source_from(settings: BackendSettings | None = None) -> KernelSource:
     """
     url = getattr(settings, "gateway_url", None) if settings is not None else None
     if not url:
-        return local_source(getattr(settings, "sandbox", "auto") or "auto")
+        forked = {"forkserver": forkserver} if forkserver is not None else {}
+        return local_source(getattr(settings, "sandbox", "auto") or "auto", **forked)
     from kernel_env.kernel.gateway import GatewayConfig
 
     options: dict[str, Any] = {}

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import zmq
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.session import Session
@@ -32,9 +33,17 @@ from kernel_env.errors import KernelStartError
 from kernel_env.kernel import privilege
 from kernel_env.kernel.base import Kernel
 from kernel_env.kernel.cgroups import KernelCgroup
+from kernel_env.kernel.forkserver import ForkServer, ForkServerError
 from kernel_env.kernel.runtime import runtime_parent, write_file
 
-__all__ = ["LocalKernel", "describe_isolation", "kernel_argv", "launch_guard", "minimal_environ"]
+__all__ = [
+    "LocalKernel",
+    "describe_isolation",
+    "kernel_argv",
+    "launch_guard",
+    "minimal_environ",
+    "placeholder_argv",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,12 @@ _KERNEL_FLAGS = (
 def kernel_argv(python: str = sys.executable) -> list[str]:
     """The command line of an episode kernel (``{connection_file}`` filled in at launch)."""
     return [python, "-m", "ipykernel_launcher", "-f", "{connection_file}", *_KERNEL_FLAGS]
+
+
+def placeholder_argv() -> list[str]:
+    """The process a forked kernel's launch runs in its place: it holds the launch's uid,
+    cgroups and sandbox until the kernel joins them, and lives exactly as long as the kernel."""
+    return [shutil.which("sleep") or "/bin/sleep", "infinity"]
 
 
 def minimal_environ(home: str, python: str = sys.executable) -> dict[str, str]:
@@ -94,8 +109,12 @@ class LocalKernel(Kernel):
         argv: Sequence[str] | None = None,
         extra_env: Mapping[str, str] | None = None,
         runtime_root: str | None = None,
+        forkserver: ForkServer | None = None,
         **kwargs: Any,
     ) -> None:
+        """``forkserver``: fork the kernel from this preloaded process instead of starting
+        a new interpreter (when it runs the same ``python`` and no custom ``argv`` is given;
+        kernels start cold while it is not ready)."""
         super().__init__(**kwargs)
         self.kernel_id = uuid.uuid4().hex[:12]
         self._argv = list(argv) if argv is not None else kernel_argv(python)
@@ -108,6 +127,9 @@ class LocalKernel(Kernel):
         self._readers: list[asyncio.Task[None]] = []
         self._lease: privilege.UidLease | None = None
         self._cgroup: KernelCgroup | None = None
+        self._forkserver = forkserver if argv is None else None
+        self.forked = False  # whether the running kernel came from the forkserver
+        self.keeper_pid: int | None = None  # its keeper (the kernel's parent, on the host)
 
     @property
     def runtime_dir(self) -> Path | None:
@@ -127,14 +149,25 @@ class LocalKernel(Kernel):
         return process.pid if process is not None else None
 
     def _kernel_spec(self) -> KernelSpec:
-        return KernelSpec(argv=self._command(), language="python", display_name="kernel_env")
+        # A forked kernel is interrupted through its control channel: a signal would reach
+        # the placeholder process instead.
+        return KernelSpec(
+            argv=self._command(),
+            language="python",
+            display_name="kernel_env",
+            interrupt_mode="message" if self.forked else "signal",
+        )
+
+    def _program(self) -> list[str]:
+        """What the launch runs: the kernel, or the placeholder a forked kernel replaces."""
+        return placeholder_argv() if self.forked else list(self._argv)
 
     def _command(self) -> list[str]:
         """The launch command (a sandbox wraps it)."""
         procs = self._cgroup_procs()
         if not procs and self._lease is None:
-            return list(self._argv)
-        return [*launch_guard(procs), *self._drop(), *self._argv]
+            return self._program()
+        return [*launch_guard(procs), *self._drop(), *self._program()]
 
     def _environ(self) -> dict[str, str]:
         return minimal_environ(str(self.workdir), self._python)
@@ -193,17 +226,71 @@ class LocalKernel(Kernel):
             ip=self._ipc_prefix(),
             connection_file=str(self._dir / "kernel.json"),
         )
+        # The host's sockets connect before the kernel binds its own; zmq then retries every
+        # 100 ms by default, which a forked kernel (ready in tens of ms) would wait out.
+        # (Backing off to 1 s: a dead kernel's sockets are not retried every 5 ms.)
+        self._km.context.setsockopt(zmq.RECONNECT_IVL, 5)
+        self._km.context.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._km.write_connection_file()
         if gid is not None:
             os.chown(self._km.connection_file, -1, gid)
             os.chmod(self._km.connection_file, 0o640)
         try:
-            await self._km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
+            await self._start_process()
         except Exception as exc:
             raise KernelStartError(
                 f"kernel failed to launch: {exc}", kernel_id=self.kernel_id
             ) from exc
         self._start_client()
+
+    async def _start_process(self) -> None:
+        """Launch the kernel: cold, or a placeholder the forkserver's child then joins. A
+        fork that fails starts this kernel cold (and the forkserver says why it stopped)."""
+        km = self._km
+        if km is None:
+            raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        if self._forkserver is not None:
+            await self._forkserver.start()
+        self.forked = self._forkserver is not None and self._forkserver.ready
+        km._kernel_spec = self._kernel_spec()
+        await km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
+        if not self.forked:
+            return
+        try:
+            await self._fork_into_placeholder()
+        except (ForkServerError, OSError, KernelStartError) as exc:
+            log.warning("kernel %s: fork failed (%s); starting it cold", self.kernel_id, exc)
+            await km.shutdown_kernel(now=True)
+            self.forked = False
+            km._kernel_spec = self._kernel_spec()
+            await km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
+
+    async def _fork_into_placeholder(self) -> None:
+        km, forkserver = self._km, self._forkserver
+        if km is None or forkserver is None:
+            raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        process = km.provisioner.process  # type: ignore[union-attr]
+        flags = [*_KERNEL_FLAGS, "--IPKernelApp.parent_handle=1"]  # the keeper watches it
+        request = {
+            "placeholder": process.pid,
+            "namespaces_of": await self._namespaces_of(process),
+            "cgroup_procs": [str(p) for p in self._cgroup_procs()],
+            "uid": self._lease.uid if self._lease is not None else None,
+            "gid": self._lease.gid if self._lease is not None else None,
+            "argv": ["-f", km.connection_file, *flags],
+            "env": self._launch_env(),
+            "cwd": str(self.workdir),
+            "rlimits": self._rlimits(),
+        }
+        self.keeper_pid = await forkserver.fork(request)
+
+    async def _namespaces_of(self, process: Any) -> int | None:
+        """The process whose namespaces a forked kernel joins (the sandbox's); None here."""
+        return None
+
+    def _rlimits(self) -> dict[str, int]:
+        """Per-process limits a forked kernel sets on itself (``resource`` names)."""
+        return {}
 
     def _launch_env(self) -> dict[str, str]:
         return self._environ() | self._extra_env
@@ -215,7 +302,7 @@ class LocalKernel(Kernel):
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
         await km.shutdown_kernel(now=True, restart=True)
         await asyncio.to_thread(self._kill_leftovers)
-        await km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
+        await self._start_process()
         self._start_client()
 
     def _kill_leftovers(self) -> None:
@@ -282,7 +369,7 @@ class LocalKernel(Kernel):
         session = Session(
             key=self._km.session.key, signature_scheme=self._km.session.signature_scheme
         )
-        self._kc = self._km.client(session=session)
+        self._kc = self._km.client(session=session, context=self._km.context)
         self._kc.start_channels(shell=True, iopub=True, stdin=True, hb=False, control=False)
         self._readers = [
             asyncio.create_task(self._pump(name), name=f"{self.kernel_id}-{name}")

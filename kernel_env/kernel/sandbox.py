@@ -210,6 +210,7 @@ class _SandboxManager(_KernelManager):
     ``/proc/<sandbox init>/root``, found after each launch."""
 
     inside_ip = f"{_INSIDE_IPC_DIR}/kernel-ipc"
+    sandbox_init: int | None = None  # the host pid of the sandbox's init, once launched
 
     async def _async_pre_start_kernel(self, **kw: Any) -> Any:
         self.ip = self.inside_ip  # what the connection file (the kernel's view) says
@@ -219,6 +220,7 @@ class _SandboxManager(_KernelManager):
         await super()._async_launch_kernel(kernel_cmd, **kw)
         process = self.provisioner.process  # type: ignore[union-attr]
         init = await _sandbox_init(process)
+        self.sandbox_init = init
         self.ip = f"/proc/{init}/root{self.inside_ip}"
 
     def cleanup_ipc_files(self) -> None:
@@ -243,6 +245,22 @@ async def _sandbox_init(process: Any, timeout: float = 20.0) -> int:
             pass
         await asyncio.sleep(0.002)
     raise KernelStartError("the sandbox did not start its init in time")
+
+
+async def _sandbox_command(process: Any, init: int, timeout: float = 20.0) -> int:
+    """The host pid of the command bubblewrap runs in the sandbox (the init's child), once
+    it has exec'd (bubblewrap execs it when the sandbox is complete)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if process.poll() is not None:
+            raise KernelStartError(f"the sandbox exited at launch (status {process.returncode})")
+        with contextlib.suppress(OSError):
+            for child in Path(f"/proc/{init}/task/{init}/children").read_text().split():
+                if Path(f"/proc/{child}/comm").read_text().strip() != "bwrap":
+                    return int(child)
+        await asyncio.sleep(0.001)
+    raise KernelStartError("the sandbox did not start its command in time")
 
 
 class SandboxedKernel(LocalKernel):
@@ -275,7 +293,7 @@ class SandboxedKernel(LocalKernel):
         # ipykernel exits when its parent pid changes; inside the PID namespace its parent is
         # bwrap's reaper, pid 1, which the kernel app treats as "no parent to watch".
         # --die-with-parent ends the sandbox with the server instead.
-        kernel = [*self._argv, "--IPKernelApp.parent_handle=1"]
+        kernel = self._program() if self.forked else [*self._argv, "--IPKernelApp.parent_handle=1"]
         binds = self._binds()
         staged = self._staged(binds)
         guard = launch_guard(
@@ -326,16 +344,31 @@ class SandboxedKernel(LocalKernel):
         ]  # fmt: skip
         return [*args, "--"]
 
-    def _prlimit(self) -> list[str]:
+    def _limit_values(self) -> dict[str, int | None]:
         limits = self.limits
-        pairs = [
-            ("--as", limits.address_space_bytes or limits.memory_bytes),
-            ("--cpu", limits.cpu_seconds),
-            ("--nofile", limits.open_files),
-            ("--fsize", limits.file_size_bytes),
-        ]
-        args = [f"{flag}={value}" for flag, value in pairs if value is not None]
+        return {
+            "as": limits.address_space_bytes or limits.memory_bytes,
+            "cpu": limits.cpu_seconds,
+            "nofile": limits.open_files,
+            "fsize": limits.file_size_bytes,
+        }
+
+    def _prlimit(self) -> list[str]:
+        args = [f"--{name}={value}" for name, value in self._limit_values().items() if value]
         return [shutil.which("prlimit") or "prlimit", *args, "--"] if args else []
+
+    def _rlimits(self) -> dict[str, int]:
+        # The placeholder's limits do not pass to a forked kernel: it sets its own.
+        return {f"RLIMIT_{name.upper()}": v for name, v in self._limit_values().items() if v}
+
+    async def _namespaces_of(self, process: Any) -> int | None:
+        """The placeholder inside the sandbox: it runs once bubblewrap has set everything up
+        (mounts, tmpfs, /proc), and its namespaces are the sandbox's."""
+        km = self._km
+        init = km.sandbox_init if isinstance(km, _SandboxManager) else None
+        if init is None:
+            raise KernelStartError("the sandbox's init was not found", kernel_id=self.kernel_id)
+        return await _sandbox_command(process, init)
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import EpisodeFinished, InvalidInput, KernelError, ResetNeeded
 from kernel_env.kernel import KernelSource
 from kernel_env.kernel.factory import kernel_source_from
+from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.notebook import ExportPathError, export_zip, notebook_name, notebook_text
@@ -100,10 +101,21 @@ def _token_backends(settings: ServerSettings) -> BackendForToken:
 class Runtime:
     """Everything the app owns while it runs; created in the lifespan, on the app's loop."""
 
-    def __init__(self, settings: ServerSettings, kernel_factory: KernelSource) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        kernel_factory: KernelSource,
+        forkserver: ForkServer | None = None,
+    ) -> None:
         self.settings = settings
+        self.forkserver = forkserver
         self.pool = KernelPool(
-            kernel_factory, size=settings.pool_size, max_kernels=settings.kernel_limit
+            kernel_factory,
+            size=settings.pool_size,
+            max_kernels=settings.kernel_limit,
+            # A forked start mostly waits (the sandbox's launch, the readiness handshake):
+            # several at once refill the pool faster; cold starts are CPU-bound.
+            start_concurrency=4 if forkserver is not None else None,
         )
         self.llm = llm_backend_from(settings)
         config = EnvConfig(
@@ -142,8 +154,19 @@ class Runtime:
     async def close(self) -> None:
         await self.sessions.close()
         await self.pool.close()
+        if self.forkserver is not None:
+            await self.forkserver.close()
         if self.llm is not None:
             await self.llm.aclose()
+
+    @property
+    def start_mode(self) -> str:
+        """How the server's kernels start, in words (for /health and /metadata)."""
+        if self.forkserver is not None:
+            return self.forkserver.status
+        if self.settings.gateway_url:
+            return "started by the gateway"
+        return "cold start (a new interpreter per kernel; forkserver off)"
 
 
 class StepRequest(BaseModel):
@@ -173,11 +196,12 @@ def create_app(
     """The app. ``kernel_factory`` starts the kernels (default: from the settings: local
     kernels, sandboxed per ``settings.sandbox``, or a gateway's when ``gateway_url`` is set)."""
     settings = settings or ServerSettings()
-    factory = kernel_factory or kernel_source_from(settings)
+    forkserver = _forkserver_for(settings) if kernel_factory is None else None
+    factory = kernel_factory or kernel_source_from(settings, forkserver=forkserver)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = Runtime(settings, factory)
+        runtime = Runtime(settings, factory, forkserver)
         app.state.runtime = runtime
         await runtime.start()
         try:
@@ -256,7 +280,7 @@ def _runtime(request: Request) -> Runtime:
 
 
 def _isolation(app: FastAPI) -> dict[str, str]:
-    """Where kernels run, what isolates them and which limits hold (computed once)."""
+    """Where kernels run, how they start, what isolates them and which limits hold."""
     cached = getattr(app.state, "isolation", None)
     if cached is None:
         from kernel_env.kernel.factory import describe_backend, describe_limits
@@ -264,7 +288,16 @@ def _isolation(app: FastAPI) -> dict[str, str]:
         settings = app.state.settings
         cached = {"backend": describe_backend(settings), **describe_limits(settings)}
         app.state.isolation = cached
-    return cached
+    runtime = getattr(app.state, "runtime", None)
+    start = runtime.start_mode if runtime is not None else "not started"
+    return {"backend": cached["backend"], "start": start, **cached}
+
+
+def _forkserver_for(settings: ServerSettings) -> ForkServer | None:
+    """The forkserver of a server whose kernels are local (started with the app)."""
+    if settings.gateway_url or not settings.forkserver:
+        return None
+    return ForkServer(preload=settings.preload)
 
 
 def _add_info_routes(app: FastAPI) -> None:

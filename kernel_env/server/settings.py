@@ -78,6 +78,16 @@ class ServerSettings:
         "is refused at start), auto (unsandboxed where it cannot run), none",
         choices=SANDBOX_MODES,
     )
+    # Local kernels are forked from a process that imported what a kernel needs (and these
+    # modules) once; off, or where it cannot run, every kernel starts a new interpreter.
+    forkserver: bool = _flag(
+        True,
+        "start local kernels by forking a preloaded process (false: a new interpreter per kernel)",
+        metavar="BOOL",
+    )
+    preload: tuple[str, ...] = _flag(
+        (), "modules the forkserver imports once for every kernel", metavar="numpy,pandas"
+    )
     gateway_url: str | None = _flag(
         None,
         "run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead",
@@ -237,6 +247,8 @@ def _parse(name: str, type_name: str, raw: str) -> Any:
     if optional and not raw.strip() and name not in _SECRETS:
         return None
     base = type_name.removesuffix("| None").strip()
+    if base == "bool":
+        return parse_bool(raw, f"{ENV_PREFIX}{name.upper()}")
     if base == "tuple[str, ...]":
         return tuple(item.strip() for item in raw.split(",") if item.strip())
     try:
@@ -247,3 +259,14 @@ def _parse(name: str, type_name: str, raw: str) -> Any:
     except ValueError:
         raise ValueError(f"{ENV_PREFIX}{name.upper()}: expected {base}, got {raw!r}") from None
     return raw
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(raw: str, what: str = "value") -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off, any case); anything else is an error."""
+    text = raw.strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(f"{what}: expected true or false, got {raw!r}")

@@ -1,0 +1,206 @@
+"""The kernel forkserver: P11, P1 under load and P12 of docs/acceptance.md, and memory, in one run.
+
+    python benchmarks/bench_forkserver.py            # ~3-4 minutes on 2 cores
+    python benchmarks/bench_forkserver.py --quick    # fewer samples, for a smoke run
+
+P12     a fresh sandboxed kernel, request -> ready: forked vs cold (p50), and the CPU the
+        kernel's own process used until ready (from /proc)
+memory  N idle sandboxed kernels, forked vs cold: the sum of their processes' PSS
+P1      20 back-to-back resets in one /ws session, forkserver server vs cold-start server,
+        each p50 as a share of a cold kernel start
+P11     8 /ws sessions of back-to-back episodes (reset + 3 trivial steps) for 20 s, episodes/s,
+        forkserver server vs cold server vs a kernel per episode started by hand with raw
+        jupyter_client, two lanes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_server import RawKernel, Server, cpu_seconds, descendants, ms, pct, ws_request
+from websockets.asyncio.client import connect
+
+from kernel_env.kernel.forkserver import ForkServer
+from kernel_env.kernel.sandbox import SandboxedKernel
+
+
+def _pss(pid: int) -> int:
+    """Proportional set size, bytes: shared pages counted by the share each process has."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _kernel_pid(kernel: SandboxedKernel) -> int:
+    """The host pid of the process that runs the kernel's cells."""
+    if kernel.forked and kernel.keeper_pid is not None:
+        keeper = kernel.keeper_pid
+        return int(Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()[0])
+    init = kernel._km.sandbox_init  # type: ignore[union-attr]
+    return int(Path(f"/proc/{init}/task/{init}/children").read_text().split()[0])
+
+
+def _processes(kernel: SandboxedKernel) -> list[int]:
+    """Every host process a kernel costs: the launch (bubblewrap, its init, the kernel or
+    placeholder) and, when forked, the keeper and the kernel."""
+    launched = kernel._km.provisioner.process.pid  # type: ignore[union-attr]
+    pids = {launched, *descendants(launched)}
+    if kernel.forked and kernel.keeper_pid is not None:
+        pids |= {kernel.keeper_pid, *descendants(kernel.keeper_pid)}
+    return sorted(pids)
+
+
+async def p12(server: ForkServer, n: int) -> dict[str, Any]:
+    """Start latency and the kernel's own CPU, forked and cold, interleaved."""
+    out: dict[str, list[float]] = {"fork": [], "cold": [], "fork_cpu": [], "cold_cpu": []}
+    for i in range(2 * n + 2):
+        kind = "fork" if i % 2 else "cold"
+        kernel = SandboxedKernel(forkserver=server if kind == "fork" else None)
+        t0 = time.perf_counter()
+        await kernel.start()
+        elapsed = time.perf_counter() - t0
+        cpu = cpu_seconds(_kernel_pid(kernel))
+        await kernel.shutdown()
+        if i >= 2:  # the first of each warms caches
+            out[kind].append(elapsed)
+            out[f"{kind}_cpu"].append(cpu)
+    return out
+
+
+async def memory(server: ForkServer, n: int) -> dict[str, float]:
+    """The PSS sum of ``n`` idle kernels' processes, forked, then cold."""
+    sums = {}
+    for kind in ("fork", "cold"):
+        kernels = []
+        for _ in range(n):
+            kernel = SandboxedKernel(forkserver=server if kind == "fork" else None)
+            await kernel.start()
+            kernels.append(kernel)
+        await asyncio.sleep(1)
+        sums[kind] = float(sum(_pss(pid) for k in kernels for pid in _processes(k)))
+        await asyncio.gather(*(k.shutdown() for k in kernels))
+    return sums
+
+
+async def resets(server: Server, n: int) -> list[float]:
+    samples = []
+    async with connect(server.ws, max_size=None) as ws:
+        await ws_request(ws, {"type": "reset"})
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await ws_request(ws, {"type": "reset"})
+            samples.append(time.perf_counter() - t0)
+    return samples
+
+
+async def episodes(server: Server, sessions: int, seconds: float) -> float:
+    """Episodes per second: ``sessions`` /ws sessions, each running back-to-back episodes."""
+    deadline = time.monotonic() + seconds
+    counts = [0] * sessions
+
+    async def lane(i: int) -> None:
+        async with connect(server.ws, max_size=None) as ws:
+            while time.monotonic() < deadline:
+                await ws_request(ws, {"type": "reset"})
+                for code in ("x = 1", "y = x + 1", "print(y)"):
+                    await ws_request(ws, {"type": "step", "data": {"code": code}})
+                counts[i] += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane(i) for i in range(sessions)))
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+async def raw_episodes(lanes: int, seconds: float) -> float:
+    """A kernel per episode, started by hand with raw jupyter_client, ``lanes`` at a time."""
+    deadline = time.monotonic() + seconds
+    counts = [0] * lanes
+
+    async def lane(i: int) -> None:
+        while time.monotonic() < deadline:
+            kernel = RawKernel()
+            await kernel.start()
+            for code in ("x = 1", "y = x + 1", "print(y)"):
+                await kernel.execute(code)
+            await kernel.stop()
+            counts[i] += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane(i) for i in range(lanes)))
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+async def main(args: argparse.Namespace) -> None:
+    print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
+    async with ForkServer() as forkserver:
+        print(f"forkserver: {forkserver.status}", flush=True)
+        start = await p12(forkserver, args.starts)
+        mem = await memory(forkserver, args.kernels)
+    cold_start = statistics.median(start["cold"])
+    fork_start = statistics.median(start["fork"])
+    print(
+        f"P12 start, sandboxed, request -> ready: forked p50 {ms(fork_start)} "
+        f"(p95 {ms(pct(start['fork'], 0.95))}), cold p50 {ms(cold_start)}: "
+        f"{cold_start / fork_start:.1f}x   [target: forked p50 <= 40 ms]"
+    )
+    print(
+        f"    the kernel process's CPU until ready: forked p50 "
+        f"{ms(statistics.median(start['fork_cpu']))}, cold p50 "
+        f"{ms(statistics.median(start['cold_cpu']))}   [target: forked <= 40 ms]",
+        flush=True,
+    )
+    mib = 1024 * 1024
+    print(
+        f"memory, {args.kernels} idle sandboxed kernels (PSS of all their processes): "
+        f"forked {mem['fork'] / mib:.0f} MiB, cold {mem['cold'] / mib:.0f} MiB "
+        f"({mem['fork'] / mem['cold']:.2f}x)",
+        flush=True,
+    )
+
+    results: dict[str, Any] = {}
+    for label, flags in (("forkserver", []), ("cold", ["--forkserver", "false"])):
+        server = Server("--pool-size", "4", "--max-sessions", "16", *flags)
+        try:
+            await server.wait_pool_full(4)
+            results[f"{label}_resets"] = await resets(server, 20)
+            await server.wait_pool_full(4)
+            results[f"{label}_eps"] = await episodes(server, 8, args.seconds)
+        finally:
+            server.stop()
+    raw = await raw_episodes(2, args.seconds)
+    for label in ("forkserver", "cold"):
+        r = results[f"{label}_resets"]
+        p50 = statistics.median(r)
+        print(
+            f"P1 under load, {label} server, 20 back-to-back resets: p50 {ms(p50)} "
+            f"= {100 * p50 / cold_start:.0f}% of a cold start, "
+            f"p95 {ms(pct(r, 0.95))}   [target: p50 <= 5%]"
+        )
+    for label in ("forkserver", "cold"):
+        eps = results[f"{label}_eps"]
+        print(
+            f"P11 {label} server, 8 sessions x {args.seconds:g} s: {eps:.1f} episodes/s = "
+            f"{eps / raw:.1f}x raw jupyter_client ({raw:.1f}/s, 2 lanes)   [target: >= 10x]"
+        )
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    args = parser.parse_args(argv)
+    args.starts, args.kernels, args.seconds = (5, 8, 5.0) if args.quick else (20, 64, 20.0)
+    return args
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse()))

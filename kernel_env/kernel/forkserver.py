@@ -1,0 +1,197 @@
+"""A kernel forkserver: fresh local kernels in milliseconds instead of a cold start.
+
+A cold kernel start spends ~0.2 s of CPU importing ipykernel, IPython, zmq and jupyter_client.
+The forkserver imports them once, in a process that starts no thread (the *zygote*,
+:mod:`kernel_env.kernel.zygote`), and forks a child per kernel; the child makes its sockets,
+threads and connection info after the fork.
+
+Isolation is unchanged. The host still launches what a cold kernel gets: the launch guard,
+the kernel's own uid, its cgroups and, when sandboxed, the same bubblewrap sandbox; only the
+process inside is a placeholder (``sleep``). The zygote's child joins the placeholder's
+cgroups and namespaces, drops to the kernel's uid and every capability, and becomes the
+kernel. A kernel and its placeholder live and die together, so jupyter_client's process
+tracking, the liveness watcher, restarts and shutdown work as for a cold kernel.
+docs/security.md gives the design and its threat model.
+
+Lifecycle: ``await ForkServer(preload=...).start()``, then ``close()``. A forkserver that could
+not start (a preload failed or started a thread, no fork on this platform) says why in
+``status``; kernels then start cold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["ForkServer", "ForkServerError"]
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT = 120.0  # the zygote imports ipykernel & co. (and the preloads) once
+_REQUEST_TIMEOUT = 10.0
+
+
+class ForkServerError(RuntimeError):
+    """The forkserver cannot fork a kernel (it is not running, or it died)."""
+
+
+class ForkServer:
+    """One zygote process serving fork requests for this process's local kernels."""
+
+    def __init__(self, *, preload: Sequence[str] = (), python: str = sys.executable) -> None:
+        self.preload = tuple(preload)
+        self.python = python
+        self._process: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._replies: Any = None
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._problem: str | None = "not started"
+        self.forks = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._problem is None
+
+    @property
+    def status(self) -> str:
+        """How local kernels start, in words (the status line, /health, /metadata)."""
+        if self._problem is None:
+            extra = f", preloaded {', '.join(self.preload)}" if self.preload else ""
+            return f"forked from a preloaded forkserver (pid {self._pid()}{extra})"
+        return f"cold start (forkserver: {self._problem})"
+
+    def _pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self) -> ForkServer:
+        """Start the zygote, if it is not running yet, and wait until it has imported
+        everything; on failure, the reason is in ``status`` and kernels start cold. The
+        first kernel that needs it starts it, so a server that starts no kernel pays nothing."""
+        await asyncio.to_thread(self._start_once)
+        return self
+
+    def _start_once(self) -> None:
+        with self._start_lock:
+            if self._problem != "not started":
+                return
+            self._start()
+            if self._problem is None:
+                log.info("kernels start: %s", self.status)
+            else:
+                log.warning("kernels start cold: the forkserver %s", self._problem)
+
+    def _start(self) -> None:
+        if not hasattr(os, "fork") or not hasattr(os, "pidfd_open"):
+            self._problem = "this platform has no fork() or pidfd_open()"
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._process = subprocess.Popen(
+                [*_tied_to_this_process(), self.python, "-m", "kernel_env.kernel.zygote",
+                 str(theirs.fileno()), json.dumps(list(self.preload))],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=_zygote_environ(self.python),
+                cwd="/",
+                start_new_session=True,  # a terminal's Ctrl-C is the server's to handle
+            )  # fmt: skip
+        except OSError as exc:
+            ours.close()
+            self._problem = f"could not start: {exc}"
+            return
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._control = ours
+        ours.settimeout(_START_TIMEOUT)
+        self._replies = ours.makefile("rb")
+        try:
+            hello = json.loads(self._replies.readline() or b"{}")
+        except (OSError, ValueError) as exc:
+            hello = {"problem": f"did not start: {exc}"}
+        if not hello.get("ready"):
+            self._problem = hello.get("problem") or "exited while starting"
+            self._stop()
+            return
+        ours.settimeout(_REQUEST_TIMEOUT)
+        self._problem = None
+
+    async def fork(self, request: dict[str, Any]) -> int:
+        """Fork a kernel as ``request`` says (see :mod:`kernel_env.kernel.zygote`); the pid
+        of its keeper process."""
+        return await asyncio.to_thread(self._fork, request)
+
+    def _fork(self, request: dict[str, Any]) -> int:
+        with self._lock:
+            if self._problem is not None or self._control is None:
+                raise ForkServerError(f"the forkserver is not running ({self._problem})")
+            try:
+                self._control.sendall((json.dumps(request) + "\n").encode())
+                reply = json.loads(self._replies.readline() or b"{}")
+            except (OSError, ValueError) as exc:
+                reply = {"error": str(exc)}
+            if "pid" not in reply:
+                self._problem = f"stopped answering ({reply.get('error') or 'it exited'})"
+                log.warning("kernels start cold from now on: the forkserver %s", self._problem)
+                self._stop()
+                raise ForkServerError(self._problem)
+            self.forks += 1
+            return int(reply["pid"])
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._stop)
+        if self._problem is None:
+            self._problem = "closed"
+
+    def _stop(self) -> None:
+        control, self._control = self._control, None
+        if self._replies is not None:
+            with contextlib.suppress(OSError):
+                self._replies.close()
+            self._replies = None
+        if control is not None:
+            control.close()  # the zygote's loop ends at end of file
+        process, self._process = self._process, None
+        if process is not None:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    async def __aenter__(self) -> ForkServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _tied_to_this_process() -> list[str]:
+    """The zygote is killed if this process dies (it would otherwise outlive a SIGKILLed
+    server, holding nothing but memory)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+
+
+def _zygote_environ(python: str) -> dict[str, str]:
+    """The kernels' minimal environment (the zygote holds no secret), with native thread
+    pools kept at one thread so that a preloaded numpy starts none."""
+    from kernel_env.kernel.local import minimal_environ
+
+    env = minimal_environ("/", python)
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = "1"
+    return env

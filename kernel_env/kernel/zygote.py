@@ -1,0 +1,302 @@
+"""The kernel forkserver's process: import what a kernel needs once, then fork fresh kernels.
+
+Run by :class:`kernel_env.kernel.forkserver.ForkServer` as ``python -m kernel_env.kernel.zygote
+FD PRELOAD_JSON``, FD being its end of a socket pair. It imports ipykernel, IPython, zmq and
+kernel_env's in-kernel module (and the operator's preload list), checks that no thread was
+started (forking a threaded process copies locks held by threads that do not exist in the
+child), says ``ready`` and serves fork requests, one JSON line each.
+
+A request forks a *keeper*, which:
+
+1. joins the kernel's cgroups, then drops to the kernel's uid (when the server is root);
+2. for a sandboxed kernel, joins the namespaces of the sandbox the host already made with
+   bubblewrap around a placeholder process (``setns(2)``: user first, then mount, network, IPC,
+   UTS and PID), so the kernel gets exactly the sandbox's filesystem view, no network, its own
+   ``/proc`` and private ``/tmp``;
+3. forks the kernel (the fork that lands it in the PID namespace), then watches both: when the
+   kernel exits it kills the placeholder (the host sees the kernel end), and when the
+   placeholder is killed (the host shuts the kernel down) it kills the kernel.
+
+The kernel then drops every capability, sets no-new-privileges, applies its rlimits, closes
+every inherited descriptor, takes its minimal environment, reseeds its random generators, and
+becomes an ipykernel: sockets, threads and connection info are all made after the fork.
+
+The zygote never runs user code and never holds a secret: it starts with the kernels' minimal
+environment, and requests carry only paths, ids, limits and that environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import importlib
+import json
+import os
+import random
+import resource
+import select
+import signal
+import socket
+import sys
+from typing import Any
+
+# The modules every kernel imports while it starts: loaded once here, shared copy-on-write.
+KERNEL_MODULES = (
+    "ipykernel.kernelapp",
+    "ipykernel.ipkernel",
+    "ipykernel.zmqshell",
+    "ipykernel.iostream",
+    "ipykernel.debugger",
+    "IPython",
+    "IPython.core.completerlib",
+    "IPython.core.debugger",
+    "IPython.core.oinspect",
+    "IPython.extensions.storemagic",
+    "IPython.utils.wildcard",
+    "jupyter_client.session",
+    "tornado.platform.asyncio",
+    "zmq",
+    "bdb",
+    "cmd",
+    "faulthandler",
+    "pdb",
+    "kernel_env.kernel_side",
+)
+
+# setns(2) order: the user namespace first (it grants the capabilities the others need), PID
+# last (it applies to the children made after it).
+_NAMESPACES = ("user", "mnt", "net", "ipc", "uts", "pid")
+
+# The processes' names (``ps -o comm``, /proc/<pid>/comm): a forked kernel keeps the zygote's
+# command line, so the name is what tells them apart.
+KERNEL_NAME = "ke-kernel"
+KEEPER_NAME = "ke-keeper"
+
+_PR_SET_NAME = 15
+_NS_GET_PARENT = 0xB702  # ioctl_ns(2): _IO(0xb7, 0x2)
+_PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
+_PR_CAPBSET_DROP = 24
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_CAPABILITY_VERSION_3 = 0x20080522
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def main() -> None:
+    control = socket.socket(fileno=int(sys.argv[1]))
+    preload = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
+    problem = _preload([*KERNEL_MODULES, *preload])
+    if problem is None and (threads := len(os.listdir("/proc/self/task"))) > 1:
+        problem = f"the preloaded modules started {threads - 1} thread(s): forking is unsafe"
+    control.sendall((json.dumps({"ready": problem is None, "problem": problem}) + "\n").encode())
+    if problem is not None:
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the system
+    lines = control.makefile("rb")
+    for line in lines:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            lines.close()
+            control.close()
+            _keeper(request)  # never returns
+        control.sendall((json.dumps({"pid": pid}) + "\n").encode())
+
+
+def _preload(modules: list[str]) -> str | None:
+    """Import ``modules``; the first failure, in words, or None."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # a preload may raise anything, SystemExit included
+            return f"preloading {name} failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+# -- the keeper: joins the sandbox, forks the kernel, ties the two lifetimes together ---------
+
+
+def _keeper(request: dict[str, Any]) -> None:
+    status = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing to keep
+        _name(KEEPER_NAME)
+        placeholder = os.pidfd_open(request["placeholder"])
+        namespaces = _open_namespaces(request.get("namespaces_of"))
+        for procs in request.get("cgroup_procs", []):
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        if request.get("uid") is not None:
+            os.setgroups([])
+            os.setresgid(request["gid"], request["gid"], request["gid"])
+            os.setresuid(request["uid"], request["uid"], request["uid"])
+        if namespaces:
+            _join(namespaces)
+        # The kernel's view of its keeper: outside its PID namespace (0), or this pid.
+        keeper = 0 if namespaces else os.getpid()
+        kernel = os.fork()
+        if kernel == 0:
+            os.close(placeholder)
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # its keeper gone (killed with the server)
+            if os.getppid() != keeper:
+                os._exit(1)  # the keeper died before the line above took effect
+            _become_kernel(request)  # never returns
+        status = _watch(kernel, placeholder)
+    except BaseException as exc:  # said on the zygote's stderr (the server's log)
+        _say(f"kernel_env: the forkserver could not start a kernel: {type(exc).__name__}: {exc}")
+    finally:
+        os._exit(status)
+
+
+def _open_namespaces(pid: int | None) -> list[int]:
+    """Descriptors of ``pid``'s namespaces in the order to join them, then of its root
+    directory; opened while this process may still read them.
+
+    bubblewrap nests a second user namespace inside the one that owns the sandbox's other
+    namespaces (to forbid making more), so the order is: the outer user namespaces (only the
+    outermost's owner, this uid, holds the capabilities joining needs), the mount, network,
+    IPC, UTS and PID namespaces they own, and the innermost user namespace last."""
+    if pid is None:
+        return []
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    fds = {name: os.open(f"/proc/{pid}/ns/{name}", flags) for name in _NAMESPACES}
+    root = os.open(f"/proc/{pid}/root", flags | os.O_DIRECTORY)
+    others = [fds[name] for name in _NAMESPACES if name != "user"]
+    return [*_outer_user_namespaces(fds["user"]), *others, fds["user"], root]
+
+
+def _join(fds: list[int]) -> None:
+    """Join the namespaces ``_open_namespaces`` opened, then take the sandbox's root as this
+    process's (the mount namespace's own root mount is detached under bubblewrap's pivot)."""
+    *namespaces, root = fds
+    for fd in namespaces:
+        if _libc.setns(fd, 0) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns: {os.strerror(error)}")
+        os.close(fd)
+    os.fchdir(root)
+    os.chroot(".")
+    os.close(root)
+
+
+def _outer_user_namespaces(user_ns: int) -> list[int]:
+    """The user namespaces between this process's and ``user_ns``, outermost first."""
+    ours = os.stat("/proc/self/ns/user").st_ino
+    outer: list[int] = []
+    fd = user_ns
+    while True:
+        try:
+            parent = fcntl.ioctl(fd, _NS_GET_PARENT)
+        except OSError:  # the parent is outside what this process may see: ours or above
+            break
+        if os.fstat(parent).st_ino == ours:
+            os.close(parent)
+            break
+        outer.insert(0, parent)
+        fd = parent
+    return outer
+
+
+def _watch(kernel: int, placeholder: int) -> int:
+    """Wait for the kernel or the placeholder to end, then end the other."""
+    kernel_fd = os.pidfd_open(kernel)
+    readable, _, _ = select.select([kernel_fd, placeholder], [], [])
+    if kernel_fd in readable:
+        signal.pidfd_send_signal(placeholder, signal.SIGKILL)
+    else:
+        signal.pidfd_send_signal(kernel_fd, signal.SIGKILL)
+    os.waitpid(kernel, 0)
+    return 0
+
+
+def _prctl(option: int, arg: int) -> int:
+    result = int(_libc.prctl(option, arg, 0, 0, 0))
+    if result != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl({option}): {os.strerror(error)}")
+    return result
+
+
+# -- the kernel ---------------------------------------------------------------------------------
+
+
+def _become_kernel(request: dict[str, Any]) -> None:
+    try:
+        os.setsid()  # its own process group: ipykernel's interrupt signals the kernel's group
+        _name(KERNEL_NAME)
+        _drop_capabilities()
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+        _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self, as a started kernel has
+        for name, value in request.get("rlimits", {}).items():
+            limit = getattr(resource, name)
+            resource.setrlimit(limit, (value, value))
+        os.chdir(request["cwd"])
+        _fresh_descriptors()
+        os.environ.clear()
+        os.environ.update(request["env"])
+        reseed(request.get("seed"))
+        from ipykernel import kernelapp
+
+        argv = list(request["argv"])
+        sys.argv = ["ipykernel_launcher", *argv]
+        kernelapp.launch_new_instance(argv=argv)
+    except BaseException as exc:  # whatever it was, this process must not return
+        _say(f"kernel_env: a forked kernel failed: {type(exc).__name__}: {exc}")
+        os._exit(1)
+    os._exit(0)
+
+
+def _name(name: str) -> None:
+    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()), 0, 0, 0)
+
+
+def _say(message: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, (message + "\n").encode())
+
+
+def _drop_capabilities() -> None:
+    """No capability left in any set: the bounding set (while CAP_SETPCAP allows it), the
+    ambient set, then effective, permitted and inheritable."""
+    for cap in range(64):
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            error = ctypes.get_errno()
+            if error == errno.EINVAL:  # past the last capability this kernel knows
+                break
+            if error == errno.EPERM:  # none to drop: started without capabilities
+                break
+            raise OSError(error, f"dropping capability {cap}: {os.strerror(error)}")
+    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    if _libc.capset(header, data) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"capset: {os.strerror(error)}")
+
+
+def _fresh_descriptors() -> None:
+    """stdin, stdout and stderr on /dev/null (the kernel's output goes over iopub), and no
+    other descriptor inherited from the zygote or the keeper."""
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def reseed(seed: int | None = None) -> None:
+    """New random state for a forked kernel: ``random`` and, if loaded, ``numpy.random``
+    (from the OS's entropy, or from ``seed``)."""
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(None if seed is None else seed % 2**32)
+
+
+if __name__ == "__main__":
+    main()

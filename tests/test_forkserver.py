@@ -1,0 +1,206 @@
+"""The kernel forkserver: forked kernels are fresh, isolated from each other as cold ones are,
+die and restart cleanly, and leave nothing behind; a forkserver that cannot run means cold
+starts, said in its status."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from procs import descendants
+
+from kernel_env import AsyncKernelEnv
+from kernel_env.kernel import Kernel
+from kernel_env.kernel.forkserver import ForkServer
+from kernel_env.kernel.local import LocalKernel
+from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox: {sandbox_problem()}"),
+]
+
+
+@pytest.fixture
+async def forkserver() -> AsyncIterator[ForkServer]:
+    async with ForkServer(preload=["numpy"]) as server:
+        assert server.ready, server.status
+        yield server
+
+
+def _source(server: ForkServer, kind: type[LocalKernel] = SandboxedKernel, **options: object):
+    async def start() -> Kernel:
+        kernel = kind(forkserver=server, **options)
+        await kernel.start()
+        return kernel
+
+    return start
+
+
+async def _run(env: AsyncKernelEnv, code: str) -> str:
+    result = (await env.execute(code)).observation.result
+    assert result.success, result.stderr
+    return result.stdout
+
+
+async def test_forked_kernels_are_fresh_sandboxed_kernels(forkserver: ForkServer) -> None:
+    """A forked kernel runs as the sandbox's unprivileged user with no capability and
+    no-new-privileges, in its own PID namespace, and is what the status says."""
+    async with AsyncKernelEnv(kernel_source=_source(forkserver)) as env:
+        await env.reset()
+        assert env.environment is not None and env.environment.kernel is not None
+        assert getattr(env.environment.kernel, "forked", False)
+        status = await _run(env, "print(open('/proc/self/status').read())")
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        assert fields["Uid"].split()[0] == "65534"
+        assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0
+        assert fields["NoNewPrivs"].strip() == "1"
+        pids = await _run(
+            env, "import os; print(sorted(p for p in os.listdir('/proc') if p.isdigit()))"
+        )
+        assert len(eval(pids)) <= 4  # the sandbox's init, the placeholder, the kernel, a child
+        fds = await _run(
+            env,
+            "import os\ntargets = []\n"
+            "for fd in os.listdir('/proc/self/fd'):\n"
+            "    try:\n        targets.append(os.readlink(f'/proc/self/fd/{fd}'))\n"
+            "    except OSError:\n        pass  # the listing's own descriptor, closed by now\n"
+            "print(targets)",
+        )
+        # Nothing inherited from the zygote or its keeper: no namespace, no host directory.
+        leaked = [
+            t
+            for t in eval(fds)
+            if t.startswith(
+                (
+                    "/proc/",
+                    "/run",
+                    "/sys",
+                    "/root",
+                    "/work",
+                    "mnt:",
+                    "user:",
+                    "pid:",
+                    "anon_inode:[pidfd]",
+                )
+            )
+        ]
+        assert leaked == []
+    assert "forked from a preloaded forkserver" in forkserver.status
+    assert forkserver.forks >= 1
+
+
+async def test_two_forked_kernels_draw_different_random_numbers(forkserver: ForkServer) -> None:
+    """random and a preloaded numpy are reseeded in every forked kernel."""
+    code = "import random, numpy; print(random.random(), numpy.random.rand())"
+    source = _source(forkserver)
+    async with AsyncKernelEnv(kernel_source=source) as a, AsyncKernelEnv(kernel_source=source) as b:
+        await a.reset()
+        await b.reset()
+        first, second = await _run(a, code), await _run(b, code)
+    assert first.split()[0] != second.split()[0] and first.split()[1] != second.split()[1]
+
+
+async def test_forked_kernels_cannot_reach_each_other(forkserver: ForkServer) -> None:
+    """S2 between forked kernels: from A, B's processes, files, sockets and connection file
+    are out of reach, and the two run as different host uids."""
+    source = _source(forkserver)
+    async with AsyncKernelEnv(kernel_source=source) as a, AsyncKernelEnv(kernel_source=source) as b:
+        await a.reset()
+        await b.reset()
+        await _run(
+            b, "open('/tmp/b-was-here', 'w').write('secret'); open('b-work', 'w').write('x')"
+        )
+        kernel_b = b.environment.kernel  # type: ignore[union-attr]
+        b_dir = kernel_b.runtime_dir
+        found = await _run(
+            a,
+            "import os, json\n"
+            "hits = [os.path.join(d, f) for d, _, fs in os.walk('/', onerror=None)\n"
+            "        if not d.startswith('/proc') for f in fs if f in ('b-was-here', 'b-work')]\n"
+            "socks = [f for f in os.listdir('/tmp/.kernel-env')]\n"
+            f"try:\n    json.load(open({str(b_dir / 'kernel.json')!r}))\n    read = 'READ'\n"
+            "except OSError as e:\n    read = 'blocked'\n"
+            "print(hits, len(socks), read)",
+        )
+        assert found.split("]")[0] == "[" and "READ" not in found and "blocked" in found
+        uids = [_host_uid(env.environment.kernel) for env in (a, b)]  # type: ignore[union-attr]
+    if os.geteuid() == 0:
+        assert uids[0] != uids[1] and 0 not in uids
+
+
+def _host_uid(kernel: object) -> int:
+    """The host uid of the process running a kernel's cells (its keeper's child)."""
+    keeper = kernel.keeper_pid  # type: ignore[attr-defined]
+    (pid,) = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
+    return int(Path(f"/proc/{pid}/status").read_text().split("Uid:\t")[1].split()[0])
+
+
+async def test_a_preload_that_fails_means_cold_starts() -> None:
+    """A preload that cannot be imported: the forkserver says why, and kernels start cold."""
+    async with ForkServer(preload=["no_such_module_for_kernel_env"]) as server:
+        assert not server.ready
+        assert "no_such_module_for_kernel_env" in server.status and "cold" in server.status
+        async with AsyncKernelEnv(kernel_source=_source(server)) as env:
+            await env.reset()
+            assert "2" in await _run(env, "print(1 + 1)")
+            assert not env.environment.kernel.forked  # type: ignore[union-attr]
+
+
+async def test_a_forked_kernel_killed_mid_step_is_replaced(forkserver: ForkServer) -> None:
+    """kill -9 of a forked kernel inside a cell: an error observation, then a new forked
+    kernel that answers the next step."""
+    async with AsyncKernelEnv(kernel_source=_source(forkserver), step_timeout=20) as env:
+        await env.reset()
+        died = await env.execute("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+        assert not died.observation.result.success
+        assert "restart" in died.observation.result.stderr.lower()
+        assert "ok" in await _run(env, "print('ok')")
+        assert env.environment.kernel.forked  # type: ignore[union-attr]
+
+
+async def test_forked_kernels_without_the_sandbox(forkserver: ForkServer) -> None:
+    """The unsandboxed local backend forks too; an interrupt reaches the cell, not the
+    placeholder, and closing the kernel ends it."""
+    async with AsyncKernelEnv(
+        kernel_source=_source(forkserver, LocalKernel), step_timeout=2
+    ) as env:
+        await env.reset()
+        timed_out = (await env.execute("import time\nwhile True: time.sleep(0.01)")).observation
+        assert timed_out.result.timed_out and not timed_out.result.kernel_restarted
+        assert "still" in await _run(env, "print('still here')")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_forked_churn_leaves_nothing_behind(tmp_path: Path) -> None:
+    """200 forked reset/close cycles: no kernel, keeper or placeholder process, runtime
+    file or cgroup is left over, and the forkserver is gone once closed."""
+    server = await ForkServer().start()
+    source = _source(server, runtime_root=str(tmp_path))
+
+    async def cycle() -> None:
+        env = AsyncKernelEnv(kernel_source=source, step_timeout=10)
+        await env.reset(context="churn")
+        await env.execute("import subprocess; p = subprocess.Popen(['sleep', '60'])")
+        await env.close()
+
+    try:
+        await cycle()
+        parent = next(tmp_path.iterdir())
+        zygote = server._pid()
+        cgroups = Path(f"/sys/fs/cgroup/pids/kernel_env/{os.getpid()}")
+        before = set(cgroups.iterdir()) if cgroups.exists() else set()
+        for _ in range(200):
+            await cycle()
+        await asyncio.sleep(0.5)  # keepers exit once their kernel has gone
+        assert sorted(os.listdir(parent)) == [".lock"]
+        assert descendants(os.getpid()) - {zygote} == set()
+        assert not cgroups.exists() or set(cgroups.iterdir()) - before == set()
+        assert server.forks >= 200
+    finally:
+        await server.close()
+    assert descendants(os.getpid()) == set()
