@@ -20,13 +20,16 @@ CONSTRAINTS := constraints.txt
 .PHONY: serve test check lint format bench install system-deps clean
 
 $(BIN)/python:
+	@echo "creating the virtualenv $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 # Stamp files: reinstall when pyproject.toml changes, not on every run.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	@echo "installing kernel_env and its dependencies into $(VENV) (a minute or so the first time)"
 	$(BIN)/pip install --quiet -e .
 	touch $@
+	@echo "installed: $$($(BIN)/kernel-env --version); in another terminal, . $(VENV)/bin/activate"
 
 $(VENV)/.installed-dev: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	@echo "installing kernel_env with its test tools into $(VENV) (pinned by $(CONSTRAINTS))"

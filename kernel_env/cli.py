@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kernel_env import __version__
 from kernel_env.errors import KernelEnvError
 from kernel_env.kernel.modes import SANDBOX_MODES
 from kernel_env.text import shorten
@@ -53,12 +55,39 @@ def _parser() -> argparse.ArgumentParser:
         prog="kernel-env",
         description="REPL environments for language-model agents, in real IPython kernels.",
     )
+    parser.add_argument("--version", action="version", version=f"kernel-env {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(commands)
     _add_run(commands)
     _add_export(commands)
     _add_replay(commands)
     return parser
+
+
+def _positive(text: str) -> float:
+    """A flag's number of seconds: greater than 0 (the same rule as ``serve``'s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number greater than 0, got {text}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _d(text: str, default: object = None) -> str:
+    """Help text naming the flag's default, as every flag's does."""
+    return f"{text} (default: {_shown(default)})"
 
 
 def _fail(command: str, problem: object) -> int:
@@ -243,10 +272,10 @@ def _export(args: argparse.Namespace) -> int:
     source = Path(args.source)
     try:
         if source.suffix == ".ipynb":
-            if not args.html:
-                return _fail("export", f"{source} is already a notebook; add --html for a web page")
             if not source.is_file():
                 return _fail("export", f"no such notebook: {source}")
+            if not args.html:
+                return _fail("export", f"{source} is already a notebook; add --html for a web page")
             print(write_html(source, args.output))
             return 0
         notebook = _download(
@@ -271,7 +300,9 @@ def _download(url: str, session_id: str, target: Path, *, overwrite: bool) -> Pa
 
     if not target.name.endswith(".ipynb"):
         target = target.with_name(target.name + ".ipynb")
-    token = os.environ.get("KERNEL_ENV_TOKEN")
+    from kernel_env.client import TOKEN_VARIABLE
+
+    token = os.environ.get(TOKEN_VARIABLE)
     data = asyncio.run(fetch_export(url, session_id, target.name, token=token))
     extract_export(data, target.parent, stem=target.stem, overwrite=overwrite)
     return target
@@ -286,32 +317,46 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         help="re-run a notebook's code cells as a fresh episode and compare their outputs",
         description="Each code cell becomes a step of a new local episode; llm_query answers "
         "from the responses recorded in the notebook. Exit status 0 when every cell's outputs "
-        "match the recorded ones, 1 otherwise.",
+        "match the recorded ones, 1 when some differ (each shown as a diff), 2 when the "
+        "notebook cannot be replayed.",
     )
     replay.add_argument("notebook", type=Path, help="an .ipynb file (e.g. one kernel-env exported)")
     replay.add_argument(
-        "--step-timeout", type=float, default=30.0, help="seconds a cell may run (default 30)"
+        "--step-timeout", type=_positive, default=30.0, help=_d("seconds a cell may run", 30)
     )
     replay.add_argument(
         "--sandbox",
         choices=SANDBOX_MODES,
         default="auto",
-        help="run the kernel under bubblewrap (default: where it works)",
+        help="run the kernel under bubblewrap (default: auto, where it works)",
     )
+    replay.add_argument("--json", action="store_true", help="print the report as one JSON object")
     replay.set_defaults(run=_replay)
 
 
 def _replay(args: argparse.Namespace) -> int:
     from kernel_env.kernel.factory import local_source
-    from kernel_env.replay import CellReport, replay_notebook
+    from kernel_env.replay import CellReport, read_notebook, replay_notebook
 
     def show(cell: CellReport) -> None:
+        if args.json:
+            return
         print(f"  cell {cell.index:>3}  {cell.verdict:<9} {cell.source_head}", flush=True)
+        if cell.diff:
+            print("\n".join(f"      {line}" for line in cell.diff.splitlines()), flush=True)
 
     if not args.notebook.is_file():
         return _fail("replay", f"no such notebook: {args.notebook}")
-    print(f"replaying {args.notebook}", flush=True)
     try:
+        if "kernel_env" not in read_notebook(args.notebook).metadata:
+            print(
+                f"kernel-env replay: warning: {args.notebook} was not exported by kernel-env: "
+                "its llm_query calls have no recorded answers, and outputs may differ",
+                file=sys.stderr,
+                flush=True,
+            )
+        if not args.json:
+            print(f"replaying {args.notebook}", flush=True)
         report = replay_notebook(
             args.notebook,
             step_timeout=args.step_timeout,
@@ -320,11 +365,14 @@ def _replay(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError, RuntimeError, KernelEnvError) as exc:
         return _fail("replay", exc)
-    counts = ", ".join(f"{n} {verdict}" for verdict, n in sorted(report.counts().items()))
-    verdict = "all cells match" if report.all_match else "MISMATCH"
-    print(f"{verdict}: {counts or 'no code cells'}")
-    if report.final_answer is not None:
-        print(f"final answer: {report.final_answer}")
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        counts = ", ".join(f"{n} {verdict}" for verdict, n in sorted(report.counts().items()))
+        verdict = "all cells match" if report.all_match else "MISMATCH"
+        print(f"{verdict}: {counts or 'no code cells'}")
+        if report.final_answer is not None:
+            print(f"final answer: {report.final_answer}")
     return 0 if report.all_match else 1
 
 
@@ -338,20 +386,27 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         description="A root model sees the context's size and a preview, writes code that runs "
         "in a kernel, and calls llm_query on pieces, until it gives a final answer. Progress "
         "goes to stderr; the answer and the paths of the exported notebook and trajectory to "
-        "stdout. The API key is read from an environment variable, never a flag.",
+        "stdout (or one JSON object with --json). Exit status 0 when the model gave a final "
+        "answer, 1 when the run stopped without one, 2 for bad usage. The API key is read "
+        "from an environment variable, never a flag.",
     )
     add = run.add_argument
     add("--context", required=True, metavar="FILE", help="a UTF-8 text file, or - for stdin")
     add("--task", required=True, help="what to find out about the context")
     add("--model", required=True, help="the root model")
-    add(
-        "--base-url",
-        metavar="URL",
-        default=os.environ.get("KERNEL_ENV_LLM_BASE_URL")
+    default_url = (
+        os.environ.get("KERNEL_ENV_LLM_BASE_URL")
         or os.environ.get("OPENAI_BASE_URL")
-        or "https://api.openai.com/v1",
-        help="OpenAI-compatible endpoint (default $KERNEL_ENV_LLM_BASE_URL, $OPENAI_BASE_URL, "
-        "or OpenAI's)",
+        or "https://api.openai.com/v1"
+    )
+    add(
+        "--model-url",
+        "--base-url",  # the earlier name, kept as an alias
+        dest="model_url",
+        metavar="URL",
+        default=default_url,
+        help="the models' OpenAI-compatible endpoint (default $KERNEL_ENV_LLM_BASE_URL, "
+        "$OPENAI_BASE_URL, or OpenAI's)",
     )
     add("--sub-model", metavar="MODEL", help="the model behind llm_query (default: --model)")
     add(
@@ -360,12 +415,12 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         help="variable holding the API key (default: the first set of KERNEL_ENV_LLM_API_KEY, "
         "OPENAI_API_KEY, HF_TOKEN)",
     )
-    add("--max-iterations", type=int, default=20, help="root-model turns at most (default 20)")
-    add("--time-limit", type=float, metavar="S", help="seconds for the whole run")
-    add("--max-llm-calls", type=int, metavar="N", help="llm_query calls at most")
-    add("--max-llm-tokens", type=int, metavar="N", help="llm_query tokens at most")
-    add("--step-timeout", type=float, default=60.0, help="seconds a cell may run (default 60)")
-    add("--expected-answer", help="score the answer against this (the reward is printed)")
+    add("--max-iterations", type=_at_least_one, default=20, help=_d("root-model turns", 20))
+    add("--time-limit", type=_positive, metavar="S", help=_d("seconds for the whole run"))
+    add("--max-llm-calls", type=_at_least_one, metavar="N", help=_d("llm_query calls at most"))
+    add("--max-llm-tokens", type=_at_least_one, metavar="N", help=_d("llm_query tokens at most"))
+    add("--step-timeout", type=_positive, default=60.0, help=_d("seconds a cell may run", 60))
+    add("--expected-answer", help=_d("score the answer against this (the reward is printed)"))
     add(
         "--output",
         type=Path,
@@ -377,14 +432,19 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         "--sandbox",
         choices=SANDBOX_MODES,
         default="auto",
-        help="local kernels under bubblewrap (default: where it works)",
+        help="local kernels under bubblewrap (default: auto, where it works)",
     )
     add(
         "--gateway-url",
         metavar="URL",
-        help="run the kernel on a Jupyter (Enterprise) Gateway (token: KERNEL_ENV_GATEWAY_TOKEN)",
+        help=_d(
+            "run the kernel on a Jupyter (Enterprise) Gateway; its token is read from "
+            "KERNEL_ENV_GATEWAY_TOKEN"
+        ),
     )
-    add("--gateway-kernel-name", metavar="NAME", help="the gateway's kernel spec")
+    add("--gateway-kernel-name", metavar="NAME", help=_d("the gateway's kernel spec"))
+    add("-v", "--verbose", action="store_true", help="also echo every cell and its output")
+    add("--json", action="store_true", help="print the outcome as one JSON object on stdout")
     run.set_defaults(run=_run)
 
 
@@ -394,8 +454,6 @@ _KEY_VARIABLES = ("KERNEL_ENV_LLM_API_KEY", "OPENAI_API_KEY", "HF_TOKEN")
 def _run(args: argparse.Namespace) -> int:
     from kernel_env.notebook import safe_path
 
-    if args.max_iterations < 1:
-        return _fail("run", "--max-iterations must be at least 1")
     try:
         context = _read_context(args.context)
         stem = args.name or time.strftime("run-%Y%m%d-%H%M%S")
@@ -432,8 +490,8 @@ async def _run_episode(
         gateway_token=os.environ.get("KERNEL_ENV_GATEWAY_TOKEN") or None,
         gateway_kernel_name=args.gateway_kernel_name,
     )
-    root = OpenAIBackend(args.base_url, args.model, api_key=key)
-    sub = OpenAIBackend(args.base_url, args.sub_model or args.model, api_key=key)
+    root = OpenAIBackend(args.model_url, args.model, api_key=key)
+    sub = OpenAIBackend(args.model_url, args.sub_model or args.model, api_key=key)
     config = EnvConfig(
         step_timeout=args.step_timeout,
         llm_max_calls=args.max_llm_calls,
@@ -441,18 +499,19 @@ async def _run_episode(
     )
     env = AsyncKernelEnv(config=config, kernel_source=kernel_source_from(kernels), llm_backend=sub)
     usage = Usage()
-    progress = _Progress(env, usage, args.max_iterations)
+    progress = _Progress(env, usage, args.max_iterations, verbose=args.verbose)
     _say(
-        f"{len(context):,} characters of context; root model {args.model} at {args.base_url}; "
+        f"{len(context):,} characters of context; root model {args.model} at {args.model_url}; "
         f"{describe_backend(kernels)}"
     )
     outcome: Any = None
+    interrupted = False
     try:
         heartbeat = asyncio.create_task(progress.heartbeat())
         try:
             outcome = await run_agent(
                 env,
-                root,
+                _Watched(root, progress),
                 context=context,
                 task=args.task,
                 max_iterations=args.max_iterations,
@@ -466,17 +525,26 @@ async def _run_episode(
             heartbeat.cancel()
     except (KernelEnvError, OSError, ValueError) as exc:
         _say(f"the run failed: {exc}")
+    except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task
+        interrupted = True
+        _say("interrupted; writing what ran so far")
     finally:
+        progress.clear()
         exported = await _export_quietly(env, notebook)
         await env.close()
         await root.aclose()
         await sub.aclose()
-    return _report(outcome, progress, exported, trajectory)
+    if trajectory.exists() and trajectory.stat().st_size == 0:
+        trajectory.unlink()  # no iteration ran: no trajectory to keep
+    status = _report(args, outcome, progress, exported, trajectory)
+    return 130 if interrupted else status
 
 
 async def _export_quietly(env: Any, notebook: Path) -> Path | None:
-    """The episode as a notebook, if there is one (a run that failed early has none)."""
+    """The episode as a notebook, if a step ran (a run that failed early has none)."""
     try:
+        if (await env.state()).step_count == 0:
+            return None
         exported: Path = await env.export_notebook(notebook)
     except (KernelEnvError, OSError, ValueError) as exc:
         _say(f"no notebook written: {exc}")
@@ -484,47 +552,109 @@ async def _export_quietly(env: Any, notebook: Path) -> Path | None:
     return exported
 
 
-def _report(outcome: Any, progress: _Progress, notebook: Path | None, trajectory: Path) -> int:
+def _report(
+    args: argparse.Namespace,
+    outcome: Any,
+    progress: _Progress,
+    notebook: Path | None,
+    trajectory: Path,
+) -> int:
+    answered = outcome is not None and outcome.stop_reason == "final"
+    kept_trajectory = trajectory if trajectory.exists() else None
     if outcome is not None:
-        reward = "" if outcome.reward is None else f", reward {outcome.reward:g}"
+        reward = (
+            f", reward {outcome.reward:g}"
+            if args.expected_answer is not None and outcome.reward is not None
+            else ""
+        )
         _say(
             f"stopped: {outcome.stop_reason} after {outcome.iterations} iteration(s), "
             f"{outcome.elapsed:.1f} s{reward}; {progress.totals()}"
         )
-        print(f"answer: {outcome.answer if outcome.answer is not None else '(none)'}")
-    if notebook is not None:
-        print(f"notebook: {notebook}")
-    if trajectory.exists():
-        print(f"trajectory: {trajectory}")
-    return 0 if outcome is not None and outcome.answer is not None else 1
+        if not answered:
+            _say("no final answer: the model never gave one within its budget")
+    if args.json:
+        print(json.dumps(_outcome_json(args, outcome, notebook, kept_trajectory)))
+    else:
+        if outcome is not None:
+            shown = outcome.answer if outcome.answer is not None else "(none)"
+            print(f"answer: {shown}" + ("" if answered else "  [no final answer given]"))
+        if notebook is not None:
+            print(f"notebook: {notebook}")
+        if kept_trajectory is not None:
+            print(f"trajectory: {kept_trajectory}")
+    return 0 if answered else 1
+
+
+def _outcome_json(
+    args: argparse.Namespace, outcome: Any, notebook: Path | None, trajectory: Path | None
+) -> dict[str, Any]:
+    ran = outcome is not None
+    return {
+        "answer": outcome.answer if ran else None,
+        "final": ran and outcome.stop_reason == "final",
+        "stop_reason": outcome.stop_reason if ran else "error",
+        "iterations": outcome.iterations if ran else 0,
+        "elapsed": round(outcome.elapsed, 3) if ran else None,
+        "reward": outcome.reward if ran and args.expected_answer is not None else None,
+        "root_usage": outcome.usage.as_dict() if ran else None,
+        "notebook": str(notebook) if notebook else None,
+        "trajectory": str(trajectory) if trajectory else None,
+    }
 
 
 def _say(message: str) -> None:
     print(f"kernel-env run: {message}", file=sys.stderr, flush=True)
 
 
+class _Watched:
+    """The root model's backend, telling the progress line while a call is waited for."""
+
+    def __init__(self, backend: Any, progress: _Progress) -> None:
+        self.backend, self.progress = backend, progress
+
+    async def complete(self, messages: Any, *, model: str | None = None) -> Any:
+        self.progress.waiting_since = time.monotonic()
+        try:
+            return await self.backend.complete(messages, model=model)
+        finally:
+            self.progress.waiting_since = None
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+
+
 class _Progress:
-    """One line per iteration (and a heartbeat while one runs long), on stderr."""
+    """One line per iteration on stderr, and while the model thinks a waiting line with the
+    time elapsed: redrawn in place each second on a terminal, else every 15 s."""
 
-    HEARTBEAT = 15.0  # seconds without a line before "still working"
+    HEARTBEAT = 15.0  # seconds between waiting lines when stderr is not a terminal
 
-    def __init__(self, env: Any, usage: Any, max_iterations: int) -> None:
+    def __init__(self, env: Any, usage: Any, max_iterations: int, *, verbose: bool) -> None:
         self.env, self.usage, self.max_iterations = env, usage, max_iterations
+        self.verbose = verbose
         self.started = time.monotonic()
         self.last_line = self.started
         self.index = 0
         self.sub_usage: dict[str, Any] = {}
+        self.waiting_since: float | None = None
+        self.tty = sys.stderr.isatty()
+        self._drawn = False
 
     async def iteration(self, turn: Any) -> None:
         self.index = turn.index
         self.sub_usage = (await self.env.state()).llm_usage
-        cells = f"{len(turn.code_blocks)} cell(s)" if turn.kind == "turn" else "asked to answer"
         answer = turn.final_answer
         done = f"; final answer: {shorten(answer, 80, one_line=True)}" if answer else ""
-        self._line(
-            f"iteration {turn.index}/{self.max_iterations}: {cells}; {self.totals()}"
-            f"; {turn.elapsed:.1f} s{done}"
-        )
+        if turn.kind == "turn":
+            head = f"iteration {turn.index}/{self.max_iterations}: {len(turn.code_blocks)} cell(s)"
+        else:
+            head = "out of iterations: asked the model for its answer"
+        self._line(f"{head}; {self.totals()}; {turn.elapsed:.1f} s{done}")
+        if self.verbose:
+            for code, seen in zip(turn.code_blocks, turn.observations, strict=False):
+                self._echo("cell", code)
+                self._echo("output", seen)
 
     def totals(self) -> str:
         sub = self.sub_usage
@@ -537,12 +667,31 @@ class _Progress:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            if now - self.last_line >= self.HEARTBEAT:
-                self._line(
-                    f"still working on iteration {self.index + 1} "
-                    f"({now - self.started:.0f} s elapsed)"
-                )
+            what = (
+                "the root model"
+                if self.waiting_since is not None
+                else f"iteration {self.index + 1}'s cells"
+            )
+            text = f"waiting for {what}... {now - self.started:.0f} s elapsed"
+            if self.tty:
+                self._draw(text)
+            elif now - self.last_line >= self.HEARTBEAT:
+                self._line(text)
+
+    def clear(self) -> None:
+        if self._drawn:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+            self._drawn = False
+
+    def _draw(self, text: str) -> None:
+        print(f"\r\033[Kkernel-env run: {text}", end="", file=sys.stderr, flush=True)
+        self._drawn = True
+
+    def _echo(self, label: str, text: str) -> None:
+        body = "\n".join(f"    {line}" for line in (text or "(nothing)").splitlines())
+        print(f"  {label}:\n{body}", file=sys.stderr, flush=True)
 
     def _line(self, text: str) -> None:
+        self.clear()
         self.last_line = time.monotonic()
         _say(text)

@@ -19,10 +19,17 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from kernel_env.agent import solve_child
 from kernel_env.archive import extract_export
 from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
-from kernel_env.errors import ClientClosed, ResetNeeded
+from kernel_env.errors import ClientClosed, RemoteError, ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.llm import LLMBackend
-from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions, StepResult
+from kernel_env.models import (
+    CodeBlockResult,
+    REPLAction,
+    REPLObservation,
+    REPLState,
+    ResetOptions,
+    StepResult,
+)
 from kernel_env.notebook import write_notebook
 from kernel_env.rubric import Rewards
 
@@ -35,6 +42,7 @@ T = TypeVar("T")
 
 _CLOSE_GRACE = 10.0  # seconds close() waits for cancelled in-flight calls to unwind
 _CLOSED = "this client is closed; create a new one"
+TOKEN_VARIABLE = "KERNEL_ENV_TOKEN"  # a remote client's token when none is passed
 
 
 class _Session(Protocol):
@@ -108,7 +116,8 @@ class AsyncKernelEnv:
         or a whole ``config`` (which then wins over those keywords), and
         ``kernel_source`` (where kernels come from: a pool, a gateway; default a new local
         kernel per episode).
-        Remote-only: ``connect_timeout_s``, ``message_timeout_s``, ``token``."""
+        Remote-only: ``connect_timeout_s``, ``message_timeout_s``, ``token`` (default: the
+        ``KERNEL_ENV_TOKEN`` variable)."""
         self.base_url = base_url
         self._session: _Session | None = None
         self._closed = False
@@ -144,6 +153,7 @@ class AsyncKernelEnv:
             if rubric is not None:
                 raise ValueError("the server scores episodes: a rubric applies to local clients")
             self.environment = None
+            token = token if token is not None else os.environ.get(TOKEN_VARIABLE) or None
             self._remote = (base_url, connect_timeout_s, message_timeout_s, token)
 
     async def _connect(self) -> _Session:
@@ -209,6 +219,11 @@ class AsyncKernelEnv:
     async def execute(self, code: str) -> StepResult[REPLObservation]:
         """Run ``code`` as one step."""
         return await self.step(REPLAction(code=code))
+
+    async def run(self, code: str) -> CodeBlockResult:
+        """Run ``code`` as a step and return just what it printed and raised: the short way to
+        ``(await execute(code)).observation.result``."""
+        return (await self.execute(code)).observation.result
 
     async def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
         """End the episode with ``answer`` (no code runs)."""
@@ -306,6 +321,9 @@ class _LoopThread:
             return future.result()
         except concurrent.futures.CancelledError:
             raise ClientClosed(f"{_CLOSED} (it was closed during this call)") from None
+        except (ConnectionError, RemoteError) as exc:
+            # Said in one line: the frames inside the loop thread tell a user nothing.
+            raise exc.with_traceback(None) from None
 
     def stop(self) -> None:
         with self._lock:
@@ -384,6 +402,10 @@ class KernelEnv:
 
     def execute(self, code: str) -> StepResult[REPLObservation]:
         return self._run(self._async.execute(code))
+
+    def run(self, code: str) -> CodeBlockResult:
+        """Run ``code`` as a step; its result (``.stdout``, ``.stderr``, ``.success``...)."""
+        return self._run(self._async.run(code))
 
     def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
         return self._run(self._async.submit_final_answer(answer))

@@ -78,6 +78,8 @@ class EnvConfig:
     display_count: int = DEFAULT_DISPLAY_COUNT  # rich outputs a cell sends, at most
     display_chars: int = DEFAULT_DISPLAY_CHARS  # ... and their chars
     max_prompt_chars: int = 1_000_000  # one llm_query prompt
+    # What llm_query says when no model is configured: who can configure one, and how.
+    no_model_hint: str = "pass llm_query_fn or llm_backend to the environment"
     llm_allowed_models: tuple[str, ...] = ()  # besides the episode's own model
 
 
@@ -234,6 +236,7 @@ class KernelEnvironment:
             default_model=opts.llm_model,
             allowed_models=frozenset(m for m in allowed if isinstance(m, str) and m),
             max_prompt_chars=self.config.max_prompt_chars,
+            no_model_hint=self.config.no_model_hint,
         )
 
     def _model_note(self, opts: ResetOptions) -> dict[str, Any]:

@@ -75,6 +75,7 @@ class HostCalls:
     # Models a cell may name (None: any); the default model is always allowed.
     allowed_models: frozenset[str] | None = None
     max_prompt_chars: int = MAX_PROMPT_CHARS
+    no_model_hint: str = "pass llm_query_fn or llm_backend to the environment"
     max_kept_chars: int = MAX_KEPT_CHARS
     calls: list[LLMCall] = field(default_factory=list)
     kept_chars: int = 0
@@ -165,7 +166,7 @@ class HostCalls:
                 text, children = await self.rlm(prompt, model)
                 return LLMCall(op, prompt, text, model, time.perf_counter() - t0, children=children)
             if self._metered is None:
-                raise RuntimeError("no LLM is configured for this episode (pass llm_query_fn)")
+                raise RuntimeError(f"no model is configured for this episode: {self.no_model_hint}")
             done = await self._metered.complete([{"role": "user", "content": prompt}], model=model)
         except Exception as exc:
             return LLMCall(op, prompt, str(exc), model, time.perf_counter() - t0, error=True)

@@ -19,6 +19,7 @@ to a remote kernel that lacks the package (it then registers itself in ``sys.mod
 from __future__ import annotations
 
 import builtins
+import functools
 import getpass
 import json
 import random
@@ -466,11 +467,13 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def FINAL(value: Any) -> str:
         """End the episode with `value` as the final answer."""
+        __tracebackhide__ = True
         episode.final = str(value)
         return episode.final
 
     def FINAL_VAR(name: Any) -> str:
         """End the episode with the value of the variable named `name` as the final answer."""
+        __tracebackhide__ = True
         if isinstance(name, str) and name.strip().isidentifier():
             key = name.strip()
             if key not in ns:
@@ -483,6 +486,7 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def SHOW_VARS() -> dict[str, str]:
         """The variables defined so far, with their types."""
+        __tracebackhide__ = True
         hidden = episode.shell.user_ns_hidden
         return {
             k: type(v).__name__
@@ -492,10 +496,12 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def llm_query(prompt: str, model: str | None = None) -> str:
         """Ask a language model; returns its answer as a string."""
+        __tracebackhide__ = True
         return str(episode.call_host("llm_query", prompt=episode.check_prompt(prompt), model=model))
 
     def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """Ask a model many prompts concurrently. Order is kept; a failed item is "Error: ..."."""
+        __tracebackhide__ = True
         prompts = [str(p) for p in prompts]
         if not prompts:
             return []
@@ -504,25 +510,42 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
     def rlm_query(prompt: str, model: str | None = None) -> str:
         """Ask a recursive sub-agent. Without an agent configured on the host, this is a plain
         llm_query."""
+        __tracebackhide__ = True
         return str(episode.call_host("rlm_query", prompt=episode.check_prompt(prompt), model=model))
 
     def rlm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """rlm_query over many prompts concurrently; order kept, failures as "Error: ..."."""
+        __tracebackhide__ = True
         prompts = [str(p) for p in prompts]
         if not prompts:
             return []
         return list(episode.call_host("rlm_query_batched", prompts=prompts, model=model))
 
+    batched, rlm_batched = _raised_here(llm_query_batched), _raised_here(rlm_query_batched)
     return {
         "FINAL": FINAL,
         "FINAL_VAR": FINAL_VAR,
         "SHOW_VARS": SHOW_VARS,
-        "llm_query": llm_query,
-        "llm_query_batched": llm_query_batched,
-        "llm_batch": llm_query_batched,
-        "rlm_query": rlm_query,
-        "rlm_query_batched": rlm_query_batched,
+        "llm_query": _raised_here(llm_query),
+        "llm_query_batched": batched,
+        "llm_batch": batched,
+        "rlm_query": _raised_here(rlm_query),
+        "rlm_query_batched": rlm_batched,
     }
+
+
+def _raised_here(helper: Callable[..., Any]) -> Callable[..., Any]:
+    """``helper`` raising its host-side failures from one frame: the model's traceback shows
+    its own cell and that one line, not kernel_env's internals."""
+
+    @functools.wraps(helper)
+    def model_facing(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return helper(*args, **kwargs)
+        except HostCallError as exc:
+            raise HostCallError(str(exc)) from None
+
+    return model_facing
 
 
 # -- extension entry points ---------------------------------------------------------------
@@ -558,6 +581,8 @@ def _recorded_cell(line: str, cell: str) -> None:
     """``%%kernel_env_recorded interrupted|restarted``: a step of an exported episode that
     timed out or killed its kernel. It is not run again (it would hang or crash); after
     ``restarted`` the namespace is emptied as the episode's kernel restart did."""
+    how = "killed its kernel" if line.strip() == "restarted" else "timed out"
+    print(f"[kernel_env] this step {how} when it was recorded; it is not run again")
     if line.strip() == "restarted" and _episode is not None:
         _episode.shell.reset(new_session=False)
         _episode.shell.push(_episode.helpers, interactive=False)

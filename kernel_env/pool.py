@@ -17,6 +17,7 @@ from collections import deque
 
 from kernel_env.errors import KernelCapacity, KernelError
 from kernel_env.kernel import Kernel, KernelSource
+from kernel_env.text import shorten
 
 __all__ = ["KernelCapacity", "KernelPool"]
 
@@ -194,14 +195,16 @@ class KernelPool:
                 await self._need.wait()
             self._need.clear()
             if self._fail_streak:
-                delay = min(_MAX_BACKOFF, 0.5 * 2 ** (self._fail_streak - 1))
-                log.warning("kernel starts are failing; next attempt in %.1f s", delay)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._backoff())
             missing = min(self.size - len(self._warm) - len(self._starts), self._room())
             for _ in range(min(missing, self.start_concurrency - len(self._starts))):
                 task = asyncio.create_task(self._start_one(), name="kernel-pool-start")
                 self._starts.add(task)
                 task.add_done_callback(self._starts.discard)
+
+    def _backoff(self) -> float:
+        """Seconds before the next start while starts keep failing: 0.5 s, doubling, to 30 s."""
+        return min(_MAX_BACKOFF, 0.5 * 2 ** (self._fail_streak - 1)) if self._fail_streak else 0.0
 
     async def _start_one(self) -> None:
         try:
@@ -216,10 +219,18 @@ class KernelPool:
     async def _start_and_place(self) -> None:
         try:
             kernel = await self._factory()
-        except Exception:
+        except Exception as exc:
             self.start_failures += 1
             self._fail_streak += 1
-            log.exception("a pool kernel failed to start")
+            # One line a failure (a traceback only at debug level): an unreachable gateway
+            # fails every start, and the backoff below spaces them out.
+            log.warning(
+                "a pool kernel failed to start (%d in a row; next try in %.1f s): %s",
+                self._fail_streak,
+                self._backoff(),
+                shorten(f"{type(exc).__name__}: {exc}", 300, one_line=True),
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
             return
         self._fail_streak = 0
         if self._closed:

@@ -72,6 +72,14 @@ async def fetch_export(
     return response.content
 
 
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
+
+
 class RemoteSession:
     """One connection = one server-side session. Use :meth:`connect` to create one."""
 
@@ -115,14 +123,19 @@ class RemoteSession:
         except InvalidStatus as exc:
             status = exc.response.status_code
             if status in (401, 403):
+                problem = "a wrong token" if token else "no token"
                 raise RemoteError(
-                    f"the server refused the connection (HTTP {status}): missing or wrong token",
+                    f"the server at {http_url(base_url)} refused the connection (HTTP {status}): "
+                    f"{problem}; pass token= or set KERNEL_ENV_TOKEN",
                     code="UNAUTHORIZED",
                     data={"status": status},
                 ) from None
-            raise ConnectionError(f"cannot open {url}: HTTP {status}") from exc
+            raise ConnectionError(f"cannot open {url}: HTTP {status}") from None
         except (OSError, TimeoutError, WebSocketException) as exc:
-            raise ConnectionError(f"cannot connect to {url}: {exc}") from exc
+            raise ConnectionError(
+                f"cannot reach the kernel-env server at {http_url(base_url)} ({_reason(exc)}); "
+                "is `kernel-env serve` running there?"
+            ) from None
         return cls(ws, message_timeout_s=message_timeout_s, base_url=base_url, token=token)
 
     async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:

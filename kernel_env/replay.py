@@ -7,8 +7,9 @@ exported by kernel_env), so a replay needs no model.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,9 @@ import nbformat
 from kernel_env.client import KernelEnv
 from kernel_env.environment import KernelSource
 from kernel_env.kernel_side import take_recorded
-from kernel_env.notebook import RECORDED_MAGIC, cells_match, recorded_steps
+from kernel_env.notebook import RECORDED_MAGIC, cells_match, normalize_outputs, recorded_steps
 
-__all__ = ["CellReport", "ReplayReport", "replay_notebook"]
+__all__ = ["CellReport", "ReplayReport", "output_diff", "read_notebook", "replay_notebook"]
 
 
 @dataclass
@@ -30,6 +31,7 @@ class CellReport:
     index: int
     verdict: str
     source_head: str
+    diff: str = ""  # for a mismatch: recorded vs replayed outputs, as a unified diff
 
 
 @dataclass
@@ -37,6 +39,10 @@ class ReplayReport:
     path: str
     cells: list[CellReport] = field(default_factory=list)
     final_answer: str | None = None
+    exported_by_kernel_env: bool = True  # else llm_query has no recorded answers
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "all_match": self.all_match, "counts": self.counts()}
 
     @property
     def all_match(self) -> bool:
@@ -74,6 +80,42 @@ def _context(nb: Any, path: Path) -> str:
     return str(meta.get("context") or "")
 
 
+def read_notebook(path: Path) -> Any:
+    """``path`` as an nbformat v4 notebook; ``ValueError`` naming the problem when the file
+    is not one (not JSON, or JSON of another shape)."""
+    try:
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+    except nbformat.reader.NotJSONError:
+        raise ValueError(f"{path} is not a Jupyter notebook (not JSON)") from None
+    except (nbformat.ValidationError, KeyError, AttributeError, TypeError) as exc:
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path} is not a Jupyter notebook ({problem[:200]})") from None
+    return nb
+
+
+def output_diff(recorded: list[dict[str, Any]], actual: list[dict[str, Any]]) -> str:
+    """The compared parts of two cells' outputs (see ``normalize_outputs``) as a unified diff."""
+
+    def lines(outputs: list[dict[str, Any]]) -> list[str]:
+        out: list[str] = []
+        for item in normalize_outputs(outputs):
+            kind, *rest = item
+            if kind == "stream":
+                out += [f"[{rest[0]}] {line}" for line in str(rest[1]).splitlines()]
+            elif kind == "data":
+                out += [f"[data] {line}" for line in str(rest[0]).splitlines()]
+                out.append(f"[data types] {', '.join(rest[1])}")
+            else:
+                out.append(f"[error] {rest[0]}: {rest[1]}")
+        return out
+
+    diff = difflib.unified_diff(
+        lines(recorded), lines(actual), "recorded", "replayed", n=2, lineterm=""
+    )
+    return "\n".join(diff)
+
+
 def replay_notebook(
     path: str | Path,
     *,
@@ -86,10 +128,10 @@ def replay_notebook(
     ``kernel_source``: where the kernel comes from (default: a local one, sandboxed where
     available); ``on_cell`` is called with each cell's report as soon as it is known."""
     path = Path(path)
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     meta = nb.metadata.get("kernel_env", {})
     steps = recorded_steps(nb)
-    report = ReplayReport(str(path))
+    report = ReplayReport(str(path), exported_by_kernel_env="kernel_env" in nb.metadata)
     with KernelEnv(
         llm_query_fn=_recorded_llm(nb), step_timeout=step_timeout, kernel_source=kernel_source
     ) as env:
@@ -101,6 +143,7 @@ def replay_notebook(
         done = False
         for index, cell in enumerate(steps, 1):
             head = cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""
+            diff = ""
             if done:
                 verdict = "not-run"
             elif cell.source.startswith(RECORDED_MAGIC):
@@ -108,11 +151,14 @@ def replay_notebook(
                 env.execute(cell.source)  # keeps the namespace as the episode had it
             else:
                 result = env.execute(cell.source)
-                ok = cells_match(cell.outputs, result.observation.result.outputs)
+                replayed = result.observation.result.outputs
+                ok = cells_match(cell.outputs, replayed)
                 verdict = "match" if ok else "mismatch"
+                if not ok:
+                    diff = output_diff(cell.outputs, replayed)
                 done = result.done
                 report.final_answer = result.observation.metadata.get("final_answer")
-            report.cells.append(CellReport(index, verdict, head))
+            report.cells.append(CellReport(index, verdict, head, diff))
             if on_cell is not None:
                 on_cell(report.cells[-1])
     return report

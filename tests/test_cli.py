@@ -59,7 +59,7 @@ def test_run_solves_a_task_and_exports_it(tmp_path: Path) -> None:
             "root",
             "--sub-model",
             "sub",
-            "--base-url",
+            "--model-url",
             fake.url,
             "--output",
             str(tmp_path),
@@ -93,8 +93,8 @@ def test_run_solves_a_task_and_exports_it(tmp_path: Path) -> None:
 
 
 def test_run_reports_a_model_failure_and_keeps_the_notebook(tmp_path: Path) -> None:
-    """The endpoint refuses: the error is said plainly, the exit status is 1, and what ran is
-    still exported."""
+    """The endpoint refuses: the error is said plainly, the exit status is 1, and no empty
+    notebook or trajectory is left behind (nothing ran)."""
     context = tmp_path / "c.txt"
     context.write_text("data")
     env = {**os.environ, "KERNEL_ENV_LLM_API_KEY": KEY}
@@ -115,7 +115,10 @@ def test_run_reports_a_model_failure_and_keeps_the_notebook(tmp_path: Path) -> N
     )
     assert run.returncode == 1
     assert "the run failed: LLM call to http://127.0.0.1:9/v1 failed" in run.stderr
-    assert (tmp_path / "x.ipynb").exists() and KEY not in run.stderr
+    assert KEY not in run.stderr
+    assert not (tmp_path / "x.ipynb").exists()
+    assert not (tmp_path / "x.trajectory.jsonl").exists()
+    assert "notebook:" not in run.stdout
 
 
 def test_run_rejects_bad_input(tmp_path: Path) -> None:

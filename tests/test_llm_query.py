@@ -74,7 +74,7 @@ def test_no_llm_configured_is_a_clear_error_in_the_cell() -> None:
     with KernelEnv() as env:
         env.reset()
         res = env.execute("llm_query('x')").observation.result
-        assert not res.success and "no LLM is configured" in res.exception
+        assert not res.success and "no model is configured" in res.exception
         assert env.execute("1").observation.result.success
 
 

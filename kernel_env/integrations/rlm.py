@@ -34,14 +34,13 @@ from rlm.core.comms_utils import LMRequest, send_lm_request
 from rlm.core.types import REPLResult, RLMChatCompletion
 from rlm.environments.base_env import NonIsolatedEnv, extract_tool_value, validate_custom_tools
 
-from kernel_env.client import KernelEnv
+from kernel_env.client import TOKEN_VARIABLE, KernelEnv
 from kernel_env.kernel.base import KernelSource
 from kernel_env.llm import Completion, Messages
 
 __all__ = ["ENVIRONMENT", "KernelREPL", "register"]
 
 ENVIRONMENT = "kernel_env"
-TOKEN_VARIABLE = "KERNEL_ENV_TOKEN"
 # rlm enforces its own iteration limit; the episode's is only a backstop.
 _EPISODE_ITERATIONS = 100_000
 _NOT_RUN = "not run: the episode already ended with a final answer"

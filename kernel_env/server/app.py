@@ -54,14 +54,12 @@ from kernel_env.server.settings import ServerSettings
 from kernel_env.server.websocket import websocket_endpoint
 
 __all__ = [
-    "API_VERSION",
     "SESSION_HEADER",
     "Runtime",
     "create_app",
     "llm_backend_from",
 ]
 
-API_VERSION = "1.0.0"  # OpenEnv's HTTP standard profile "openenv-http/1.x"
 SESSION_HEADER = "X-Session-Id"
 
 _SESSIONS_DOC = f"""
@@ -126,6 +124,9 @@ class Runtime:
             llm_max_tokens=settings.llm_max_tokens,
             llm_allowed_models=settings.llm_allowed_models,
             max_prompt_chars=settings.max_prompt_chars,
+            no_model_hint="the server's operator must start it with --llm-base-url and "
+            "--llm-model (or KERNEL_ENV_LLM_BASE_URL and KERNEL_ENV_LLM_MODEL); or pass your "
+            "own hf_token to reset()",
         )
         token_backends = _token_backends(settings)
         self.sessions = SessionManager(
@@ -211,7 +212,7 @@ def create_app(
 
     app = FastAPI(
         title="kernel_env",
-        version=API_VERSION,
+        version=__version__,  # one version everywhere: the package's
         description="OpenEnv REPL environment whose episodes run in real IPython kernels.\n"
         + _SESSIONS_DOC,
         lifespan=lifespan,

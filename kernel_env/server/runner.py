@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import socket
 import sys
 from dataclasses import replace
@@ -61,8 +62,13 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.bind((host, port))
         sock.listen(2048)
-    except OSError:
+    except OSError as exc:
         sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(
+                f"port {port} on {host} is already in use (another kernel-env serve?); "
+                "choose another with --port"
+            ) from None
         raise
     sock.set_inheritable(True)
     return sock
