@@ -38,30 +38,64 @@ def test_ten_line_example_runs_as_written(tmp_path: Path) -> None:
     assert run.stdout.splitlines() == ["11", "", '"a model\'s answer"', "", "True 1.0"]
 
 
+def _blocks(section: str) -> list[str]:
+    """Every ```python block under the heading ``section`` (up to the next heading)."""
+    body = README.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", body, re.S)
+
+
 @pytest.mark.slow
-def test_make_serve_serves(tmp_path: Path) -> None:
-    """`make serve` (the first of the two commands) brings up a healthy server."""
+def test_getting_started_from_a_fresh_clone(tmp_path: Path) -> None:
+    """The README's way in, as a newcomer takes it: a fresh clone, `make serve` (which makes
+    the venv and says so), then in a second process the ten lines, `kernel-env --version` in the
+    activated venv, and the async example against that server."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing to clone")
+    clone = tmp_path / "kernel_env"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=120)
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
         make = subprocess.Popen(
             ["make", "--no-print-directory", "serve", f"PORT={port}"],
-            cwd=ROOT,
+            cwd=clone,
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300  # the first run may install the package
+        deadline = time.monotonic() + 600  # a fresh venv: pip installs everything
         while time.monotonic() < deadline and make.poll() is None:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
-        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-        assert health.json()["status"] == "healthy", log.read_text()
-        assert f"kernel-env: serving http://127.0.0.1:{port}" in log.read_text()
+                time.sleep(0.5)
+        said = log.read_text()
+        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "healthy", said
+        assert "installing kernel_env" in said and f"kernel-env: serving {url}" in said
+
+        ten, async_example = _blocks("Ten lines")
+        (clone / "ten.py").write_text(ten)
+        (clone / "ten_async.py").write_text(async_example.replace("http://127.0.0.1:8000", url))
+        second = subprocess.run(
+            [
+                "bash",
+                "-c",
+                ". .venv/bin/activate && python ten.py && kernel-env --version "
+                "&& python ten_async.py",
+            ],
+            cwd=clone,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"},
+        )
+        assert second.returncode == 0, second.stderr
+        lines = second.stdout.splitlines()
+        assert lines[:5] == ["11", "", '"a model\'s answer"', "", "True 1.0"]
+        assert lines[5].startswith("kernel-env ") and lines[6] == "11", lines
     finally:
         os.killpg(make.pid, signal.SIGTERM)
-        make.wait(timeout=30)
+        make.wait(timeout=60)

@@ -1,0 +1,302 @@
+"""A newcomer's first hour: every wrong input gets a clear answer. The CLI is driven as a user
+types it (the venv's ``kernel-env`` in a subprocess); the client in a second Python process."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from fake_openai import FakeOpenAI
+from gateway import free_port
+from serverkit import make_client, small_settings, thread_server
+
+from kernel_env import KernelEnv
+from kernel_env.cli import _parser
+from kernel_env.kernel.factory import local_source
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
+KERNEL_ENV = str(Path(sys.executable).with_name("kernel-env"))
+KEY = "sk-first-hour-77aa"
+VERSION = importlib.metadata.version("kernel-env")
+
+
+def cli(*args: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [KERNEL_ENV, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env},
+    )
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a second Python process, the way a user's script runs."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+# -- versions and flags ------------------------------------------------------------------
+
+
+def test_one_version_everywhere() -> None:
+    shown = cli("--version")
+    assert shown.returncode == 0 and shown.stdout.strip() == f"kernel-env {VERSION}"
+    with make_client() as client:
+        assert client.get("/openapi.json").json()["info"]["version"] == VERSION
+        assert client.get("/metadata").json()["version"] == VERSION
+
+
+def test_every_flag_names_its_default() -> None:
+    commands = next(
+        a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
+    for name, command in commands.items():
+        for action in command._actions:
+            if (
+                not action.option_strings
+                or action.required
+                or isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction))
+            ):
+                continue
+            assert "default" in (action.help or ""), f"{name} {action.option_strings}"
+
+
+@pytest.mark.parametrize("command", ["run", "replay", "serve"])
+def test_a_negative_step_timeout_is_refused_everywhere(command: str, tmp_path: Path) -> None:
+    (tmp_path / "c.txt").write_text("x")
+    nb = tmp_path / "n.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), nb)
+    args = {
+        "run": ["--context", str(tmp_path / "c.txt"), "--task", "t", "--model", "m"],
+        "replay": [str(nb)],
+        "serve": ["--port", "0"],
+    }[command]
+    done = cli(command, *args, "--step-timeout", "-1", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "greater than 0" in done.stderr or "step_timeout" in done.stderr, done.stderr
+
+
+# -- kernel-env run ----------------------------------------------------------------------
+
+
+def _run_args(tmp_path: Path, url: str, *more: str) -> list[str]:
+    context = tmp_path / "c.txt"
+    context.write_text("Hello World")
+    return [
+        "run",
+        "--context",
+        str(context),
+        "--task",
+        "How many characters?",
+        "--model",
+        "m",
+        "--model-url",
+        url,
+        "--output",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--sandbox",
+        "none",
+        *more,
+    ]
+
+
+def test_run_without_a_final_answer_exits_1(tmp_path: Path) -> None:
+    """--max-iterations 1 with a model that never says FINAL: no "iteration 2/1", no reward
+    line without an expected answer, the last reply shown as not final, exit status 1."""
+    with FakeOpenAI(lambda body: "```repl\nprint(len(context))\n```") as fake:
+        done = cli(
+            *_run_args(tmp_path, fake.url, "--max-iterations", "1"), KERNEL_ENV_LLM_API_KEY=KEY
+        )
+    assert done.returncode == 1, done.stderr
+    assert "iteration 2/1" not in done.stderr and "iteration 1/1" in done.stderr
+    assert "out of iterations" in done.stderr and "reward" not in done.stderr
+    assert "[no final answer given]" in done.stdout
+
+
+def test_run_json_verbose_and_reward(tmp_path: Path) -> None:
+    turns = ["```repl\nn = len(context)\nprint(n)\n```", "```repl\nFINAL_VAR('n')\n```"]
+
+    def model(body: dict[str, Any]) -> str:
+        return turns[sum(1 for m in body["messages"] if m["role"] == "assistant")]
+
+    with FakeOpenAI(model) as fake:
+        done = cli(
+            *_run_args(tmp_path, fake.url, "--json", "--verbose", "--expected-answer", "11"),
+            KERNEL_ENV_LLM_API_KEY=KEY,
+        )
+    assert done.returncode == 0, done.stderr
+    outcome = json.loads(done.stdout)
+    assert outcome["answer"] == "11" and outcome["final"] is True and outcome["reward"] == 1.0
+    assert Path(outcome["notebook"]).is_file() and Path(outcome["trajectory"]).is_file()
+    assert "n = len(context)" in done.stderr and "reward 1" in done.stderr  # echoed, scored
+
+
+def test_ctrl_c_prints_what_was_written(tmp_path: Path) -> None:
+    """Ctrl-C while the model thinks: the partial notebook is written and its path printed."""
+
+    def model(body: dict[str, Any]) -> str:
+        if any(m["role"] == "assistant" for m in body["messages"]):
+            time.sleep(60)  # the second turn: the user gives up waiting
+        return "```repl\nx = 1\nprint(x)\n```"
+
+    errors = tmp_path / "stderr.txt"
+    with FakeOpenAI(model) as fake, errors.open("w") as sink:
+        process = subprocess.Popen(
+            [KERNEL_ENV, *_run_args(tmp_path, fake.url)],
+            stdout=subprocess.PIPE,
+            stderr=sink,
+            text=True,
+            env={**os.environ, "KERNEL_ENV_LLM_API_KEY": KEY},
+        )
+        deadline = time.monotonic() + 120
+        while "iteration 1/" not in errors.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, errors.read_text()
+    notebook = Path(out.split("notebook: ", 1)[1].splitlines()[0])
+    assert notebook.is_file() and "x = 1" in notebook.read_text()
+
+
+# -- kernel-env replay and export --------------------------------------------------------
+
+
+def _exported(tmp_path: Path) -> Path:
+    with KernelEnv(kernel_source=local_source("none")) as env:
+        env.reset()
+        env.execute("print(6 * 7)")
+        return env.export_notebook(tmp_path / "episode.ipynb")
+
+
+def test_replay_shows_a_diff_and_speaks_json(tmp_path: Path) -> None:
+    path = _exported(tmp_path)
+    nb = nbformat.read(path, as_version=4)
+    step = next(c for c in nb.cells if c.cell_type == "code" and "6 * 7" in c.source)
+    step.outputs[0]["text"] = "43\n"
+    nbformat.write(nb, path)
+    shown = cli("replay", str(path), "--sandbox", "none")
+    assert shown.returncode == 1
+    assert "-[stdout] 43" in shown.stdout and "+[stdout] 42" in shown.stdout
+    as_json = json.loads(cli("replay", str(path), "--sandbox", "none", "--json").stdout)
+    assert as_json["all_match"] is False and as_json["counts"] == {"mismatch": 1}
+    assert "+[stdout] 42" in as_json["cells"][0]["diff"]
+
+
+def test_replay_refuses_what_is_not_a_notebook_and_warns_on_foreign_ones(tmp_path: Path) -> None:
+    not_a_notebook = tmp_path / "data.ipynb"
+    not_a_notebook.write_text('{"rows": [1, 2]}')
+    refused = cli("replay", str(not_a_notebook))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().count("\n") == 0 and "not a Jupyter notebook" in refused.stderr
+    foreign = tmp_path / "mine.ipynb"
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("print('hi')")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="hi\n")]
+    nb.cells.append(cell)
+    nbformat.write(nb, foreign)
+    warned = cli("replay", str(foreign), "--sandbox", "none")
+    assert warned.returncode == 0, warned.stdout + warned.stderr
+    assert "was not exported by kernel-env" in warned.stderr
+
+
+def test_export_of_a_missing_notebook_says_so(tmp_path: Path) -> None:
+    done = cli("export", str(tmp_path / "nothere.ipynb"))
+    assert done.returncode == 2 and "no such notebook" in done.stderr
+
+
+def test_recorded_cells_say_they_are_not_rerun() -> None:
+    with KernelEnv(kernel_source=local_source("none")) as env:
+        env.reset()
+        out = env.run("%%kernel_env_recorded interrupted\nimport time\ntime.sleep(600)")
+    assert "timed out when it was recorded; it is not run again" in out.stdout
+
+
+# -- serve ----------------------------------------------------------------------------
+
+
+def test_serve_names_a_busy_port() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = cli("serve", "--port", str(port), "--sandbox", "none", timeout=60)
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
+
+
+def test_an_unreachable_gateway_is_one_line_a_failure() -> None:
+    process = subprocess.Popen(
+        [KERNEL_ENV, "serve", "--port", "0", "--gateway-url", f"http://127.0.0.1:{free_port()}"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(6)
+    process.send_signal(signal.SIGTERM)
+    _, said = process.communicate(timeout=60)
+    failures = [line for line in said.splitlines() if "failed to start (" in line]
+    assert len(failures) >= 2, said
+    assert "Traceback" not in said and "next try in" in failures[-1]
+
+
+# -- the remote client -------------------------------------------------------------------
+
+
+def test_the_client_reads_the_token_variable_and_says_how_to_pass_one() -> None:
+    token = "first-hour-token-31"
+    code = """
+        from kernel_env import KernelEnv
+        with KernelEnv(base_url="{url}") as env:
+            env.reset()
+            print(env.run("1 + 1").stdout.strip())
+    """
+    with thread_server(small_settings(token=token, sandbox="none")) as url:
+        ok = python(code.replace("{url}", url), KERNEL_ENV_TOKEN=token)
+        env = {k: v for k, v in os.environ.items() if k != "KERNEL_ENV_TOKEN"}
+        refused = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code.replace("{url}", url))],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    assert ok.returncode == 0 and ok.stdout.strip() == "2", ok.stderr
+    assert refused.returncode == 1
+    assert "pass token= or set KERNEL_ENV_TOKEN" in refused.stderr.splitlines()[-1]
+    assert "The above exception" not in refused.stderr
+
+
+def test_a_server_that_is_down_is_one_clear_connection_error() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    down = python(f"from kernel_env import KernelEnv\nKernelEnv(base_url={url!r}).reset()")
+    last = down.stderr.strip().splitlines()[-1]
+    assert last.startswith("ConnectionError: cannot reach the kernel-env server at " + url)
+    assert len(down.stderr.splitlines()) < 15 and "The above exception" not in down.stderr
+
+
+def test_llm_query_on_a_server_without_a_model_tells_the_operator_what_to_set() -> None:
+    with thread_server(small_settings(sandbox="none")) as url, KernelEnv(base_url=url) as env:
+        env.reset()
+        result = env.run("x = llm_query('hi')")
+    assert not result.success and "--llm-base-url" in (result.exception or "")
+    assert "call_host" not in result.stderr  # kernel_env's own frames are not shown
