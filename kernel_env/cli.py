@@ -4,6 +4,7 @@
     kernel-env run       one RLM episode driven by a model, with live progress
     kernel-env export    a served episode as .ipynb (or a notebook as HTML)
     kernel-env replay    a notebook's code cells re-run as a fresh episode, compared cell by cell
+    kernel-env ps        the episodes a server is running
 
 Every ``serve`` flag also reads a ``KERNEL_ENV_<NAME>`` variable (e.g. ``KERNEL_ENV_POOL_SIZE``);
 a flag given on the command line wins. The bearer token is read from ``KERNEL_ENV_TOKEN`` only:
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import sys
 import time
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_run(commands)
     _add_export(commands)
     _add_replay(commands)
+    _add_ps(commands)
     return parser
 
 
@@ -161,12 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
     explicit = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
     try:
         settings = ServerSettings.from_env(**explicit)
-        server, sock, settings = build_server(settings)
+        server, sock, settings = build_server(settings, own_logs=True)
     except (ValueError, OSError, RuntimeError) as exc:
         return _fail("serve", exc)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     return_freed_memory()
     _guard_secrets()
     print(_status_line(settings), file=sys.stderr, flush=True)
@@ -306,6 +304,68 @@ def _download(url: str, session_id: str, target: Path, *, overwrite: bool) -> Pa
     data = asyncio.run(fetch_export(url, session_id, target.name, token=token))
     extract_export(data, target.parent, stem=target.stem, overwrite=overwrite)
     return target
+
+
+# -- ps ----------------------------------------------------------------------------------
+
+
+def _add_ps(commands: argparse._SubParsersAction) -> None:
+    ps = commands.add_parser(
+        "ps",
+        help="list the episodes a kernel-env server is running",
+        description="GET /sessions of a server: a line per session (its token is read from "
+        "KERNEL_ENV_TOKEN).",
+    )
+    ps.add_argument(
+        "--url",
+        default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
+        help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})",
+    )
+    ps.add_argument("--json", action="store_true", help="print the server's JSON as it is")
+    ps.set_defaults(run=_ps)
+
+
+def _ps(args: argparse.Namespace) -> int:
+    import httpx
+
+    from kernel_env.client import TOKEN_VARIABLE
+    from kernel_env.remote import http_url
+
+    token = os.environ.get(TOKEN_VARIABLE)
+    try:
+        url = f"{http_url(args.url)}/sessions"
+        response = httpx.get(
+            url,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+            timeout=10,
+            trust_env=False,
+        )
+    except ValueError as exc:
+        return _fail("ps", exc)
+    except httpx.HTTPError as exc:
+        return _fail("ps", f"cannot reach {args.url}: {exc}")
+    if response.status_code in (401, 403):
+        return _fail(
+            "ps", f"{args.url} refused (HTTP {response.status_code}): set KERNEL_ENV_TOKEN"
+        )
+    if response.status_code != 200:
+        return _fail("ps", f"{url}: HTTP {response.status_code}")
+    sessions = response.json()["sessions"]
+    if args.json:
+        print(json.dumps(response.json()))
+        return 0
+    print(f"{'SESSION':<34} {'KIND':<4} {'STATE':<5} {'STEPS':>9} {'ELAPSED':>8} {'LLM':>5}  TASK")
+    for s in sessions:
+        episode = s["episode"] or {}
+        steps = f"{episode['steps']}/{episode['max_iterations']}" if episode else "-"
+        elapsed = f"{episode['elapsed_s']:.0f} s" if episode else "-"
+        calls = str(episode.get("llm_calls", "-"))
+        print(
+            f"{s['session_id']:<34} {s['kind']:<4} {s['state']:<5} {steps:>9} {elapsed:>8} "
+            f"{calls:>5}  {episode.get('task') or ''}"
+        )
+    print(f"{len(sessions)} session(s)")
+    return 0
 
 
 # -- replay ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
@@ -176,6 +177,8 @@ class KernelEnvironment:
                 f"context of {len(opts.context)} chars exceeds the limit of "
                 f"{self.config.max_context_chars}"
             )
+        if self._record is not None and not self._record.done:
+            _log_end(self._record, "reset before it finished")
         self._discard_in_background()
         self._record = EpisodeRecord(
             episode_id=opts.episode_id or str(uuid.uuid4()),
@@ -412,6 +415,7 @@ class KernelEnvironment:
             observation.metadata["rubric_error"] = rubric_error
         if done:
             record.reward = reward
+            _log_end(record, "final answer" if final is not None else "out of iterations")
         return observation
 
     def _reward(
@@ -488,6 +492,8 @@ class KernelEnvironment:
     async def close(self) -> None:
         """Shut the episode's kernel down, and those of earlier episodes still shutting
         down; idempotent. The record stays readable."""
+        if self._kernel is not None and self._record is not None and not self._record.done:
+            _log_end(self._record, "closed before it finished")
         await self._discard_kernel()
         if self._discarding:
             await asyncio.gather(*self._discarding, return_exceptions=True)
@@ -633,4 +639,17 @@ def _step_record(
         llm_calls=calls,
         reward=reward,
         final_answer=final,
+    )
+
+
+def _log_end(record: EpisodeRecord, how: str) -> None:
+    """One line per episode end, for operators: id, how, steps, reward, duration, LLM calls."""
+    log.info(
+        "episode %s ended (%s): %d step(s), reward %s, %.1f s, %d LLM call(s)",
+        record.episode_id,
+        how,
+        len(record.steps),
+        "none" if record.reward is None else f"{record.reward:g}",
+        time.time() - record.started,
+        record.llm_usage.get("calls", 0),
     )

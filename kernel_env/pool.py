@@ -79,6 +79,7 @@ class KernelPool:
         self.warm_hits = 0  # ... of which were warm
         self.start_failures = 0
         self._fail_streak = 0
+        self.last_failure: str | None = None  # why the latest start failed, while they fail
 
     @property
     def warm(self) -> int:
@@ -202,6 +203,11 @@ class KernelPool:
                 self._starts.add(task)
                 task.add_done_callback(self._starts.discard)
 
+    @property
+    def can_start(self) -> bool:
+        """Readiness: False while kernel starts keep failing and no warm kernel is left."""
+        return self._fail_streak == 0 or bool(self._warm)
+
     def _backoff(self) -> float:
         """Seconds before the next start while starts keep failing: 0.5 s, doubling, to 30 s."""
         return min(_MAX_BACKOFF, 0.5 * 2 ** (self._fail_streak - 1)) if self._fail_streak else 0.0
@@ -222,17 +228,18 @@ class KernelPool:
         except Exception as exc:
             self.start_failures += 1
             self._fail_streak += 1
+            self.last_failure = shorten(f"{type(exc).__name__}: {exc}", 300, one_line=True)
             # One line a failure (a traceback only at debug level): an unreachable gateway
             # fails every start, and the backoff below spaces them out.
             log.warning(
                 "a pool kernel failed to start (%d in a row; next try in %.1f s): %s",
                 self._fail_streak,
                 self._backoff(),
-                shorten(f"{type(exc).__name__}: {exc}", 300, one_line=True),
+                self.last_failure,
                 exc_info=log.isEnabledFor(logging.DEBUG),
             )
             return
-        self._fail_streak = 0
+        self._fail_streak, self.last_failure = 0, None
         if self._closed:
             await asyncio.shield(kernel.shutdown())
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -48,3 +49,4 @@ class EpisodeRecord:
     final_answer: str | None = None
     reward: float | None = None
     done: bool = False
+    started: float = field(default_factory=time.time)  # the reset, seconds since the epoch

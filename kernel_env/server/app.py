@@ -24,6 +24,7 @@ from fastapi import Body, FastAPI, Header, HTTPException, Request, Response, sta
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kernel_env import __version__
@@ -39,10 +40,11 @@ from kernel_env.notebook import ExportPathError, export_zip, notebook_name, note
 from kernel_env.pool import KernelPool
 from kernel_env.record import EpisodeRecord
 from kernel_env.recursion import BackendForToken
-from kernel_env.server import metrics, protocol
+from kernel_env.server import protocol
 from kernel_env.server.auth import AuthGate, BearerAuth
 from kernel_env.server.guard import BrowserGuard, HostPolicy
 from kernel_env.server.limits import BodyLimit
+from kernel_env.server.operator import add_operator_routes
 from kernel_env.server.sessions import (
     CapacityReached,
     Session,
@@ -210,7 +212,7 @@ def create_app(
         finally:
             await runtime.close()
 
-    app = FastAPI(
+    app = FastAPIOffline(  # /docs from the package's own Swagger UI assets, no CDN
         title="kernel_env",
         version=__version__,  # one version everywhere: the package's
         description="OpenEnv REPL environment whose episodes run in real IPython kernels.\n"
@@ -223,13 +225,16 @@ def create_app(
     _add_middleware(app, settings)
     _install_error_handlers(app)
     _add_info_routes(app)
+    add_operator_routes(app)
     _add_episode_routes(app)
     app.add_api_websocket_route("/ws", websocket_endpoint)
     return app
 
 
 PUBLIC_PATHS = (
+    "/",
     "/health",
+    "/ready",
     "/metadata",
     "/schema",
     "/openapi.json",
@@ -238,6 +243,7 @@ PUBLIC_PATHS = (
     "/redoc",
     "/mcp",
 )
+DOCS_ASSETS = "/static-offline-docs/"  # fastapi-offline's Swagger UI files
 _SMALL_BODY = 1 << 20  # any route but /reset and /step: a small JSON document
 
 
@@ -252,7 +258,9 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
         per_path={"/reset": settings.max_message_bytes, "/step": step_bytes},
         default_bytes=min(settings.max_message_bytes, _SMALL_BODY),
     )
-    app.add_middleware(AuthGate, auth=app.state.auth, public=PUBLIC_PATHS)
+    app.add_middleware(
+        AuthGate, auth=app.state.auth, public=PUBLIC_PATHS, public_prefixes=(DOCS_ASSETS,)
+    )
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -330,11 +338,6 @@ def _add_info_routes(app: FastAPI) -> None:
     @app.post("/mcp", tags=["MCP"], summary="JSON-RPC 2.0 (no tools: every call is an error)")
     async def mcp(request: Request) -> JSONResponse:
         return JSONResponse(protocol.mcp_response(await request.body()))
-
-    @app.get("/metrics", tags=["Operations"], summary="Server counters")
-    async def get_metrics(request: Request) -> dict[str, Any]:
-        runtime = _runtime(request)
-        return metrics.collect(runtime.sessions, runtime.pool, runtime.started)
 
 
 # -- episode routes -----------------------------------------------------------------------

@@ -49,16 +49,24 @@ class AuthGate:
     """Pure ASGI middleware: every path but ``public`` ones needs the token, checked on the
     headers before the body is read."""
 
-    def __init__(self, app: ASGIApp, auth: BearerAuth, public: Iterable[str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        auth: BearerAuth,
+        public: Iterable[str],
+        public_prefixes: Iterable[str] = (),
+    ) -> None:
         self.app = app
         self.auth = auth
         self.public = frozenset(public)
+        self.public_prefixes = tuple(public_prefixes)  # static files, e.g. /docs' assets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] not in ("http", "websocket")
             or not self.auth.enabled
             or scope["path"] in self.public
+            or scope["path"].startswith(self.public_prefixes)
         ):
             await self.app(scope, receive, send)
             return

@@ -59,3 +59,52 @@ def process_rss(pid: int | str = "self") -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- Prometheus' text format -----------------------------------------------------------------
+
+PROMETHEUS_PREFIX = "kernel_env_"
+# Counters only ever grow; every other number is a gauge (a level that goes up and down).
+_COUNTERS = frozenset(
+    {
+        "sessions_total",
+        "sessions_reaped",
+        "kernels_refused",
+        "pool_acquired",
+        "pool_warm_hits",
+        "pool_start_failures",
+        "steps",
+        "timeouts",
+        "restarts",
+        "truncations",
+        "late_outputs",
+        "lost_outputs",
+    }
+)
+_HELP = {
+    "uptime_s": "seconds since the server started",
+    "rss_bytes": "the server process's resident memory",
+    "lost_outputs": "output that reached neither an observation nor the episode log (stays 0)",
+}
+
+
+def prometheus_text(snapshot: dict[str, Any]) -> tuple[bytes, str]:
+    """``snapshot`` (from :func:`collect`) in Prometheus' text exposition format, rendered by
+    prometheus_client; returns the body and its content type."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    class Snapshot:
+        def collect(self) -> Any:
+            for name, value in snapshot.items():
+                if value is None or isinstance(value, bool):
+                    continue
+                full = PROMETHEUS_PREFIX + name
+                doc = _HELP.get(name, name.replace("_", " "))
+                family = CounterMetricFamily if name in _COUNTERS else GaugeMetricFamily
+                yield family(full, doc, value=value)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Snapshot())
+    return generate_latest(registry), CONTENT_TYPE_LATEST

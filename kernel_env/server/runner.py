@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kernel_env.server.app import create_app
+from kernel_env.server.logs import log_config
 from kernel_env.server.settings import ServerSettings
 
 __all__ = ["DrainingServer", "bind", "build_server", "return_freed_memory"]
@@ -75,9 +76,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def build_server(
-    settings: ServerSettings, app: FastAPI | None = None
+    settings: ServerSettings, app: FastAPI | None = None, *, own_logs: bool = False
 ) -> tuple[DrainingServer, socket.socket, ServerSettings]:
-    """The server, its bound socket, and the settings with the real port filled in."""
+    """The server, its bound socket, and the settings with the real port filled in.
+    ``own_logs``: configure all logging (``kernel-env serve``'s one format)."""
     sock = bind(settings.host, settings.port)
     port = sock.getsockname()[1]
     settings = replace(settings, port=port)
@@ -87,6 +89,10 @@ def build_server(
         loop="asyncio",  # the same loop kind the tests and the local client use
         lifespan="on",
         log_level=settings.log_level,
+        # The CLI's one format for every logger; a library caller's logging is left alone.
+        log_config=log_config(settings.log_level, settings.log_format)
+        if own_logs
+        else uvicorn.config.LOGGING_CONFIG,
         ws_max_size=settings.max_message_bytes,  # bigger frames: close 1009, never buffered
         timeout_graceful_shutdown=2,  # after our own drain, only stragglers are left
         # No permessage-deflate: it cost ~0.3 ms of server CPU per step (measured, P6 is

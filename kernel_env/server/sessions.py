@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -43,6 +44,7 @@ from kernel_env.errors import (
 from kernel_env.kernel import Kernel
 from kernel_env.models import REPLAction, REPLObservation, REPLState
 from kernel_env.record import EpisodeRecord
+from kernel_env.text import shorten
 
 __all__ = [
     "CapacityReached",
@@ -124,6 +126,35 @@ class Session:
             # A served session answers an empty state before its first reset (clients probe a
             # new connection with it); a local environment raises, as upstream's does.
             return REPLState()
+
+    def summary(self) -> dict[str, Any]:
+        """What an operator sees of this session (``GET /sessions``): never the context or
+        a secret; the task shortened."""
+        now = asyncio.get_running_loop().time()
+        record = self.env.record
+        episode: dict[str, Any] | None = None
+        if record is not None:
+            state = self.env.state
+            episode = {
+                "episode_id": state.episode_id,
+                "task": shorten(state.task_prompt or "", 200, one_line=True),
+                "steps": state.step_count,
+                "max_iterations": state.max_iterations,
+                "elapsed_s": round(time.time() - record.started, 3),
+                "done": state.done,
+                "reward": state.reward,
+                "llm_calls": state.llm_calls,
+                "llm_tokens": state.llm_usage.get("total_tokens", 0),
+            }
+        busy = "busy" if self.busy else None
+        return {
+            "session_id": self.id,
+            "kind": self.kind,
+            "claimed": self.claimed,
+            "state": busy or ("done" if episode and episode["done"] else "idle"),
+            "idle_s": round(now - self.last_active, 3),
+            "episode": episode,
+        }
 
     def touch(self) -> None:
         self.last_active = asyncio.get_running_loop().time()

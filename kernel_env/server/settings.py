@@ -22,6 +22,7 @@ _SECRETS = frozenset({"token"})  # blank = a start-up error, never "no auth"
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LOG_FORMATS = ("text", "json")
 
 
 def _flag(
@@ -71,6 +72,9 @@ class ServerSettings:
     max_context_chars: int = _flag(128 * _MiB, "largest reset context, chars")
     max_code_chars: int = _flag(1 * _MiB, "largest code of one step, chars")
     log_level: str = _flag("info", "log level", choices=LOG_LEVELS)
+    log_format: str = _flag(
+        "text", "log lines, the server's and uvicorn's alike: text or json", choices=LOG_FORMATS
+    )
     # Where kernels run: local (sandboxed per `sandbox`), or on a Jupyter (Enterprise) Gateway.
     sandbox: str = _flag(
         "bwrap",
@@ -163,6 +167,8 @@ class ServerSettings:
                     f"{name} must not be empty or blank (leave it unset for none)"
                     + (": KERNEL_ENV_TOKEN is set but blank" if name == "token" else "")
                 )
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(
                 f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"

@@ -1,0 +1,82 @@
+"""Routes for the people who run a server: a landing page, readiness, Prometheus metrics and
+the list of running episodes.
+
+``/health`` stays liveness (the process answers); ``/ready`` is readiness: 503 while kernels
+cannot start (an unreachable gateway, say) and no warm kernel is left, so a load balancer sends
+no new episode to a server that would fail it.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from kernel_env import __version__
+from kernel_env.server import metrics
+
+__all__ = ["add_operator_routes"]
+
+_LINKS = (
+    ("/docs", "API docs (Swagger UI; works offline)"),
+    ("/health", "liveness"),
+    ("/ready", "readiness: can kernels start?"),
+    ("/metrics", "counters (JSON; Prometheus text with Accept: text/plain)"),
+    ("/metrics/prometheus", "counters in Prometheus' text format"),
+    ("/sessions", "running episodes (token required when one is set)"),
+)
+
+
+def add_operator_routes(app: FastAPI) -> None:
+    @app.get("/", include_in_schema=False)
+    async def landing() -> HTMLResponse:
+        items = "".join(
+            f'<li><a href="{path}">{path}</a> {html.escape(text)}</li>' for path, text in _LINKS
+        )
+        return HTMLResponse(
+            f"<!doctype html><html><head><meta charset='utf-8'><title>kernel_env</title>"
+            f"</head><body><h1>kernel_env {html.escape(__version__)}</h1>"
+            f"<p>REPL environments for language-model agents, in real IPython kernels.</p>"
+            f"<ul>{items}</ul></body></html>",
+            headers={"Content-Security-Policy": "default-src 'none'"},
+        )
+
+    @app.get("/ready", tags=["Health"], summary="Readiness: 503 while kernels cannot start")
+    async def ready(request: Request) -> JSONResponse:
+        runtime = request.app.state.runtime
+        pool = runtime.pool
+        if runtime.sessions.draining:
+            return JSONResponse({"status": "not ready", "reason": "shutting down"}, 503)
+        if not pool.can_start:
+            reason = f"kernels cannot start: {pool.last_failure}"
+            return JSONResponse({"status": "not ready", "reason": reason}, 503)
+        return JSONResponse({"status": "ready", "warm_kernels": pool.warm})
+
+    @app.get("/metrics", tags=["Operations"], summary="Server counters (JSON or Prometheus)")
+    async def get_metrics(request: Request) -> Any:
+        snapshot = _snapshot(request)
+        accept = request.headers.get("accept", "")
+        if "text/plain" in accept and "application/json" not in accept:
+            return _prometheus(snapshot)
+        return snapshot
+
+    @app.get("/metrics/prometheus", tags=["Operations"], summary="Counters, Prometheus' format")
+    async def get_prometheus(request: Request) -> Response:
+        return _prometheus(_snapshot(request))
+
+    @app.get("/sessions", tags=["Operations"], summary="Running sessions and their episodes")
+    async def list_sessions(request: Request) -> dict[str, Any]:
+        sessions = request.app.state.runtime.sessions
+        return {"sessions": [s.summary() for s in sessions.sessions()]}
+
+
+def _snapshot(request: Request) -> dict[str, Any]:
+    runtime = request.app.state.runtime
+    return metrics.collect(runtime.sessions, runtime.pool, runtime.started)
+
+
+def _prometheus(snapshot: dict[str, Any]) -> Response:
+    body, content_type = metrics.prometheus_text(snapshot)
+    return Response(body, media_type=content_type)

@@ -1,0 +1,133 @@
+"""The operator's routes: a landing page, readiness, Prometheus metrics, running sessions,
+`kernel-env ps`, one log format with a line per episode end, and /docs with no CDN."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway import free_port
+from prometheus_client.parser import text_string_to_metric_families
+from serverkit import make_client, serve_process, small_settings, thread_server, wait_until
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
+KERNEL_ENV = str(Path(sys.executable).with_name("kernel-env"))
+TOKEN = "operator-token-5e1"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_landing_page_links_the_rest_and_needs_no_token() -> None:
+    with make_client(token=TOKEN, sandbox="none") as client:
+        page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for path in ("/docs", "/health", "/ready", "/metrics", "/sessions"):
+        assert f'href="{path}"' in page.text
+
+
+def test_metrics_in_prometheus_format_parse_with_prometheus_clients_parser() -> None:
+    with make_client(sandbox="none") as client:
+        sid = client.post("/reset", json={}).headers["X-Session-Id"]
+        client.post("/step", json={"action": {"code": "x = 1"}}, headers={"X-Session-Id": sid})
+        as_json = client.get("/metrics").json()
+        text = client.get("/metrics", headers={"Accept": "text/plain"})
+        direct = client.get("/metrics/prometheus")
+    assert text.headers["content-type"].startswith("text/plain")
+    assert direct.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(text.text)}
+    steps = families["kernel_env_steps"]
+    assert steps.type == "counter" and steps.samples[0].value == as_json["steps"] == 1
+    assert families["kernel_env_sessions_active"].type == "gauge"
+    assert families["kernel_env_sessions_active"].samples[0].value == 1
+    assert {f.name for f in text_string_to_metric_families(direct.text)} == set(families)
+
+
+def test_sessions_lists_running_episodes_behind_the_token() -> None:
+    with make_client(token=TOKEN, sandbox="none") as client:
+        assert client.get("/sessions").status_code == 401
+        ids = []
+        for task in ("count the words", "find the needle"):
+            body = {"task_prompt": task, "context": "SECRET-CTX"}
+            reply = client.post("/reset", json=body, headers=AUTH)
+            ids.append(reply.headers["X-Session-Id"])
+        client.post(
+            "/step", json={"action": {"code": "1"}}, headers={"X-Session-Id": ids[0], **AUTH}
+        )
+        listed = client.get("/sessions", headers=AUTH)
+    body = listed.json()
+    assert {s["session_id"] for s in body["sessions"]} == set(ids)
+    first = next(s for s in body["sessions"] if s["session_id"] == ids[0])
+    assert first["episode"]["task"] == "count the words" and first["episode"]["steps"] == 1
+    assert first["state"] == "idle" and first["kind"] == "http"
+    assert "SECRET-CTX" not in listed.text
+
+
+def test_kernel_env_ps_lists_a_servers_episodes() -> None:
+    with thread_server(small_settings(token=TOKEN, sandbox="none")) as url:
+        httpx.post(f"{url}/reset", json={"task_prompt": "ps me"}, headers=AUTH, timeout=60)
+        env = {**os.environ, "KERNEL_ENV_TOKEN": TOKEN}
+        shown = subprocess.run(
+            [KERNEL_ENV, "ps", "--url", url], capture_output=True, text=True, timeout=60, env=env
+        )
+        refused = subprocess.run(
+            [KERNEL_ENV, "ps", "--url", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "KERNEL_ENV_TOKEN"},
+        )
+    assert shown.returncode == 0, shown.stderr
+    assert "ps me" in shown.stdout and "1 session(s)" in shown.stdout
+    assert refused.returncode == 2 and "KERNEL_ENV_TOKEN" in refused.stderr
+
+
+def test_readiness_fails_while_kernels_cannot_start_and_liveness_holds() -> None:
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    with thread_server(small_settings(gateway_url=unreachable)) as url:
+        assert wait_until(
+            lambda: httpx.get(f"{url}/ready", timeout=5).status_code == 503, timeout=30
+        )
+        ready = httpx.get(f"{url}/ready", timeout=5).json()
+        health = httpx.get(f"{url}/health", timeout=5)
+    assert "kernels cannot start" in ready["reason"] and "gateway" in ready["reason"]
+    assert health.status_code == 200 and health.json()["status"] == "healthy"
+
+
+def test_a_healthy_server_is_ready() -> None:
+    with make_client(sandbox="none") as client:
+        assert wait_until(lambda: client.get("/ready").status_code == 200, timeout=30)
+        assert client.get("/ready").json()["status"] == "ready"
+
+
+def test_json_logs_one_format_and_a_line_per_episode_end() -> None:
+    with serve_process("--sandbox", "none", "--log-format", "json") as server:
+        sid = httpx.post(f"{server.url}/reset", json={}, timeout=60).headers["X-Session-Id"]
+        step = {"action": {"code": "FINAL(42)"}}
+        httpx.post(f"{server.url}/step", json=step, headers={"X-Session-Id": sid}, timeout=60)
+        assert wait_until(lambda: "ended (final answer)" in server.log.read_text(), timeout=10)
+        lines = server.log.read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    others = [line for line in lines if not line.startswith("{")]
+    assert all(line.startswith("kernel-env:") for line in others), others  # the status lines
+    loggers = {r["logger"] for r in records}
+    assert (
+        "uvicorn.error" in loggers
+        and "uvicorn.access" in loggers
+        and "kernel_env.environment" in loggers
+    )
+    end = next(r for r in records if "ended (final answer)" in r["message"])
+    assert "1 step(s), reward" in end["message"] and "LLM call(s)" in end["message"]
+
+
+def test_docs_are_served_from_the_package() -> None:
+    with make_client(token=TOKEN, sandbox="none") as client:
+        page = client.get("/docs")
+        script = client.get("/static-offline-docs/swagger-ui-bundle.js")
+    assert page.status_code == 200 and "/static-offline-docs/swagger-ui-bundle.js" in page.text
+    assert "cdn" not in page.text.lower()
+    assert script.status_code == 200 and len(script.content) > 100_000
