@@ -32,6 +32,7 @@ from kernel_env.models import (
 )
 from kernel_env.notebook import write_notebook
 from kernel_env.rubric import Rewards
+from kernel_env.streaming import OutputCallback, streamed
 
 if TYPE_CHECKING:
     from kernel_env.agent import AgentResult
@@ -49,7 +50,9 @@ class _Session(Protocol):
     """Where episodes run: in this process, or on a server."""
 
     async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]: ...
-    async def step(self, action: REPLAction) -> StepResult[REPLObservation]: ...
+    async def step(
+        self, action: REPLAction, on_output: OutputCallback | None = None
+    ) -> StepResult[REPLObservation]: ...
     async def state(self) -> REPLState: ...
     async def close(self) -> None: ...
 
@@ -63,8 +66,13 @@ class _LocalSession:
     async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
         return _wrap(await self.env.reset(**kwargs))
 
-    async def step(self, action: REPLAction) -> StepResult[REPLObservation]:
-        return _wrap(await self.env.step(action))
+    async def step(
+        self, action: REPLAction, on_output: OutputCallback | None = None
+    ) -> StepResult[REPLObservation]:
+        if on_output is None:
+            return _wrap(await self.env.step(action))
+        run = lambda push: self.env.step(action, on_output=push)  # noqa: E731
+        return _wrap(await streamed(run, on_output))
 
     async def state(self) -> REPLState:
         return self.env.state
@@ -193,9 +201,14 @@ class AsyncKernelEnv:
         kwargs = {k: given[k] for k in ResetOptions.model_fields if given[k] is not None}
         return await self._call(lambda session: session.reset(**kwargs))
 
-    async def step(self, action: REPLAction) -> StepResult[REPLObservation]:
-        """Run one action."""
-        return await self._call(lambda session: session.step(action))
+    async def step(
+        self, action: REPLAction, *, on_output: OutputCallback | None = None
+    ) -> StepResult[REPLObservation]:
+        """Run one action. ``on_output(event)`` (a function or a coroutine function) gets the
+        cell's output while it runs (see :mod:`kernel_env.streaming`), all of it before this
+        returns; a slow callback never slows the kernel (text is merged, overflow dropped with
+        a ``dropped`` event)."""
+        return await self._call(lambda session: session.step(action, on_output))
 
     async def _call(self, op: Callable[[_Session], Awaitable[T]]) -> T:
         """Runs ``op`` as its own task, so that ``close()`` can end it (ClientClosed) without
@@ -216,14 +229,16 @@ class AsyncKernelEnv:
         finally:
             self._inflight.discard(task)
 
-    async def execute(self, code: str) -> StepResult[REPLObservation]:
-        """Run ``code`` as one step."""
-        return await self.step(REPLAction(code=code))
+    async def execute(
+        self, code: str, *, on_output: OutputCallback | None = None
+    ) -> StepResult[REPLObservation]:
+        """Run ``code`` as one step (``on_output``: as for :meth:`step`)."""
+        return await self.step(REPLAction(code=code), on_output=on_output)
 
-    async def run(self, code: str) -> CodeBlockResult:
+    async def run(self, code: str, *, on_output: OutputCallback | None = None) -> CodeBlockResult:
         """Run ``code`` as a step and return just what it printed and raised: the short way to
         ``(await execute(code)).observation.result``."""
-        return (await self.execute(code)).observation.result
+        return (await self.execute(code, on_output=on_output)).observation.result
 
     async def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
         """End the episode with ``answer`` (no code runs)."""
@@ -397,15 +412,21 @@ class KernelEnv:
         """Start a new episode; keywords as :meth:`AsyncKernelEnv.reset`."""
         return self._run(self._async.reset(**kwargs))
 
-    def step(self, action: REPLAction) -> StepResult[REPLObservation]:
-        return self._run(self._async.step(action))
+    def step(
+        self, action: REPLAction, *, on_output: OutputCallback | None = None
+    ) -> StepResult[REPLObservation]:
+        """Run one action; ``on_output`` as :meth:`AsyncKernelEnv.step` (a plain function runs
+        in a worker thread)."""
+        return self._run(self._async.step(action, on_output=on_output))
 
-    def execute(self, code: str) -> StepResult[REPLObservation]:
-        return self._run(self._async.execute(code))
+    def execute(
+        self, code: str, *, on_output: OutputCallback | None = None
+    ) -> StepResult[REPLObservation]:
+        return self._run(self._async.execute(code, on_output=on_output))
 
-    def run(self, code: str) -> CodeBlockResult:
+    def run(self, code: str, *, on_output: OutputCallback | None = None) -> CodeBlockResult:
         """Run ``code`` as a step; its result (``.stdout``, ``.stderr``, ``.success``...)."""
-        return self._run(self._async.run(code))
+        return self._run(self._async.run(code, on_output=on_output))
 
     def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
         return self._run(self._async.submit_final_answer(answer))

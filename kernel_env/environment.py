@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -288,8 +289,11 @@ class KernelEnvironment:
 
     # -- step -------------------------------------------------------------------------------
 
-    async def step(self, action: REPLAction) -> REPLObservation:
-        """Run one action and return what the agent sees."""
+    async def step(
+        self, action: REPLAction, *, on_output: Callable[[dict[str, Any]], None] | None = None
+    ) -> REPLObservation:
+        """Run one action and return what the agent sees. ``on_output`` gets the cell's output
+        events as they happen (see :mod:`kernel_env.streaming`; it must not block)."""
         record, kernel = self._require()
         if record.done:
             raise EpisodeFinished(
@@ -311,6 +315,7 @@ class KernelEnvironment:
             timeout=self.config.step_timeout,
             stdin=self._calls.handle,
             user_expressions={"state": STATE_EXPRESSION},
+            on_output=on_output,
         )
         if execution.restarted:
             self.stats.restarts += 1  # counted before the setup, which may fail

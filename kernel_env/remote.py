@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -21,6 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 
 from kernel_env.errors import RemoteError
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, StepResult
+from kernel_env.streaming import OutputCallback, streamed
 
 __all__ = ["RemoteSession", "fetch_export", "http_url", "ws_url"]
 
@@ -144,11 +146,18 @@ class RemoteSession:
         self.session_id = result.observation.metadata.get("session_id", self.session_id)
         return result
 
-    async def step(self, action: REPLAction) -> StepResult[REPLObservation]:
+    async def step(
+        self, action: REPLAction, on_output: OutputCallback | None = None
+    ) -> StepResult[REPLObservation]:
         data = action.model_dump(exclude_defaults=True, exclude={"metadata"})
         if action.metadata:
             data["metadata"] = action.metadata
-        return _step_result(await self._request({"type": "step", "data": data}, "observation"))
+        frame: dict[str, Any] = {"type": "step", "data": data}
+        if on_output is None:
+            return _step_result(await self._request(frame, "observation"))
+        frame["stream"] = True  # kernel_env's extension: "output" frames, then the observation
+        reply = await streamed(lambda push: self._request(frame, "observation", push), on_output)
+        return _step_result(reply)
 
     async def state(self) -> REPLState:
         reply = await self._request({"type": "state"}, "state")
@@ -173,14 +182,28 @@ class RemoteSession:
             await ws.send(json.dumps({"type": "close"}))
         await ws.close()
 
-    async def _request(self, frame: dict[str, Any], expect: str) -> dict[str, Any]:
+    async def _request(
+        self,
+        frame: dict[str, Any],
+        expect: str,
+        on_output: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Send ``frame`` and return its reply's data; ``output`` frames before the reply go
+        to ``on_output`` (each one restarts the reply's timeout)."""
         async with self._lock:
             ws = self._ws
             if ws is None:
                 raise RemoteError("the connection is closed", code="CONNECTION_CLOSED")
+            parsed: Any = None  # the reply, parsed already when output frames came first
             try:
                 await ws.send(json.dumps(frame))
                 raw: str | bytes = await asyncio.wait_for(ws.recv(), self.message_timeout_s)
+                if on_output is not None:
+                    parsed = json.loads(raw)
+                while on_output is not None and _is_output(parsed):
+                    on_output(parsed["data"])
+                    raw = await asyncio.wait_for(ws.recv(), self.message_timeout_s)
+                    parsed = json.loads(raw)
             except TimeoutError:
                 # The reply may still come, and would answer the *next* request: drop the socket.
                 await self._abandon()
@@ -195,8 +218,8 @@ class RemoteSession:
                 await self._abandon()
                 if pending is None:
                     raise _closed_error(exc) from None
-                raw = pending
-        reply = json.loads(raw)
+                raw, parsed = pending, None
+        reply = parsed if parsed is not None else json.loads(raw)
         kind, data = reply.get("type"), reply.get("data") or {}
         if kind == "error":
             raise RemoteError(
@@ -214,6 +237,14 @@ class RemoteSession:
         ws, self._ws = self._ws, None
         if ws is not None:
             await ws.close()
+
+
+def _is_output(frame: Any) -> bool:
+    return (
+        isinstance(frame, dict)
+        and frame.get("type") == "output"
+        and isinstance(frame.get("data"), dict)
+    )
 
 
 async def _pending(ws: ClientConnection) -> str | bytes | None:

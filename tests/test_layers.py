@@ -18,7 +18,17 @@ PACKAGE = Path(kernel_env.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundation",
-        ("errors", "text", "answers", "outputs", "models", "kernel_side", "rubric", "llm"),
+        (
+            "errors",
+            "text",
+            "answers",
+            "outputs",
+            "streaming",
+            "models",
+            "kernel_side",
+            "rubric",
+            "llm",
+        ),
     ),
     ("kernel", ("kernel", "kernel.", "pool")),
     (

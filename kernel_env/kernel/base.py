@@ -32,6 +32,7 @@ from typing import Any, Literal
 from kernel_env.errors import KernelDied, KernelError, KernelStartError
 from kernel_env.kernel_side import PROBE_REPLY
 from kernel_env.outputs import OutputCollector
+from kernel_env.streaming import event_from_message
 
 __all__ = ["ExecutionResult", "Kernel", "StdinHandler"]
 
@@ -90,6 +91,7 @@ class _Run:
     status: Status | None = None
     interrupted: bool = False
     restarted: bool = False
+    on_output: Callable[[dict[str, Any]], None] | None = None  # each output event, at once
 
 
 def _parent_id(msg: dict[str, Any]) -> str | None:
@@ -283,10 +285,13 @@ class Kernel(ABC):
         user_expressions: dict[str, str] | None = None,
         silent: bool = False,
         store_history: bool = True,
+        on_output: Callable[[dict[str, Any]], None] | None = None,
     ) -> ExecutionResult:
         """Run ``code``; never raises for errors in the code itself (they are in the result).
 
-        Raises :class:`KernelError` only when the kernel cannot be brought back.
+        ``on_output`` gets each output event (:mod:`kernel_env.streaming`) as it arrives; it
+        must not block (``OutputStream.push`` doesn't). Raises :class:`KernelError` only when
+        the kernel cannot be brought back.
         """
         async with self._lock:
             started, t0 = datetime.now(UTC), time.perf_counter()
@@ -302,7 +307,7 @@ class Kernel(ABC):
                     "stop_on_error": False,
                 },
             )
-            run = _Run(msg_id)
+            run = _Run(msg_id, on_output=on_output)
             log.debug("kernel %s: execute %s sent", self.kernel_id, msg_id)
             try:
                 await asyncio.wait_for(self._drive(run, stdin), timeout)
@@ -345,6 +350,8 @@ class Kernel(ABC):
                 run.idle = msg.get("content", {}).get("execution_state") == "idle"
             else:
                 run.collector.feed(msg)
+                if run.on_output is not None:
+                    _tell(run, msg)
 
     def _stray(self, msg: dict[str, Any], msg_type: str | None) -> None:
         if msg_type in _OUTPUT_TYPES:
@@ -397,6 +404,19 @@ class Kernel(ABC):
     async def _restart_for(self, run: _Run) -> None:
         await self.restart()
         run.restarted = True
+
+
+def _tell(run: _Run, msg: dict[str, Any]) -> None:
+    """Hand one output message to the run's listener; a listener's failure never reaches the
+    kernel's reader (the step's outputs are collected regardless)."""
+    event = event_from_message(msg)
+    if event is None or run.on_output is None:
+        return
+    try:
+        run.on_output(event)
+    except Exception:
+        log.exception("an output listener failed; it gets no more of this cell")
+        run.on_output = None
 
 
 async def _get(queue: asyncio.Queue[dict[str, Any]], timeout: float) -> dict[str, Any] | None:

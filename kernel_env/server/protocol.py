@@ -66,11 +66,14 @@ class _Frame(BaseModel):
 class _ResetFrame(_Frame):
     type: Literal["reset"]
     data: dict[str, Any] = Field(default_factory=dict)
+    # kernel_env's opt-in: stream every following step's output as "output" frames.
+    stream: bool | None = None
 
 
 class _StepFrame(_Frame):
     type: Literal["step"]
     data: dict[str, Any]
+    stream: bool | None = None  # this step's output as "output" frames (None: the reset's)
 
 
 class _StateFrame(_Frame):
@@ -104,6 +107,7 @@ class Request:
     reset: dict[str, Any] | None = None
     action: REPLAction | None = None
     rpc: dict[str, Any] | None = None
+    stream: bool | None = None  # asked for output frames (reset: for the session's steps)
 
 
 def parse_frame(raw: str | bytes) -> Request | Frame:
@@ -126,9 +130,10 @@ def parse_frame(raw: str | bytes) -> Request | Frame:
         frame = model.model_validate(message)
         if isinstance(frame, _ResetFrame):
             ResetOptions.model_validate(frame.data)
-            return Request("reset", reset=frame.data)
+            return Request("reset", reset=frame.data, stream=frame.stream)
         if isinstance(frame, _StepFrame):
-            return Request("step", action=REPLAction.model_validate(frame.data))
+            action = REPLAction.model_validate(frame.data)
+            return Request("step", action=action, stream=frame.stream)
         if isinstance(frame, _McpFrame):
             return Request("mcp", rpc=frame.data)
     except ValidationError as exc:
@@ -137,6 +142,12 @@ def parse_frame(raw: str | bytes) -> Request | Frame:
 
 
 # -- server -> client --------------------------------------------------------------------
+
+
+def output_frame(event: dict[str, Any]) -> Frame:
+    """One event of a running cell's output (:mod:`kernel_env.streaming`), for a client that
+    asked for them; always before that step's observation frame."""
+    return {"type": "output", "data": event}
 
 
 def observation_payload(obs: REPLObservation, **metadata: Any) -> dict[str, Any]:

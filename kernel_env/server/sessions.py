@@ -102,8 +102,10 @@ class Session:
             if old is not None and self.env.kernel is not old:
                 self.done_kernels.add(_kernel_counters(old))
 
-    async def step(self, action: REPLAction) -> REPLObservation:
-        return await self._run(lambda: self.env.step(action))
+    async def step(
+        self, action: REPLAction, on_output: Callable[[dict[str, Any]], None] | None = None
+    ) -> REPLObservation:
+        return await self._run(lambda: self.env.step(action, on_output=on_output))
 
     async def export(self, export: Callable[[EpisodeRecord], T]) -> T:
         """``export(record)`` of the current (or last) episode, in a thread, between steps."""

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -26,10 +27,12 @@ from kernel_env.server.protocol import (
     error_frame,
     mcp_response,
     observation_frame,
+    output_frame,
     parse_frame,
     state_frame,
 )
 from kernel_env.server.sessions import CapacityReached, Session, SessionError
+from kernel_env.streaming import OutputStream
 
 if TYPE_CHECKING:
     from kernel_env.server.app import Runtime
@@ -73,6 +76,7 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
 
 async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> None:
     limit = runtime.settings.max_message_bytes
+    streaming = False  # a reset with "stream": true turns output frames on for its steps
     while True:
         message = await websocket.receive()
         if message["type"] == "websocket.disconnect":
@@ -89,20 +93,50 @@ async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> No
         if parsed.kind == "close":
             await _close(websocket, _CLOSE_NORMAL)
             return
+        if parsed.kind == "reset" and parsed.stream is not None:
+            streaming = parsed.stream
+        stream = parsed.stream if parsed.stream is not None else streaming
         async with runtime.sessions.request(session):
-            reply = await _answer(parsed, session)
+            if parsed.kind == "step" and stream:
+                reply = await _streamed_step(websocket, parsed, session)
+            else:
+                reply = await _answer(parsed, session)
             if not await _send(websocket, reply):
                 return
 
 
-async def _answer(request: Request, session: Session) -> Frame:
+async def _streamed_step(websocket: WebSocket, request: Request, session: Session) -> Frame:
+    """A step whose output goes out as "output" frames while it runs, then its observation.
+    A client that does not read holds up only its own frames: the kernel writes into a bounded
+    buffer (:class:`OutputStream`) that merges text and drops, with a marker, what won't fit."""
+    stream = OutputStream()
+    sender = asyncio.create_task(_send_outputs(websocket, stream))
+    try:
+        return await _answer(request, session, on_output=stream.push)
+    finally:
+        stream.close()
+        await sender  # every output frame before the observation
+
+
+async def _send_outputs(websocket: WebSocket, stream: OutputStream) -> None:
+    async for event in stream:
+        if not await _send(websocket, output_frame(event)):
+            return
+
+
+async def _answer(
+    request: Request,
+    session: Session,
+    on_output: Callable[[dict[str, Any]], None] | None = None,
+) -> Frame:
     """The reply frame for one request; errors become error frames, never exceptions."""
     try:
         if request.kind == "reset":
             obs = await session.reset(request.reset or {})
             return observation_frame(obs, session_id=session.id)
         if request.kind == "step" and request.action is not None:
-            return observation_frame(await session.step(request.action), session_id=session.id)
+            obs = await session.step(request.action, on_output)
+            return observation_frame(obs, session_id=session.id)
         if request.kind == "state":
             return state_frame(session.state())
         return {"type": "mcp", "data": mcp_response(request.rpc)}
