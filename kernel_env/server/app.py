@@ -53,6 +53,7 @@ from kernel_env.server.sessions import (
     UnknownSession,
 )
 from kernel_env.server.settings import ServerSettings
+from kernel_env.server.web import WEB_PUBLIC, add_web_routes
 from kernel_env.server.websocket import websocket_endpoint
 
 __all__ = [
@@ -226,6 +227,7 @@ def create_app(
     _install_error_handlers(app)
     _add_info_routes(app)
     add_operator_routes(app)
+    add_web_routes(app)
     _add_episode_routes(app)
     app.add_api_websocket_route("/ws", websocket_endpoint)
     return app
@@ -259,7 +261,10 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
         default_bytes=min(settings.max_message_bytes, _SMALL_BODY),
     )
     app.add_middleware(
-        AuthGate, auth=app.state.auth, public=PUBLIC_PATHS, public_prefixes=(DOCS_ASSETS,)
+        AuthGate,
+        auth=app.state.auth,
+        public=(*PUBLIC_PATHS, *WEB_PUBLIC),
+        public_prefixes=(DOCS_ASSETS,),
     )
     if settings.allowed_origins:
         app.add_middleware(

@@ -20,6 +20,7 @@ from kernel_env.server import metrics
 __all__ = ["add_operator_routes"]
 
 _LINKS = (
+    ("/web", "the running episodes, live, as notebooks"),
     ("/docs", "API docs (Swagger UI; works offline)"),
     ("/health", "liveness"),
     ("/ready", "readiness: can kernels start?"),

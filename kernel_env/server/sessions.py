@@ -44,6 +44,7 @@ from kernel_env.errors import (
 from kernel_env.kernel import Kernel
 from kernel_env.models import REPLAction, REPLObservation, REPLState
 from kernel_env.record import EpisodeRecord
+from kernel_env.server.feed import EpisodeFeed
 from kernel_env.text import shorten
 
 __all__ = [
@@ -93,19 +94,44 @@ class Session:
         self.last_active = asyncio.get_running_loop().time()
         self.closed: SessionError | None = None
         self.done_kernels = Counters()  # counters of kernels this session already discarded
+        self.feed = EpisodeFeed()  # what /web shows of this session, live
 
     async def reset(self, kwargs: dict[str, Any]) -> REPLObservation:
         old = self.env.kernel
         try:
-            return await self._run(lambda: self.env.reset(**kwargs))
+            observation = await self._run(lambda: self.env.reset(**kwargs))
         finally:
             if old is not None and self.env.kernel is not old:
                 self.done_kernels.add(_kernel_counters(old))
+        record = self.env.record
+        if record is not None:
+            self.feed.episode_started(record.episode_id, record.task_prompt, record.max_iterations)
+        return observation
 
     async def step(
         self, action: REPLAction, on_output: Callable[[dict[str, Any]], None] | None = None
     ) -> REPLObservation:
-        return await self._run(lambda: self.env.step(action, on_output=on_output))
+        """One step; its output goes to the session's feed (the web view) and to ``on_output``
+        (a client that asked for output frames) as it happens."""
+
+        def tell(event: dict[str, Any]) -> None:
+            self.feed.output(event)
+            if on_output is not None:
+                on_output(event)
+
+        async def run() -> REPLObservation:
+            self.feed.step_started(action.code, action.is_final)
+            try:
+                observation = await self.env.step(action, on_output=tell)
+            except BaseException as exc:
+                self.feed.step_failed(f"{type(exc).__name__}: {exc}")
+                raise
+            record = self.env.record
+            calls = record.steps[-1].llm_calls if record is not None and record.steps else []
+            self.feed.step_ended(observation, calls)
+            return observation
+
+        return await self._run(run)
 
     async def export(self, export: Callable[[EpisodeRecord], T]) -> T:
         """``export(record)`` of the current (or last) episode, in a thread, between steps."""
@@ -258,6 +284,11 @@ class SessionManager:
         self.opened_total += 1
         return session
 
+    def peek(self, session_id: str) -> Session | None:
+        """The open session with this id, if any, without claiming it (the web view watches
+        sessions it does not own)."""
+        return self._sessions.get(session_id)
+
     def get(self, session_id: str) -> Session:
         """The open session with this id; raises if it expired, was closed, or never existed."""
         session = self._sessions.get(session_id)
@@ -315,6 +346,7 @@ class SessionManager:
         """Take ``session`` out of the open ones (False if it already was)."""
         if session.closed is None:
             session.closed = error or SessionClosed("the session was closed")
+        session.feed.close()
         if self._sessions.pop(session.id, None) is None:
             return False
         self._shutting.add(session)  # counted in counters() until its own are added by _shut

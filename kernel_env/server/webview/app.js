@@ -1,0 +1,188 @@
+// kernel_env's web view: running sessions, and one episode as a notebook, live.
+// No build step and no CDN. Kernel output is data: text goes in with textContent, images as
+// data: URLs, and HTML or SVG only inside <iframe sandbox> (no scripts, an opaque origin), so
+// nothing a cell produces runs in this page's origin or can read its token.
+"use strict";
+
+const TOKEN_KEY = "kernel_env_token";
+let selected = null;   // the session id shown
+let watch = 0;         // bumped to stop an old session's event loop
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs = {}, text) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function headers() {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  return token ? { Authorization: "Bearer " + token } : {};
+}
+
+async function api(path) {
+  const response = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (response.status === 401 || response.status === 403) {
+    $("login").hidden = false;
+    throw new Error("this server needs its token");
+  }
+  if (!response.ok) throw new Error(path + ": HTTP " + response.status);
+  return response;
+}
+
+// -- the session list ---------------------------------------------------------------------
+
+async function refreshSessions() {
+  try {
+    const body = await (await api("/sessions")).json();
+    $("status").textContent = body.sessions.length + " session(s)";
+    const rows = body.sessions.map(sessionRow);
+    $("sessions").replaceChildren(...rows);
+  } catch (error) {
+    $("status").textContent = error.message;
+  }
+}
+
+function sessionRow(s) {
+  const e = s.episode || {};
+  const row = el("tr", { "data-session": s.session_id });
+  const cells = [
+    s.session_id.slice(0, 8), e.task || "", e.steps === undefined ? "" : e.steps + "/" + e.max_iterations,
+    e.elapsed_s === undefined ? "" : Math.round(e.elapsed_s) + " s", s.state,
+    e.llm_calls === undefined ? "" : String(e.llm_calls), e.llm_tokens === undefined ? "" : String(e.llm_tokens),
+  ];
+  for (const text of cells) row.append(el("td", {}, text));
+  if (s.session_id === selected) row.classList.add("selected");
+  row.addEventListener("click", () => show(s.session_id));
+  return row;
+}
+
+// -- one episode ---------------------------------------------------------------------------
+
+function show(sessionId) {
+  selected = sessionId;
+  const mine = ++watch;
+  $("episode").hidden = false;
+  $("cells").replaceChildren();
+  $("title").textContent = "";
+  $("episode-id").textContent = sessionId;
+  for (const row of $("sessions").children) row.classList.toggle("selected", row.dataset.session === sessionId);
+  follow(sessionId, mine);
+}
+
+async function follow(sessionId, mine) {
+  let after = 0;
+  while (mine === watch) {
+    try {
+      const url = "/web/api/sessions/" + encodeURIComponent(sessionId) + "/events?after=" + after + "&wait=10";
+      const body = await (await api(url)).json();
+      for (const event of body.events) render(event);
+      after = body.last;
+      if (body.closed) return;
+    } catch (error) {
+      $("status").textContent = error.message;
+      await new Promise((resolve) => setTimeout(resolve, 2000));
+    }
+  }
+}
+
+let cell = null;  // the cell being written
+
+function render(event) {
+  if (event.kind === "episode") {
+    $("cells").replaceChildren();
+    $("title").textContent = event.task || "(no task)";
+    document.title = "kernel_env: " + (event.task || event.episode_id);
+    $("episode-id").textContent = event.episode_id;
+  } else if (event.kind === "step") {
+    cell = el("div", { class: "cell running" });
+    cell.append(el("div", { class: "prompt" }, "In [ ]:"));
+    cell.append(el("pre", { class: "code" }, event.is_final ? "(final answer submitted)" : event.code));
+    cell.append(el("div", { class: "outputs" }));
+    $("cells").append(cell);
+  } else if (event.kind === "output" && cell) {
+    addOutput(cell.querySelector(".outputs"), event.output);
+  } else if (event.kind === "step_end" && cell) {
+    endStep(cell, event);
+  }
+}
+
+function addOutput(box, out) {
+  const kind = out.output_type;
+  if (kind === "stream") {
+    const last = box.lastElementChild;
+    if (last && last.dataset.stream === out.name) last.textContent += out.text;
+    else box.append(el("pre", { class: "stream " + out.name, "data-stream": out.name }, out.text));
+  } else if (kind === "display_data" || kind === "execute_result" || kind === "update_display_data") {
+    box.append(mimeBundle(out.data || {}));
+  } else if (kind === "error") {
+    box.append(el("pre", { class: "error" }, stripAnsi((out.traceback || []).join("\n")) || out.ename + ": " + out.evalue));
+  } else if (kind === "clear_output") {
+    box.replaceChildren();
+  } else if (kind === "dropped") {
+    box.append(el("div", { class: "note" }, "… " + out.bytes + " characters of output not shown here (they are in the observation and the export)"));
+  }
+}
+
+function mimeBundle(data) {
+  for (const type of ["image/png", "image/jpeg", "image/gif"]) {
+    if (data[type]) return el("img", { class: "figure", alt: "figure", src: "data:" + type + ";base64," + String(data[type]).trim() });
+  }
+  if (data["text/html"] || data["image/svg+xml"]) {
+    const html = [].concat(data["text/html"] || data["image/svg+xml"]).join("");
+    const frame = el("iframe", { class: "html", sandbox: "", referrerpolicy: "no-referrer", title: "HTML output" });
+    frame.srcdoc = html;  // sandbox="" : no scripts, no forms, an opaque origin
+    return frame;
+  }
+  return el("pre", { class: "stream" }, [].concat(data["text/plain"] || "").join(""));
+}
+
+function endStep(node, event) {
+  node.classList.remove("running");
+  if (event.success === false) node.classList.add("failed");
+  const count = event.execution_count === null || event.execution_count === undefined ? " " : event.execution_count;
+  const seconds = event.seconds === undefined ? "" : "  (" + event.seconds + " s)";
+  node.querySelector(".prompt").textContent = "In [" + count + "]:" + seconds + (event.error ? "  " + event.error : "");
+  for (const call of event.llm_calls || []) {
+    const details = el("details", { class: "llm" });
+    details.append(el("summary", {}, call.op + (call.error ? " (failed)" : "") + ": " + call.prompt.slice(0, 80)));
+    details.append(el("div", {}, "prompt"), el("pre", {}, call.prompt), el("div", {}, "answer"), el("pre", {}, call.response));
+    node.append(details);
+  }
+  if (event.done) {
+    const reward = event.reward === null || event.reward === undefined ? "" : "   reward " + event.reward;
+    $("cells").append(el("div", { class: "final" }, "final answer: " + (event.final_answer ?? "(none)") + reward));
+  }
+}
+
+function stripAnsi(text) {
+  return text.replace(/\u001b\[[0-9;?]*[ -/]*[@-~]/g, "");
+}
+
+async function download(kind) {
+  if (!selected) return;
+  const path = "/sessions/" + encodeURIComponent(selected) + (kind === "html" ? "/notebook.html" : "/notebook");
+  try {
+    const blob = await (await api(path)).blob();
+    const link = el("a", { href: URL.createObjectURL(blob), download: selected + (kind === "html" ? ".html" : ".ipynb") });
+    link.click();
+    URL.revokeObjectURL(link.href);
+  } catch (error) {
+    $("status").textContent = error.message;
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("login").addEventListener("submit", (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(TOKEN_KEY, $("token").value);
+    $("login").hidden = true;
+    refreshSessions();
+  });
+  $("download-ipynb").addEventListener("click", () => download("ipynb"));
+  $("download-html").addEventListener("click", () => download("html"));
+  refreshSessions();
+  setInterval(refreshSessions, 2000);
+});

@@ -1,0 +1,209 @@
+"""The web view and /docs in a real browser: Debian's chromium, driven by Selenium, against
+the real server on loopback, with every other host unresolvable (no network).
+
+``KERNEL_ENV_SCREENSHOTS=1`` also saves the pages as PNGs under docs/images/ (for the README).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serverkit import small_settings, thread_server
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+if CHROMIUM is None or CHROMEDRIVER is None:
+    pytest.fail("chromium and chromium-driver are missing: `make system-deps` installs them")
+
+TOKEN = "web-view-token-81c"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SHOTS = Path(__file__).resolve().parent.parent / "docs" / "images"
+
+
+def _png(width: int = 4, height: int = 4) -> str:
+    """A red ``width`` x ``height`` PNG, base64-encoded."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    rows = b"".join(b"\x00" + b"\xff\x00\x00" * width for _ in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
+    return base64.b64encode(png + chunk(b"IEND", b"")).decode()
+
+
+PNG = _png()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with thread_server(small_settings(token=TOKEN, sandbox="none", max_sessions=8)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",  # root in CI; the page is ours and loopback-only
+        "--disable-gpu",
+        "--window-size=1400,1000",
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",  # no network
+    ):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _until(driver: Any, predicate: Callable[[Any], Any], timeout: float = 30) -> Any:
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(predicate)
+
+
+def _reset(server: str, task: str) -> str:
+    reply = httpx.post(f"{server}/reset", json={"task_prompt": task}, headers=AUTH, timeout=60)
+    return reply.headers["X-Session-Id"]
+
+
+def _step(server: str, session: str, code: str) -> dict[str, Any]:
+    headers = {**AUTH, "X-Session-Id": session}
+    body = {"action": {"code": code}}
+    return httpx.post(f"{server}/step", json=body, headers=headers, timeout=60).json()
+
+
+def _open(browser: Any, server: str) -> None:
+    browser.get(f"{server}/web")
+    browser.execute_script("sessionStorage.clear()")  # each test logs in afresh
+    browser.refresh()
+    login = _until(browser, lambda d: d.find_element(By.ID, "login"))
+    _until(browser, lambda d: login.is_displayed())
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.CSS_SELECTOR, "#login button").click()
+
+
+def _select(browser: Any, session: str) -> None:
+    row = _until(
+        browser, lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-session="{session}"]')
+    )
+    row.click()
+
+
+def _shot(browser: Any, name: str) -> None:
+    if os.environ.get("KERNEL_ENV_SCREENSHOTS"):
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(SHOTS / name))
+
+
+def test_web_lists_live_sessions_and_streams_a_running_cell(server: str, browser: Any) -> None:
+    first, second = _reset(server, "alpha: count the words"), _reset(server, "beta: find it")
+    _open(browser, server)
+    rows = _until(
+        browser,
+        lambda d: (r := d.find_elements(By.CSS_SELECTOR, "#sessions tr")) and len(r) >= 2 and r,
+    )
+    listed = " ".join(r.text for r in rows)
+    assert "alpha: count the words" in listed and "beta: find it" in listed
+    _select(browser, first)
+    running = threading.Thread(
+        target=_step,
+        args=(server, first, "import time\nprint('first line')\ntime.sleep(4)\nprint('second')"),
+    )
+    running.start()
+    try:
+        outputs = _until(
+            browser,
+            lambda d: (
+                "first line" in d.find_element(By.CSS_SELECTOR, ".cell .outputs").text
+                and d.find_element(By.CSS_SELECTOR, ".cell .outputs")
+            ),
+        )
+        assert running.is_alive() and "second" not in outputs.text  # shown while it runs
+        assert browser.find_elements(By.CSS_SELECTOR, ".cell.running")
+        _shot(browser, "web-view.png")
+    finally:
+        running.join(timeout=60)
+    _until(browser, lambda d: "second" in d.find_element(By.CSS_SELECTOR, ".cell .outputs").text)
+    assert second in browser.page_source
+
+
+def test_images_and_html_render(server: str, browser: Any) -> None:
+    session = _reset(server, "rich outputs")
+    code = (
+        "import base64\nfrom IPython.display import HTML, Image, display\n"
+        f"display(Image(data=base64.b64decode('{PNG}')))\n"
+        "display(HTML('<table><tr><td id=\"cell-x\">cell-x</td></tr></table>'))\n"
+    )
+    _step(server, session, code)
+    _open(browser, server)
+    _select(browser, session)
+    image = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#cells img.figure"))
+    _until(browser, lambda d: d.execute_script("return arguments[0].naturalWidth", image) == 4)
+    frame = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#cells iframe.html"))
+    browser.switch_to.frame(frame)
+    try:
+        assert _until(browser, lambda d: d.find_element(By.ID, "cell-x")).text == "cell-x"
+    finally:
+        browser.switch_to.default_content()
+
+
+def test_a_cells_script_cannot_reach_the_page(server: str, browser: Any) -> None:
+    """HTML from a cell tries to read the page's token and cookie and to change the page: it
+    runs in a sandboxed frame without scripts, so none of it happens."""
+    session = _reset(server, "attack")
+    attack = (
+        "<script>"
+        "try { parent.document.body.setAttribute('data-pwned', "
+        "parent.sessionStorage.getItem('kernel_env_token') + document.cookie) } catch (e) {}"
+        "try { top.document.title = 'pwned' } catch (e) {}"
+        "try { parent.window.pwned = true } catch (e) {}"
+        "document.write('<p id=ran>script ran</p>')"
+        "</script><p id=benign>benign</p>"
+    )
+    _step(server, session, f"from IPython.display import HTML, display\ndisplay(HTML({attack!r}))")
+    _open(browser, server)
+    browser.execute_script("document.cookie = 'kernel_env_probe=secret'")
+    _select(browser, session)
+    frame = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#cells iframe.html"))
+    browser.switch_to.frame(frame)
+    try:
+        assert _until(browser, lambda d: d.find_element(By.ID, "benign")).text == "benign"
+        assert not browser.find_elements(By.ID, "ran")  # no script ran in the frame at all
+        assert browser.execute_script("return window.origin") == "null"  # an opaque origin
+    finally:
+        browser.switch_to.default_content()
+    time.sleep(0.5)
+    assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-pwned") is None
+    assert browser.title != "pwned" and browser.execute_script("return window.pwned") is None
+
+
+def test_docs_render_the_operations_with_no_network(server: str, browser: Any) -> None:
+    browser.get(f"{server}/docs")
+    try:
+        operations = _until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".opblock"), 60)
+    except TimeoutException:
+        pytest.fail(f"Swagger UI did not render: {browser.page_source[:500]}")
+    paths = " ".join(o.text for o in operations)
+    assert "/reset" in paths and "/step" in paths
+    _shot(browser, "docs-offline.png")
