@@ -116,6 +116,17 @@ def extract_code_blocks(text: str) -> list[str]:
     ]
 
 
+def prose_before_blocks(text: str) -> list[str]:
+    """For each code block :func:`extract_code_blocks` finds, the prose written before it
+    (since the previous block), stripped; other fenced blocks count as prose."""
+    notes, start = [], 0
+    for match in _FENCE.finditer(text):
+        if match.group(1).lower() in _CODE_LANGS and match.group(2).strip():
+            notes.append(text[start : match.start()].strip())
+            start = match.end()
+    return notes
+
+
 def strip_code_blocks(text: str) -> str:
     """``text`` without its fenced blocks (of any language)."""
     return _FENCE.sub("", text)
@@ -197,7 +208,9 @@ class AgentEnv(Protocol):
         task_prompt: str = ...,
         max_iterations: int = ...,
         expected_answer: str | None = ...,
+        agent_max_turns: int | None = ...,
     ) -> StepResult[REPLObservation]: ...
+    async def step(self, action: REPLAction) -> StepResult[REPLObservation]: ...
     async def execute(self, code: str) -> StepResult[REPLObservation]: ...
     async def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]: ...
 
@@ -267,6 +280,7 @@ async def run_agent(
         context=context,
         task_prompt=task,
         max_iterations=min(100_000, max_iterations * 10 + 2),
+        agent_max_turns=max_iterations,
         **({"expected_answer": expected_answer} if expected_answer is not None else {}),
     )
     loop = _Loop(
@@ -318,6 +332,9 @@ class _EpisodeDriver:
 
     async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
         return _result(await self.environment.reset(**kwargs))
+
+    async def step(self, action: REPLAction) -> StepResult[REPLObservation]:
+        return _result(await self.environment.step(action))
 
     async def execute(self, code: str) -> StepResult[REPLObservation]:
         return _result(await self.environment.step(REPLAction(code=code)))
@@ -385,12 +402,15 @@ class _Loop:
     async def _play(self, turn: Iteration) -> None:
         """Run the reply's code blocks in order, then look for a final answer written as text."""
         turn.code_blocks = extract_code_blocks(turn.response)
+        notes = prose_before_blocks(turn.response)
         limit = self.observation_chars // max(1, len(turn.code_blocks))
-        for code in turn.code_blocks:
+        for code, note in zip(turn.code_blocks, notes, strict=True):
             if self._out_of_time():
                 turn.observations.append("(not run: the time limit was reached)")
                 break
-            step = await self.env.execute(code)
+            # The prose goes with the step, so the export reads as the model's story.
+            action = REPLAction(code=code, metadata={"note": note} if note else {})
+            step = await self.env.step(action)
             turn.observations.append(format_observation(step.observation.result, limit))
             if self._ended(step, turn):
                 return

@@ -192,6 +192,7 @@ class AsyncKernelEnv:
         expected_answer: str | None = None,
         rlm_max_depth: int | None = None,
         rlm_max_iterations: int | None = None,
+        agent_max_turns: int | None = None,
     ) -> StepResult[REPLObservation]:
         """Start a new episode in a fresh kernel; ``context`` is loaded as a variable.
 

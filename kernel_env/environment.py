@@ -41,6 +41,7 @@ from kernel_env.outputs import OutputBudget, truncate
 from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.recursion import BackendForToken, ChildEpisodes, ChildSolver, ParentLink
 from kernel_env.rubric import Rewards, Rubric, StepRubric, as_rubric, is_step_rubric, score_final
+from kernel_env.text import shorten
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class KernelEnvironment:
             expected_answer=opts.expected_answer,
             llm_model=opts.llm_model,
             seed=opts.seed,
+            agent_max_turns=opts.agent_max_turns,
         )
         self._calls = await self._host_calls(opts)
         self._total_time = 0.0
@@ -409,6 +411,7 @@ class KernelEnvironment:
         done = exhausted or final is not None
         reward, rubric_error = self._reward(record, result, final, done)
         step = _step_record(iteration, action.code, ex, result, calls, reward, final)
+        step.note = _note(action)
         record.steps.append(step)
         record.done, record.final_answer = done, final
         record.llm_usage = self._calls.usage.as_dict()
@@ -658,3 +661,12 @@ def _log_end(record: EpisodeRecord, how: str) -> None:
         time.time() - record.started,
         record.llm_usage.get("calls", 0),
     )
+
+
+_MAX_NOTE_CHARS = 20_000
+
+
+def _note(action: REPLAction) -> str | None:
+    """The prose an agent sent with a step (``metadata["note"]``), kept for the export."""
+    note = action.metadata.get("note")
+    return shorten(note, _MAX_NOTE_CHARS) if isinstance(note, str) and note.strip() else None

@@ -113,6 +113,9 @@ class ResetOptions(BaseModel):
     expected_answer: str | None = None
     rlm_max_depth: int = Field(default=1, ge=0, le=10)
     rlm_max_iterations: int | None = Field(default=None, ge=1)
+    # kernel_env: an agent driving the episode (run_agent) counts model turns, the episode
+    # counts cells; exports show the agent's budget as the user set it.
+    agent_max_turns: int | None = Field(default=None, ge=1, le=100_000)
 
 
 ObsT = TypeVar("ObsT")

@@ -233,11 +233,24 @@ def _closing_cell(record: EpisodeRecord) -> NotebookNode:
         if record.expected_answer is not None
         else "| expected answer | not given |",
         f"| reward | {record.reward} |",
-        f"| steps | {len(record.steps)} of {record.max_iterations} |",
+        f"| steps | {_steps_line(record)} |",
         f"| LLM calls | {calls} |",
         f"| execution time | {total:.3f} s |",
     ]
     return new_markdown_cell("\n".join(lines))
+
+
+def notebook_title(record: EpisodeRecord) -> str:
+    """The task, on one line (or the episode id when there is none)."""
+    task = " ".join(record.task_prompt.split())
+    return shorten(task, 120) if task else f"kernel_env episode {record.episode_id}"
+
+
+def _steps_line(record: EpisodeRecord) -> str:
+    """Steps run, against the budget as the user set it: an agent's model turns, or cells."""
+    if record.agent_max_turns is not None:
+        return f"{len(record.steps)} (the agent's budget: {record.agent_max_turns} model turns)"
+    return f"{len(record.steps)} of {record.max_iterations}"
 
 
 def episode_to_notebook(
@@ -246,11 +259,11 @@ def episode_to_notebook(
     """The episode as a notebook; ``context_file`` (a path relative to the notebook) when the
     context is kept in a sidecar file instead of inline; ``stem``, the notebook's file name
     without ``.ipynb``, to link child episodes written beside it."""
-    title = f"# kernel_env episode `{record.episode_id}`"
     task = record.task_prompt.strip() or "_(no task prompt)_"
     cells = [
         new_markdown_cell(
-            f"{title}\n\n**Task.** {task}\n\n`context`: {len(record.context):,} characters."
+            f"# {notebook_title(record)}\n\nkernel_env episode `{record.episode_id}`\n\n"
+            f"**Task.** {task}\n\n`context`: {len(record.context):,} characters."
         ),
         new_code_cell(_setup_source(record, context_file), metadata={"tags": [SETUP_TAG]}),
     ]
@@ -262,12 +275,15 @@ def episode_to_notebook(
                 )
             )
             continue
+        if step.note:
+            cells.append(new_markdown_cell(step.note, metadata={"kernel_env": {"note": True}}))
         cells.append(_step_cell(step))
         summary = _calls_summary(step, stem)
         if summary is not None:
             cells.append(summary)
     cells.append(_closing_cell(record))
     nb = new_notebook(cells=cells)
+    nb.metadata["title"] = notebook_title(record)  # nbconvert's HTML <title>
     nb.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",

@@ -29,6 +29,7 @@ class StepRecord:
     llm_calls: list[LLMCall] = field(default_factory=list)
     reward: float | None = None
     final_answer: str | None = None
+    note: str | None = None  # the prose the agent wrote before this code (markdown)
 
 
 @dataclass
@@ -50,3 +51,4 @@ class EpisodeRecord:
     reward: float | None = None
     done: bool = False
     started: float = field(default_factory=time.time)  # the reset, seconds since the epoch
+    agent_max_turns: int | None = None  # the driving agent's own budget of model turns

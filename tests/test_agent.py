@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import nbformat
 import pytest
 from fake_openai import FakeOpenAI
 
@@ -187,3 +188,30 @@ async def test_budget_and_time_limits_stop_the_loop() -> None:
     assert (spent.stop_reason, spent.answer, spent.iterations) == ("budget", None, 1)
     assert usage.calls == 1
     assert (late.stop_reason, late.iterations) == ("time_limit", 0)
+
+
+@pytest.mark.integration
+async def test_the_export_tells_the_whole_story(tmp_path) -> None:
+    """The model's prose goes in as markdown before each cell, the task is the notebook's
+    title (and the HTML page's), and the steps line shows the agent's budget as set."""
+    backend = ScriptedBackend(
+        [
+            "First I count the words.\n```repl\nn = len(context.split())\n```\n"
+            "Then I print it.\n```python\nprint(n)\n```",
+            "FINAL_VAR(n)",
+        ]
+    )
+    async with AsyncKernelEnv(step_timeout=10) as env:
+        await run_agent(env, backend, context="a b c", task="How many words?", max_iterations=7)
+        path = await env.export_notebook(tmp_path / "story.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    sources = [(c.cell_type, c.source) for c in nb.cells]
+    notes = [i for i, (kind, text) in enumerate(sources) if text == "First I count the words."]
+    assert notes and sources[notes[0]][0] == "markdown"
+    assert sources[notes[0] + 1] == ("code", "n = len(context.split())\n")
+    assert ("markdown", "Then I print it.") in sources
+    assert nb.metadata["title"] == "How many words?" and sources[0][1].startswith("# How many")
+    assert "the agent's budget: 7 model turns" in sources[-1][1]
+    from kernel_env.notebook import write_html
+
+    assert "<title>How many words?</title>" in write_html(path).read_text()
