@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
+
+from kernel_env.outputs import output_size
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
@@ -72,9 +73,8 @@ def event_from_message(msg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _size(event: dict[str, Any]) -> int:
-    if event["output_type"] == "stream":
-        return len(str(event.get("text") or ""))
-    return len(json.dumps(event, default=str))
+    """About how many chars an event carries (at least 1: no event is free)."""
+    return max(1, output_size(event))
 
 
 class OutputStream:

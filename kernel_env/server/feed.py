@@ -10,13 +10,13 @@ counted in a ``dropped`` event), and the feed keeps its last ``max_events``.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import deque
 from typing import Any
 
 from kernel_env.hostcalls import LLMCall
 from kernel_env.models import REPLObservation
+from kernel_env.outputs import output_size
 from kernel_env.text import shorten
 
 __all__ = ["EpisodeFeed"]
@@ -52,7 +52,7 @@ class EpisodeFeed:
 
     def output(self, event: dict[str, Any]) -> None:
         """One output event of the running step (``kernel_env.streaming``'s shape)."""
-        size = len(json.dumps(event, default=str))
+        size = max(1, output_size(event))
         if self._step_chars + size > self.step_chars:
             self._dropped += size
             return

@@ -112,10 +112,14 @@ async def _streamed_step(websocket: WebSocket, request: Request, session: Sessio
     stream = OutputStream()
     sender = asyncio.create_task(_send_outputs(websocket, stream))
     try:
-        return await _answer(request, session, on_output=stream.push)
-    finally:
+        reply = await _answer(request, session, on_output=stream.push)
+    except BaseException:  # cancelled (a drain): don't wait on a client that may not read
         stream.close()
-        await sender  # every output frame before the observation
+        sender.cancel()
+        raise
+    stream.close()
+    await sender  # every output frame before the observation
+    return reply
 
 
 async def _send_outputs(websocket: WebSocket, stream: OutputStream) -> None:
