@@ -467,13 +467,11 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def FINAL(value: Any) -> str:
         """End the episode with `value` as the final answer."""
-        __tracebackhide__ = True
         episode.final = str(value)
         return episode.final
 
     def FINAL_VAR(name: Any) -> str:
         """End the episode with the value of the variable named `name` as the final answer."""
-        __tracebackhide__ = True
         if isinstance(name, str) and name.strip().isidentifier():
             key = name.strip()
             if key not in ns:
@@ -486,7 +484,6 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def SHOW_VARS() -> dict[str, str]:
         """The variables defined so far, with their types."""
-        __tracebackhide__ = True
         hidden = episode.shell.user_ns_hidden
         return {
             k: type(v).__name__
@@ -496,12 +493,10 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
     def llm_query(prompt: str, model: str | None = None) -> str:
         """Ask a language model; returns its answer as a string."""
-        __tracebackhide__ = True
         return str(episode.call_host("llm_query", prompt=episode.check_prompt(prompt), model=model))
 
     def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """Ask a model many prompts concurrently. Order is kept; a failed item is "Error: ..."."""
-        __tracebackhide__ = True
         prompts = [str(p) for p in prompts]
         if not prompts:
             return []
@@ -510,12 +505,10 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
     def rlm_query(prompt: str, model: str | None = None) -> str:
         """Ask a recursive sub-agent. Without an agent configured on the host, this is a plain
         llm_query."""
-        __tracebackhide__ = True
         return str(episode.call_host("rlm_query", prompt=episode.check_prompt(prompt), model=model))
 
     def rlm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
         """rlm_query over many prompts concurrently; order kept, failures as "Error: ..."."""
-        __tracebackhide__ = True
         prompts = [str(p) for p in prompts]
         if not prompts:
             return []
