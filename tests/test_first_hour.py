@@ -168,12 +168,19 @@ def test_ctrl_c_prints_what_was_written(tmp_path: Path) -> None:
             stderr=sink,
             text=True,
             env={**os.environ, "KERNEL_ENV_LLM_API_KEY": KEY},
+            # As in a terminal: a job started in the background (CI) inherits SIGINT ignored.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
-        deadline = time.monotonic() + 120
-        while "iteration 1/" not in errors.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        process.send_signal(signal.SIGINT)
-        out, _ = process.communicate(timeout=60)
+        try:
+            deadline = time.monotonic() + 120
+            while "iteration 1/" not in errors.read_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            process.send_signal(signal.SIGINT)
+            out, _ = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:  # never leave it (and its kernel) behind
+                process.kill()
+                process.communicate(timeout=30)
     assert process.returncode == 130, errors.read_text()
     notebook = Path(out.split("notebook: ", 1)[1].splitlines()[0])
     assert notebook.is_file() and "x = 1" in notebook.read_text()
