@@ -457,6 +457,11 @@ class KernelEnvironment:
 
     # -- fork ------------------------------------------------------------------------------
 
+    @property
+    def stepping(self) -> bool:
+        """A step is running now."""
+        return self._stepping > 0
+
     async def fork(self, n: int = 1, *, own_budget: bool = False) -> list[KernelEnvironment]:
         """``n`` independent copies of this episode, between steps: each a new environment in
         its own kernel holding the same state (variables, imports, workspace files, the
@@ -468,7 +473,7 @@ class KernelEnvironment:
         RNGs are fresh (a reset's ``seed`` reseeds them as it did here). The children share
         this episode's LLM usage and budget unless ``own_budget``."""
         record, _ = self._require()
-        if self._stepping:
+        if self.stepping:
             raise ForkRefused("a step is running: fork between steps", episode_id=record.episode_id)
         if record.done:
             raise ForkRefused("the episode is over: nothing to fork", episode_id=record.episode_id)

@@ -4,14 +4,21 @@ their own; llm_query is answered from the record during the replay, never asked 
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+import time
 from typing import Any
 
+import httpx
 import pytest
+from serverkit import small_settings, thread_server
+from websockets.asyncio.client import connect
 
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.errors import ForkRefused
 from kernel_env.kernel import GatewayConfig
 from kernel_env.kernel.factory import gateway_source, local_source
+from kernel_env.remote import ws_url
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
@@ -159,3 +166,70 @@ def test_exports_mark_the_shared_prefix_and_list_the_forks(tmp_path: Any) -> Non
     fork_id = child_nb.metadata["kernel_env"]["episode_id"]
     assert parent_nb.metadata["kernel_env"]["forks"] == [fork_id]
     assert fork_id in parent_nb.cells[-1].source
+
+
+# -- on a server --------------------------------------------------------------------------
+
+
+def _server_step(url: str, session: str, code: str) -> dict[str, Any]:
+    reply = httpx.post(
+        f"{url}/step",
+        json={"action": {"code": code}},
+        headers={"X-Session-Id": session},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_fork_over_http_and_attach_a_websocket_to_a_copy() -> None:
+    with thread_server(small_settings(sandbox="none", max_sessions=4)) as url:
+        parent = httpx.post(f"{url}/reset", json={}, timeout=60).headers["X-Session-Id"]
+        _server_step(url, parent, "xs = [1]")
+        reply = httpx.post(f"{url}/sessions/{parent}/fork", json={"n": 2}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        first, second = (c["session_id"] for c in reply.json()["sessions"])
+        assert {c["method"] for c in reply.json()["sessions"]} == {"replay"}
+        _server_step(url, first, "xs.append(2)")
+
+        async def over_ws() -> str:
+            async with connect(ws_url(url) + f"?session={second}") as ws:
+                await ws.send(json.dumps({"type": "step", "data": {"code": "print(xs)"}}))
+                frame = json.loads(await ws.recv())
+                return str(frame["data"]["observation"]["result"]["stdout"])
+
+        assert asyncio.run(over_ws()) == "[1]\n"
+        shown = _server_step(url, first, "print(xs)")["observation"]["result"]["stdout"]
+        assert shown == "[1, 2]\n"
+        shown = _server_step(url, parent, "print(xs)")["observation"]["result"]["stdout"]
+        assert shown == "[1]\n"
+
+
+def test_a_fork_frame_on_ws_and_the_copies_count_toward_capacity() -> None:
+    async def main(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        async with connect(ws_url(url)) as ws:
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+            await ws.send(json.dumps({"type": "fork", "data": {"n": 1}}))
+            ok = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "fork", "data": {"n": 1}}))
+            full = json.loads(await ws.recv())
+            return ok, full
+
+    with thread_server(small_settings(sandbox="none", max_sessions=2)) as url:
+        ok, full = asyncio.run(main(url))
+    assert ok["type"] == "fork" and len(ok["data"]["sessions"]) == 1
+    assert full["type"] == "error" and full["data"]["code"] == "CAPACITY_REACHED"
+
+
+def test_a_fork_while_a_step_runs_is_refused_over_http() -> None:
+    with thread_server(small_settings(sandbox="none")) as url:
+        parent = httpx.post(f"{url}/reset", json={}, timeout=60).headers["X-Session-Id"]
+        running = threading.Thread(
+            target=_server_step, args=(url, parent, "import time; time.sleep(3)")
+        )
+        running.start()
+        time.sleep(1)
+        refused = httpx.post(f"{url}/sessions/{parent}/fork", json={}, timeout=60)
+        running.join()
+    assert refused.status_code == 409 and "a step is running" in refused.text
