@@ -307,6 +307,11 @@ class SessionManager:
             for env in envs:
                 child = self.open("http", env)
                 child.claimed = True  # asked for by name: not an unclaimed reset to evict
+                record = env.record
+                if record is not None:
+                    child.feed.episode_started(
+                        record.episode_id, record.task_prompt, record.max_iterations
+                    )
                 children.append(child)
         except BaseException:
             await asyncio.gather(*(e.close() for e in envs[len(children) :]))
