@@ -241,6 +241,28 @@ class AsyncKernelEnv:
         ``(await execute(code)).observation.result``."""
         return (await self.execute(code, on_output=on_output)).observation.result
 
+    async def fork(self, n: int = 1, *, own_budget: bool = False) -> list[AsyncKernelEnv]:
+        """``n`` independent copies of the running episode, taken between steps: clients
+        whose episodes hold this one's state and record so far and then step on their own
+        (see :meth:`KernelEnvironment.fork`: a replay in a fresh kernel; ``own_budget`` gives
+        each its own LLM budget instead of this episode's). Local episodes only."""
+        environment = self.environment
+        if environment is None:
+            raise NotImplementedError("fork() runs on local episodes; this client is remote")
+        children = await self._call(lambda _: environment.fork(n, own_budget=own_budget))
+        return [AsyncKernelEnv._around(child) for child in children]
+
+    @classmethod
+    def _around(cls, environment: KernelEnvironment) -> AsyncKernelEnv:
+        """A client of an environment that already runs an episode (a fork)."""
+        client = cls.__new__(cls)
+        client.base_url = None
+        client._closed = False
+        client._inflight = set()
+        client.environment = environment
+        client._session = _LocalSession(environment)
+        return client
+
     async def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
         """End the episode with ``answer`` (no code runs)."""
         return await self.step(REPLAction(is_final=True, final_answer=answer))
@@ -326,6 +348,21 @@ class _LoopThread:
             target=self.loop.run_forever, name="kernel-env-loop", daemon=True
         )
         self._thread.start()
+        self.users = 1  # clients on this loop (a client's forks share it); the last stops it
+
+    def share(self) -> _LoopThread:
+        with self._lock:
+            if self._stopped:
+                raise ClientClosed(_CLOSED)
+            self.users += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            last = self.users <= 0
+        if last:
+            self.stop()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         with self._lock:
@@ -429,6 +466,21 @@ class KernelEnv:
         """Run ``code`` as a step; its result (``.stdout``, ``.stderr``, ``.success``...)."""
         return self._run(self._async.run(code, on_output=on_output))
 
+    def fork(self, n: int = 1, *, own_budget: bool = False) -> list[KernelEnv]:
+        """``n`` independent copies of the running episode; see :meth:`AsyncKernelEnv.fork`.
+        The copies share this client's event-loop thread (it stops when the last closes)."""
+        loop = self._loop
+        if loop is None:
+            raise ClientClosed(_CLOSED)
+        children = loop.run(self._async.fork(n, own_budget=own_budget))
+        return [KernelEnv._on(loop.share(), child) for child in children]
+
+    @classmethod
+    def _on(cls, loop: _LoopThread, client: AsyncKernelEnv) -> KernelEnv:
+        env = cls.__new__(cls)
+        env._async, env._loop, env._provider = client, loop, None
+        return env
+
     def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
         return self._run(self._async.submit_final_answer(answer))
 
@@ -460,7 +512,7 @@ class KernelEnv:
             try:
                 loop.run(self._async.close())
             finally:
-                loop.stop()
+                loop.release()
         provider, self._provider = self._provider, None
         if provider is not None:
             provider.stop_container()

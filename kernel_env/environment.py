@@ -21,6 +21,7 @@ from typing import Any
 from kernel_env import answers
 from kernel_env.errors import (
     EpisodeFinished,
+    ForkRefused,
     KernelError,
     LimitExceeded,
     ResetNeeded,
@@ -37,6 +38,7 @@ from kernel_env.kernel_side import (
 )
 from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
+from kernel_env.notebook import cells_match
 from kernel_env.outputs import OutputBudget, truncate
 from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.recursion import BackendForToken, ChildEpisodes, ChildSolver, ParentLink
@@ -154,6 +156,8 @@ class KernelEnvironment:
         self._total_time = 0.0
         self._output_budget = self._new_output_budget()
         self.stats = Counters()
+        self._stepping = 0  # steps in flight (fork refuses to copy a running one)
+        self._link: ParentLink | None = None  # the episode's accounting, shared with its forks
 
     def _new_output_budget(self) -> OutputBudget:
         return OutputBudget(
@@ -223,6 +227,7 @@ class KernelEnvironment:
                 max_depth=opts.rlm_max_depth,
                 max_iterations=opts.rlm_max_iterations or self.config.rlm_max_iterations,
             )
+        self._link = link
         runner = None
         # OpenEnv's meaning: a child runs at depth d + 1 only if d + 1 < max_depth, so the
         # default of 1 runs none (rlm_query is then a plain llm_query).
@@ -296,6 +301,15 @@ class KernelEnvironment:
     ) -> REPLObservation:
         """Run one action and return what the agent sees. ``on_output`` gets the cell's output
         events as they happen (see :mod:`kernel_env.streaming`; it must not block)."""
+        self._stepping += 1
+        try:
+            return await self._step(action, on_output)
+        finally:
+            self._stepping -= 1
+
+    async def _step(
+        self, action: REPLAction, on_output: Callable[[dict[str, Any]], None] | None
+    ) -> REPLObservation:
         record, kernel = self._require()
         if record.done:
             raise EpisodeFinished(
@@ -440,6 +454,81 @@ class KernelEnvironment:
         if done:
             return rewards.budget_exhausted, None
         return (rewards.step_ok if result.success else rewards.step_failed), None
+
+    # -- fork ------------------------------------------------------------------------------
+
+    @property
+    def stepping(self) -> bool:
+        """A step is running now."""
+        return self._stepping > 0
+
+    async def fork(self, n: int = 1, *, own_budget: bool = False) -> list[KernelEnvironment]:
+        """``n`` independent copies of this episode, between steps: each a new environment in
+        its own kernel holding the same state (variables, imports, workspace files, the
+        context) and the same record so far; its steps continue the count.
+
+        The method is a replay: a fresh kernel re-runs the recorded steps, with ``llm_query``
+        answered from the record (never asked again); ``record.forked_from`` says whether the
+        replayed outputs matched. Steps that timed out or killed their kernel are not re-run.
+        RNGs are fresh (a reset's ``seed`` reseeds them as it did here). The children share
+        this episode's LLM usage and budget unless ``own_budget``."""
+        record, _ = self._require()
+        if self.stepping:
+            raise ForkRefused("a step is running: fork between steps", episode_id=record.episode_id)
+        if record.done:
+            raise ForkRefused("the episode is over: nothing to fork", episode_id=record.episode_id)
+        if not 1 <= n <= MAX_FORKS:
+            raise LimitExceeded(f"n must be between 1 and {MAX_FORKS}, got {n}")
+        children = [self._sibling(own_budget) for _ in range(n)]
+        try:
+            await asyncio.gather(*(child._replay_of(record) for child in children))
+        except BaseException:
+            await asyncio.gather(*(child.close() for child in children), return_exceptions=True)
+            raise
+        record.forks.extend(child._require()[0].episode_id for child in children)
+        return children
+
+    def _sibling(self, own_budget: bool) -> KernelEnvironment:
+        return KernelEnvironment(
+            self.config,
+            kernel_source=self._kernel_source,
+            llm_backend=self._token_backend or self._llm_backend,
+            llm_batch_fn=self._llm_batch_fn,
+            parent=None if own_budget else self._link,
+            child_solver=self._child_solver,
+        )
+
+    async def _replay_of(self, parent: EpisodeRecord) -> None:
+        await self.reset(
+            context=parent.context,
+            task_prompt=parent.task_prompt,
+            max_iterations=parent.max_iterations,
+            seed=parent.seed,
+            expected_answer=parent.expected_answer,
+            llm_model=parent.llm_model,
+            agent_max_turns=parent.agent_max_turns,
+            episode_id=f"{parent.episode_id}.fork-{uuid.uuid4().hex[:8]}",
+        )
+        self._calls.recorded = [
+            (c.prompt, c.response) for step in parent.steps for c in step.llm_calls if not c.error
+        ]
+        matched = True
+        try:
+            for step in parent.steps:
+                if step.status in ("timeout", "died", "final"):
+                    matched = False  # not re-run: it would hang or crash again
+                    continue
+                await self.step(REPLAction(code=step.code))
+                mine = self._require()[0].steps[-1]
+                matched = matched and cells_match(step.outputs, mine.outputs)
+        finally:
+            self._calls.recorded = None
+        self._require()[0].forked_from = {
+            "episode_id": parent.episode_id,
+            "steps": len(parent.steps),
+            "method": "replay",
+            "outputs_matched": matched,
+        }
 
     # -- state, observation, close ------------------------------------------------------------
 
@@ -664,6 +753,7 @@ def _log_end(record: EpisodeRecord, how: str) -> None:
 
 
 _MAX_NOTE_CHARS = 20_000
+MAX_FORKS = 64  # copies one fork() makes at most
 
 
 def _note(action: REPLAction) -> str | None:

@@ -43,6 +43,7 @@ __all__ = [
     "EpisodeError",
     "EpisodeFinished",
     "ExportPathError",
+    "ForkRefused",
     "InvalidInput",
     "KernelCapacity",
     "KernelDied",
@@ -114,6 +115,10 @@ class EpisodeFinished(EpisodeError):
 
 
 # -- input refused ------------------------------------------------------------------------
+
+
+class ForkRefused(EpisodeError):
+    """fork() while a step runs, before a reset, or after the episode ended."""
 
 
 class InvalidInput(KernelEnvError, ValueError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_env.errors import RequestError
-from kernel_env.kernel_side import REQUEST_TAG
+from kernel_env.kernel_side import REQUEST_TAG, take_recorded
 from kernel_env.llm import Budget, LLMBackend, MeteredBackend, Usage, call_off_loop
 
 __all__ = ["HostCalls", "LLMBatchFn", "LLMCall", "LLMQueryFn", "RLMRunner"]
@@ -76,6 +76,8 @@ class HostCalls:
     allowed_models: frozenset[str] | None = None
     max_prompt_chars: int = MAX_PROMPT_CHARS
     no_model_hint: str = "pass llm_query_fn or llm_backend to the environment"
+    # While a fork replays its parent's steps: (prompt, response) pairs answering every call.
+    recorded: list[tuple[str, str]] | None = None
     max_kept_chars: int = MAX_KEPT_CHARS
     calls: list[LLMCall] = field(default_factory=list)
     kept_chars: int = 0
@@ -154,6 +156,8 @@ class HostCalls:
 
     async def _ask(self, op: str, prompt: str, model: str | None) -> LLMCall:
         """One prompt; a failure is a call record with ``error`` set, never an exception."""
+        if self.recorded is not None:
+            return self._from_record(op, prompt, model)
         t0 = time.perf_counter()
         if len(prompt) > self.max_prompt_chars:
             message = (
@@ -180,9 +184,18 @@ class HostCalls:
             output_tokens=done.output_tokens,
         )
 
+    def _from_record(self, op: str, prompt: str, model: str | None) -> LLMCall:
+        """A replay's answer: the response recorded for this prompt (the model is not asked,
+        and nothing is metered)."""
+        response = take_recorded(self.recorded or [], prompt)
+        if response is None:
+            message = "no recorded response for this prompt (the replay diverged)"
+            return LLMCall(op, prompt, message, model, 0.0, error=True)
+        return LLMCall(op, prompt, response, model, 0.0)
+
     async def _batch(self, op: str, prompts: list[str], model: str | None) -> list[str]:
         single = op.removesuffix("_batched")
-        if self.batch_fn is not None and single == "llm_query":
+        if self.batch_fn is not None and single == "llm_query" and self.recorded is None:
             return await self._batch_fn(single, prompts, model)
         limit = asyncio.Semaphore(
             self.rlm_concurrency if single == "rlm_query" else self.max_concurrency

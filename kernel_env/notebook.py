@@ -235,9 +235,20 @@ def _closing_cell(record: EpisodeRecord) -> NotebookNode:
         f"| reward | {record.reward} |",
         f"| steps | {_steps_line(record)} |",
         f"| LLM calls | {calls} |",
+        *([f"| forks | {', '.join(f'`{f}`' for f in record.forks)} |"] if record.forks else []),
         f"| execution time | {total:.3f} s |",
     ]
     return new_markdown_cell("\n".join(lines))
+
+
+def _prefix_note(record: EpisodeRecord) -> str:
+    origin = record.forked_from or {}
+    matched = "yes" if origin.get("outputs_matched") else "no (see each cell's outputs)"
+    return (
+        f"**Shared prefix.** This episode is a fork of `{origin.get('episode_id')}`: its first "
+        f"{origin.get('steps')} step(s) are the parent's, re-run by {origin.get('method')} "
+        f"(outputs matched the parent's: {matched})."
+    )
 
 
 def notebook_title(record: EpisodeRecord) -> str:
@@ -267,7 +278,12 @@ def episode_to_notebook(
         ),
         new_code_cell(_setup_source(record, context_file), metadata={"tags": [SETUP_TAG]}),
     ]
-    for step in record.steps:
+    prefix = int((record.forked_from or {}).get("steps", 0))
+    for position, step in enumerate(record.steps):
+        if position == 0 and prefix:
+            cells.append(new_markdown_cell(_prefix_note(record)))
+        if position == prefix and prefix:
+            cells.append(new_markdown_cell("**This fork's own steps.**"))
         if step.status == "final":
             cells.append(
                 new_markdown_cell(
@@ -277,7 +293,10 @@ def episode_to_notebook(
             continue
         if step.note:
             cells.append(new_markdown_cell(step.note, metadata={"kernel_env": {"note": True}}))
-        cells.append(_step_cell(step))
+        cell = _step_cell(step)
+        if position < prefix:
+            cell.metadata.setdefault("kernel_env", {})["shared_prefix"] = True
+        cells.append(cell)
         summary = _calls_summary(step, stem)
         if summary is not None:
             cells.append(summary)
@@ -302,6 +321,8 @@ def episode_to_notebook(
         "max_iterations": record.max_iterations,
         "depth": record.depth,
         "llm_usage": record.llm_usage,
+        "forked_from": record.forked_from,
+        "forks": record.forks,
         "context_length": len(record.context),
         "context_file": context_file,
         "context": record.context if context_file is None else None,

@@ -52,3 +52,6 @@ class EpisodeRecord:
     done: bool = False
     started: float = field(default_factory=time.time)  # the reset, seconds since the epoch
     agent_max_turns: int | None = None  # the driving agent's own budget of model turns
+    # A fork's origin: {"episode_id", "steps" (the shared prefix), "method", "outputs_matched"}.
+    forked_from: dict[str, Any] | None = None
+    forks: list[str] = field(default_factory=list)  # episode ids of this episode's forks

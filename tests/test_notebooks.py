@@ -33,6 +33,7 @@ EXPECTED = {
     "03-serve-and-connect": ["context_length: 11", "done: True | reward: 1.0"],
     "04-notebook-native": ["the longest word is 'interactively'"],
     "05-gateway": ["reward", "1.0", "you sent me 12 words", "steps: 5, LLM calls: 1"],
+    "06-fork": ["best: len(set(words)) -> 8", "  8  reward 1.0"],
 }
 
 # Settings a developer's shell may hold that would change what the notebooks do.

@@ -30,7 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kernel_env import __version__
 from kernel_env.agent import solve_child
 from kernel_env.environment import EnvConfig, KernelEnvironment
-from kernel_env.errors import EpisodeFinished, InvalidInput, KernelError, ResetNeeded
+from kernel_env.errors import (
+    EpisodeFinished,
+    ForkRefused,
+    InvalidInput,
+    KernelError,
+    ResetNeeded,
+)
 from kernel_env.kernel import KernelSource
 from kernel_env.kernel.factory import kernel_source_from
 from kernel_env.kernel.forkserver import ForkServer
@@ -186,6 +192,17 @@ class StepRequest(BaseModel):
         "applies (it is kept below OpenEnv clients' 60 s wait).",
     )
     request_id: str | None = Field(default=None, max_length=255)
+
+
+class ForkRequest(BaseModel):
+    """The body of ``POST /sessions/{id}/fork``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(default=1, ge=1, le=64, description="How many copies.")
+    own_budget: bool = Field(
+        default=False, description="Each copy gets its own LLM budget (default: the parent's)."
+    )
 
 
 class StepResponse(BaseModel):
@@ -438,6 +455,24 @@ def _add_episode_routes(app: FastAPI) -> None:
         await runtime.sessions.close_session(session)
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
+    @app.post(
+        "/sessions/{session_id}/fork",
+        tags=["Sessions"],
+        summary="Fork the session's episode into new sessions (between steps)",
+        description="Each copy is a new HTTP session (an `X-Session-Id`, or `/ws?session=`) "
+        "whose episode holds this one's state and record so far, re-run in a fresh kernel "
+        "with `llm_query` answered from the record. Copies count toward `max_sessions`; a "
+        "fork while a step runs gets 409.",
+    )
+    async def fork(
+        request: Request, session_id: str, body: ForkRequest | None = None
+    ) -> dict[str, Any]:
+        runtime = _runtime(request)
+        wanted = body or ForkRequest()
+        session = runtime.sessions.get(session_id)
+        children = await runtime.sessions.fork(session, wanted.n, own_budget=wanted.own_budget)
+        return protocol.fork_payload(children)
+
     @app.get(
         "/sessions/{session_id}/notebook",
         tags=["Sessions"],
@@ -577,6 +612,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         (InvalidInput, invalid),
         (ResetNeeded, conflict),
         (EpisodeFinished, conflict),
+        (ForkRefused, conflict),
         (KernelError, kernel),
     ]:
         app.add_exception_handler(exc_type, handler)

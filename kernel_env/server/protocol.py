@@ -16,7 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kernel_env.errors import (
+    CapacityReached,
     EpisodeFinished,
+    ForkRefused,
     InvalidInput,
     KernelError,
     KernelStartError,
@@ -84,6 +86,11 @@ class _CloseFrame(_Frame):
     type: Literal["close"]
 
 
+class _ForkFrame(_Frame):
+    type: Literal["fork"]
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
 class _McpFrame(_Frame):
     type: Literal["mcp"]
     data: dict[str, Any]
@@ -94,6 +101,7 @@ _FRAMES: dict[str, type[_Frame]] = {
     "step": _StepFrame,
     "state": _StateFrame,
     "close": _CloseFrame,
+    "fork": _ForkFrame,
     "mcp": _McpFrame,
 }
 
@@ -103,11 +111,12 @@ class Request:
     """One parsed request. ``reset`` keeps its raw keywords (validated already) because
     ``ResetOptions`` drops ``hf_token`` on dump, and the episode needs it."""
 
-    kind: Literal["reset", "step", "state", "close", "mcp"]
+    kind: Literal["reset", "step", "state", "close", "mcp", "fork"]
     reset: dict[str, Any] | None = None
     action: REPLAction | None = None
     rpc: dict[str, Any] | None = None
     stream: bool | None = None  # asked for output frames (reset: for the session's steps)
+    fork: ForkOptions | None = None
 
 
 def parse_frame(raw: str | bytes) -> Request | Frame:
@@ -136,12 +145,40 @@ def parse_frame(raw: str | bytes) -> Request | Frame:
             return Request("step", action=action, stream=frame.stream)
         if isinstance(frame, _McpFrame):
             return Request("mcp", rpc=frame.data)
+        if isinstance(frame, _ForkFrame):
+            return Request("fork", fork=ForkOptions.model_validate(frame.data))
     except ValidationError as exc:
         return _invalid(validation_errors(exc))
     return Request("close" if isinstance(frame, _CloseFrame) else "state")
 
 
 # -- server -> client --------------------------------------------------------------------
+
+
+class ForkOptions(BaseModel):
+    """A ``fork`` frame's data (kernel_env's extension): how many copies, whose budget."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(default=1, ge=1, le=64)
+    own_budget: bool = False
+
+
+def fork_payload(children: list[Any]) -> dict[str, Any]:
+    """What a fork answers: each copy's session id and episode id, and how it was made."""
+    forks = []
+    for child in children:
+        record = child.env.record
+        origin = record.forked_from or {}
+        forks.append(
+            {
+                "session_id": child.id,
+                "episode_id": record.episode_id,
+                "method": origin.get("method"),
+                "outputs_matched": origin.get("outputs_matched"),
+            }
+        )
+    return {"sessions": forks}
 
 
 def output_frame(event: dict[str, Any]) -> Frame:
@@ -190,6 +227,15 @@ def error_for(exc: BaseException) -> Frame:
         return error_frame(ErrorCode.EXECUTION_ERROR, str(exc))
     if isinstance(exc, SessionError):
         return error_frame(ErrorCode.SESSION_ERROR, str(exc))
+    if isinstance(exc, CapacityReached):  # a fork's copies would not fit
+        return error_frame(
+            ErrorCode.CAPACITY_REACHED,
+            str(exc),
+            active_sessions=exc.active_sessions,
+            max_sessions=exc.max_sessions,
+        )
+    if isinstance(exc, ForkRefused):
+        return error_frame(ErrorCode.EXECUTION_ERROR, str(exc))
     return error_frame(ErrorCode.EXECUTION_ERROR, f"{type(exc).__name__}: {exc}")
 
 

@@ -35,6 +35,7 @@ from typing import Any, Literal, TypeVar
 from kernel_env.environment import Counters, KernelEnvironment
 from kernel_env.errors import (
     CapacityReached,
+    ForkRefused,
     ResetNeeded,
     SessionClosed,
     SessionError,
@@ -95,6 +96,7 @@ class Session:
         self.closed: SessionError | None = None
         self.done_kernels = Counters()  # counters of kernels this session already discarded
         self.feed = EpisodeFeed()  # what /web shows of this session, live
+        self.attached = kind == "ws"  # a WebSocket owns it (then no other may attach)
 
     async def reset(self, kwargs: dict[str, Any]) -> REPLObservation:
         old = self.env.kernel
@@ -132,6 +134,10 @@ class Session:
             return observation
 
         return await self._run(run)
+
+    async def run_exclusive(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` under the session's lock, as its steps run."""
+        return await self._run(call)
 
     async def export(self, export: Callable[[EpisodeRecord], T]) -> T:
         """``export(record)`` of the current (or last) episode, in a thread, between steps."""
@@ -273,15 +279,52 @@ class SessionManager:
         if (self.idle_ttl > 0 or self.claim_ttl > 0) and self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_forever(), name="session-reaper")
 
-    def open(self, kind: Kind) -> Session:
-        """A new session, or :class:`CapacityReached` (when no unclaimed session can go)."""
+    def open(self, kind: Kind, env: KernelEnvironment | None = None) -> Session:
+        """A new session (around ``env``, else a new environment), or
+        :class:`CapacityReached` (when no unclaimed session can go)."""
         if self.draining:
             raise SessionClosed(_SHUTTING_DOWN)
         if len(self._sessions) >= self.max_sessions and not self._evict_unclaimed():
             raise CapacityReached(len(self._sessions), self.max_sessions)
-        session = Session(self, secrets.token_hex(16), kind, self._env_factory())
+        session = Session(self, secrets.token_hex(16), kind, env or self._env_factory())
         self._sessions[session.id] = session
         self.opened_total += 1
+        return session
+
+    async def fork(self, session: Session, n: int, *, own_budget: bool) -> list[Session]:
+        """``n`` new HTTP sessions whose episodes are forks of ``session``'s. They count toward
+        ``max_sessions`` like any session (checked before the fork's kernels start)."""
+        if session.env.stepping:
+            raise ForkRefused("a step is running: fork between steps")
+        free = self.max_sessions - len(self._sessions)
+        while free < n and self._evict_unclaimed():
+            free += 1
+        if free < n:
+            raise CapacityReached(len(self._sessions), self.max_sessions)
+        envs = await session.run_exclusive(lambda: session.env.fork(n, own_budget=own_budget))
+        children: list[Session] = []
+        try:
+            for env in envs:
+                child = self.open("http", env)
+                child.claimed = True  # asked for by name: not an unclaimed reset to evict
+                record = env.record
+                if record is not None:
+                    child.feed.episode_started(
+                        record.episode_id, record.task_prompt, record.max_iterations
+                    )
+                children.append(child)
+        except BaseException:
+            await asyncio.gather(*(e.close() for e in envs[len(children) :]))
+            raise
+        return children
+
+    def take(self, session_id: str) -> Session:
+        """An open session for a WebSocket to own (``/ws?session=``): one socket at a time."""
+        session = self.get(session_id)
+        if session.attached:
+            raise SessionClosed("another WebSocket already holds this session")
+        session.attached = True
+        session.kind = "ws"
         return session
 
     def peek(self, session_id: str) -> Session | None:

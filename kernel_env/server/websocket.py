@@ -25,13 +25,14 @@ from kernel_env.server.protocol import (
     Request,
     error_for,
     error_frame,
+    fork_payload,
     mcp_response,
     observation_frame,
     output_frame,
     parse_frame,
     state_frame,
 )
-from kernel_env.server.sessions import CapacityReached, Session, SessionError
+from kernel_env.server.sessions import CapacityReached, Session, SessionError, UnknownSession
 from kernel_env.streaming import OutputStream
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 # every other session's pings and steps while json works through it.
 _OFF_LOOP_BYTES = 1 << 20
 
-_CLOSE_NORMAL, _CLOSE_TOO_BIG = 1000, 1009
+_CLOSE_NORMAL, _CLOSE_POLICY, _CLOSE_TOO_BIG = 1000, 1008, 1009
 _CLOSE_RESTART, _CLOSE_TRY_LATER = 1012, 1013
 
 
@@ -53,6 +54,18 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     # Host, Origin and the token were checked before the handshake (guard, auth).
     runtime: Runtime = websocket.app.state.runtime
     await websocket.accept()
+    attach = websocket.query_params.get("session")
+    if attach is not None:  # an existing session (a fork's, an HTTP one): this socket owns it
+        try:
+            session = runtime.sessions.take(attach)
+        except (SessionError, UnknownSession) as exc:
+            await _refuse(websocket, error_frame(ErrorCode.SESSION_ERROR, str(exc)), _CLOSE_POLICY)
+            return
+        try:
+            await _serve(websocket, session, runtime)
+        finally:
+            await asyncio.shield(runtime.sessions.close_soon(session))
+        return
     try:
         session = runtime.sessions.open("ws")
     except CapacityReached as exc:
@@ -97,12 +110,25 @@ async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> No
             streaming = parsed.stream
         stream = parsed.stream if parsed.stream is not None else streaming
         async with runtime.sessions.request(session):
-            if parsed.kind == "step" and stream:
+            if parsed.kind == "fork":
+                reply = await _fork(parsed, session, runtime)
+            elif parsed.kind == "step" and stream:
                 reply = await _streamed_step(websocket, parsed, session)
             else:
                 reply = await _answer(parsed, session)
             if not await _send(websocket, reply):
                 return
+
+
+async def _fork(request: Request, session: Session, runtime: Runtime) -> Frame:
+    """A ``fork`` frame: the copies' sessions (attach with ``/ws?session=<id>``)."""
+    options = request.fork
+    assert options is not None  # parse_frame sets it for a fork frame
+    try:
+        children = await runtime.sessions.fork(session, options.n, own_budget=options.own_budget)
+    except (KernelEnvError, ValidationError) as exc:
+        return error_for(exc)
+    return {"type": "fork", "data": fork_payload(children)}
 
 
 async def _streamed_step(websocket: WebSocket, request: Request, session: Session) -> Frame:

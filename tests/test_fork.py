@@ -1,0 +1,235 @@
+"""Forking an episode (replay): copies that hold the parent's state and record, then step on
+their own; llm_query is answered from the record during the replay, never asked again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from serverkit import small_settings, thread_server
+from websockets.asyncio.client import connect
+
+from kernel_env import AsyncKernelEnv, KernelEnv
+from kernel_env.errors import ForkRefused
+from kernel_env.kernel import GatewayConfig
+from kernel_env.kernel.factory import gateway_source, local_source
+from kernel_env.remote import ws_url
+
+pytestmark = pytest.mark.integration  # kernels, servers or other processes
+
+LOCAL = local_source("none")
+SETUP = (
+    "import json, random\n"
+    "xs = [1]\n"
+    "open('shared.txt', 'w').write('parent')\n"
+    "json.MARK = 'parent'\n"
+    "answer_1 = llm_query('setup question')\n"
+)
+
+
+class Model:
+    """Counts the prompts it really gets."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+
+    def __call__(self, prompt: str) -> str:
+        self.prompts.append(prompt)
+        return f"answer to {prompt}"
+
+
+def _out(env: KernelEnv, code: str) -> str:
+    result = env.run(code)
+    assert result.success, result.stderr
+    return result.stdout.strip()
+
+
+def test_children_hold_the_state_then_change_only_their_own() -> None:
+    model = Model()
+    with KernelEnv(llm_query_fn=model, kernel_source=LOCAL) as parent:
+        parent.reset(context="ctx", task_prompt="fork me")
+        parent.execute(SETUP)
+        first, second = parent.fork(2)
+        with first, second:
+            assert model.prompts == ["setup question"]  # the replay asked no model
+            assert first.state().step_count == second.state().step_count == 1  # continues
+            for child in (first, second):
+                assert _out(child, "print(xs, open('shared.txt').read(), json.MARK, answer_1)") == (
+                    "[1] parent parent answer to setup question"
+                )
+            first.execute(
+                "xs.append(2)\nopen('shared.txt', 'w').write('first')\njson.MARK = 'first'"
+            )
+            probe = "print(xs, open('shared.txt').read(), json.MARK)"
+            assert _out(parent, probe) == "[1] parent parent"
+            assert _out(second, probe) == "[1] parent parent"
+            assert _out(first, probe) == "[1, 2] first first"
+            forked = first._async.environment.record.forked_from  # type: ignore[union-attr]
+            assert forked["method"] == "replay" and forked["outputs_matched"] is True
+            assert forked["steps"] == 1
+        assert len(parent._async.environment.record.forks) == 2  # type: ignore[union-attr]
+
+
+def test_children_draw_different_random_numbers() -> None:
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        parent.execute("import random")
+        children = parent.fork(3)
+        try:
+            draws = {_out(child, "print(random.random())") for child in children}
+        finally:
+            for child in children:
+                child.close()
+    assert len(draws) == 3
+
+
+def test_budgets_shared_by_default_or_each_its_own() -> None:
+    model = Model()
+    with KernelEnv(llm_query_fn=model, kernel_source=LOCAL) as parent:
+        parent.reset()
+        parent.execute("a = llm_query('one')")
+        (shared,) = parent.fork()
+        (own,) = parent.fork(own_budget=True)
+        with shared, own:
+            shared.execute("b = llm_query('two')")
+            own.execute("c = llm_query('three')")
+            assert parent.state().llm_calls == 2  # its own call and the shared child's
+            assert own.state().llm_calls == 1
+    assert model.prompts == ["one", "two", "three"]
+
+
+async def test_a_fork_during_a_running_step_is_refused() -> None:
+    async with AsyncKernelEnv(kernel_source=LOCAL) as parent:
+        await parent.reset()
+        running = asyncio.create_task(parent.execute("import time; time.sleep(2)"))
+        await asyncio.sleep(0.5)
+        with pytest.raises(ForkRefused, match="a step is running"):
+            await parent.fork()
+        await running
+        (child,) = await parent.fork()
+        await child.close()
+
+
+def test_a_finished_episode_is_not_forked() -> None:
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        parent.execute("FINAL(1)")
+        with pytest.raises(ForkRefused, match="over"):
+            parent.fork()
+
+
+def test_a_killed_child_leaves_the_parent_fine() -> None:
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        parent.execute("x = 41")
+        (child,) = parent.fork()
+        with child:
+            died = child.run("import os; os._exit(1)")
+            assert not died.success
+        assert _out(parent, "print(x + 1)") == "42"
+
+
+def test_forks_on_gateway_kernels(gateway: Any) -> None:
+    config = GatewayConfig(url=gateway.url, token=gateway.token, kernel_name="kernel_env")
+    with KernelEnv(kernel_source=gateway_source(config)) as parent:
+        parent.reset()
+        parent.execute("xs = [1, 2]")
+        (child,) = parent.fork()
+        with child:
+            child.execute("xs.append(3)")
+            assert _out(child, "print(xs)") == "[1, 2, 3]"
+        assert _out(parent, "print(xs)") == "[1, 2]"
+
+
+def test_exports_mark_the_shared_prefix_and_list_the_forks(tmp_path: Any) -> None:
+    import nbformat
+
+    from kernel_env.notebook import recorded_steps
+
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset(task_prompt="branch")
+        parent.execute("x = 1")
+        (child,) = parent.fork()
+        with child:
+            child.execute("x += 1")
+            child_nb = nbformat.read(child.export_notebook(tmp_path / "child"), as_version=4)
+        parent_nb = nbformat.read(parent.export_notebook(tmp_path / "parent"), as_version=4)
+    code = recorded_steps(child_nb)
+    assert [c.metadata.get("kernel_env", {}).get("shared_prefix") for c in code] == [True, None]
+    notes = [c.source for c in child_nb.cells if c.cell_type == "markdown"]
+    assert any(n.startswith("**Shared prefix.**") for n in notes)
+    fork_id = child_nb.metadata["kernel_env"]["episode_id"]
+    assert parent_nb.metadata["kernel_env"]["forks"] == [fork_id]
+    assert fork_id in parent_nb.cells[-1].source
+
+
+# -- on a server --------------------------------------------------------------------------
+
+
+def _server_step(url: str, session: str, code: str) -> dict[str, Any]:
+    reply = httpx.post(
+        f"{url}/step",
+        json={"action": {"code": code}},
+        headers={"X-Session-Id": session},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_fork_over_http_and_attach_a_websocket_to_a_copy() -> None:
+    with thread_server(small_settings(sandbox="none", max_sessions=4)) as url:
+        parent = httpx.post(f"{url}/reset", json={}, timeout=60).headers["X-Session-Id"]
+        _server_step(url, parent, "xs = [1]")
+        reply = httpx.post(f"{url}/sessions/{parent}/fork", json={"n": 2}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        first, second = (c["session_id"] for c in reply.json()["sessions"])
+        assert {c["method"] for c in reply.json()["sessions"]} == {"replay"}
+        _server_step(url, first, "xs.append(2)")
+
+        async def over_ws() -> str:
+            async with connect(ws_url(url) + f"?session={second}") as ws:
+                await ws.send(json.dumps({"type": "step", "data": {"code": "print(xs)"}}))
+                frame = json.loads(await ws.recv())
+                return str(frame["data"]["observation"]["result"]["stdout"])
+
+        assert asyncio.run(over_ws()) == "[1]\n"
+        shown = _server_step(url, first, "print(xs)")["observation"]["result"]["stdout"]
+        assert shown == "[1, 2]\n"
+        shown = _server_step(url, parent, "print(xs)")["observation"]["result"]["stdout"]
+        assert shown == "[1]\n"
+
+
+def test_a_fork_frame_on_ws_and_the_copies_count_toward_capacity() -> None:
+    async def main(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        async with connect(ws_url(url)) as ws:
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+            await ws.send(json.dumps({"type": "fork", "data": {"n": 1}}))
+            ok = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "fork", "data": {"n": 1}}))
+            full = json.loads(await ws.recv())
+            return ok, full
+
+    with thread_server(small_settings(sandbox="none", max_sessions=2)) as url:
+        ok, full = asyncio.run(main(url))
+    assert ok["type"] == "fork" and len(ok["data"]["sessions"]) == 1
+    assert full["type"] == "error" and full["data"]["code"] == "CAPACITY_REACHED"
+
+
+def test_a_fork_while_a_step_runs_is_refused_over_http() -> None:
+    with thread_server(small_settings(sandbox="none")) as url:
+        parent = httpx.post(f"{url}/reset", json={}, timeout=60).headers["X-Session-Id"]
+        running = threading.Thread(
+            target=_server_step, args=(url, parent, "import time; time.sleep(3)")
+        )
+        running.start()
+        time.sleep(1)
+        refused = httpx.post(f"{url}/sessions/{parent}/fork", json={}, timeout=60)
+        running.join()
+    assert refused.status_code == 409 and "a step is running" in refused.text
