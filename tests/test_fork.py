@@ -233,3 +233,20 @@ def test_a_fork_while_a_step_runs_is_refused_over_http() -> None:
         refused = httpx.post(f"{url}/sessions/{parent}/fork", json={}, timeout=60)
         running.join()
     assert refused.status_code == 409 and "a step is running" in refused.text
+
+
+def test_attaching_needs_a_session_no_other_socket_holds() -> None:
+    async def main(url: str, session: str) -> tuple[str, str]:
+        async with connect(ws_url(url) + "?session=" + "0" * 32) as ws:
+            unknown = json.loads(await ws.recv())["data"]["code"]
+        async with connect(ws_url(url) + f"?session={session}") as first:
+            await first.send(json.dumps({"type": "state"}))
+            await first.recv()
+            async with connect(ws_url(url) + f"?session={session}") as second:
+                taken = json.loads(await second.recv())["data"]["message"]
+        return unknown, taken
+
+    with thread_server(small_settings(sandbox="none")) as url:
+        session = httpx.post(f"{url}/reset", json={}, timeout=60).headers["X-Session-Id"]
+        unknown, taken = asyncio.run(main(url, session))
+    assert unknown == "SESSION_ERROR" and "another WebSocket" in taken

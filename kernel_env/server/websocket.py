@@ -54,20 +54,24 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     # Host, Origin and the token were checked before the handshake (guard, auth).
     runtime: Runtime = websocket.app.state.runtime
     await websocket.accept()
-    attach = websocket.query_params.get("session")
-    if attach is not None:  # an existing session (a fork's, an HTTP one): this socket owns it
-        try:
-            session = runtime.sessions.take(attach)
-        except (SessionError, UnknownSession) as exc:
-            await _refuse(websocket, error_frame(ErrorCode.SESSION_ERROR, str(exc)), _CLOSE_POLICY)
-            return
-        try:
-            await _serve(websocket, session, runtime)
-        finally:
-            await asyncio.shield(runtime.sessions.close_soon(session))
+    session = await _session_for(websocket, runtime)
+    if session is None:
         return
     try:
-        session = runtime.sessions.open("ws")
+        await _serve(websocket, session, runtime)
+    finally:
+        # Shielded: if this handler is being cancelled, the kernel must still be shut down.
+        await asyncio.shield(runtime.sessions.close_soon(session))
+
+
+async def _session_for(websocket: WebSocket, runtime: Runtime) -> Session | None:
+    """A new session, or with ``?session=<id>`` an existing one (a fork's, an HTTP one) that
+    this socket then owns; None when refused (the socket was told why and closed)."""
+    attach = websocket.query_params.get("session")
+    try:
+        if attach is not None:
+            return runtime.sessions.take(attach)
+        return runtime.sessions.open("ws")
     except CapacityReached as exc:
         frame = error_frame(
             ErrorCode.CAPACITY_REACHED,
@@ -76,15 +80,10 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
             max_sessions=exc.max_sessions,
         )
         await _refuse(websocket, frame, _CLOSE_TRY_LATER)
-        return
-    except SessionError as exc:  # shutting down
-        await _refuse(websocket, error_frame(ErrorCode.SESSION_ERROR, str(exc)), _CLOSE_RESTART)
-        return
-    try:
-        await _serve(websocket, session, runtime)
-    finally:
-        # Shielded: if this handler is being cancelled, the kernel must still be shut down.
-        await asyncio.shield(runtime.sessions.close_soon(session))
+    except (SessionError, UnknownSession) as exc:  # shutting down; or no such session to take
+        code = _CLOSE_POLICY if attach is not None else _CLOSE_RESTART
+        await _refuse(websocket, error_frame(ErrorCode.SESSION_ERROR, str(exc)), code)
+    return None
 
 
 async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> None:
