@@ -518,7 +518,7 @@ class KernelEnvironment:
                 if step.status in ("timeout", "died", "final"):
                     matched = False  # not re-run: it would hang or crash again
                     continue
-                await self.step(REPLAction(code=step.code))
+                await self.step(REPLAction(code=step.code, metadata=_meta_of(step)))
                 mine = self._require()[0].steps[-1]
                 matched = matched and cells_match(step.outputs, mine.outputs)
         finally:
@@ -760,3 +760,8 @@ def _note(action: REPLAction) -> str | None:
     """The prose an agent sent with a step (``metadata["note"]``), kept for the export."""
     note = action.metadata.get("note")
     return shorten(note, _MAX_NOTE_CHARS) if isinstance(note, str) and note.strip() else None
+
+
+def _meta_of(step: StepRecord) -> dict[str, Any]:
+    """A replayed step's metadata: its prose, so a fork's export tells the same story."""
+    return {"note": step.note} if step.note else {}
