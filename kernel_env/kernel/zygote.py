@@ -207,10 +207,10 @@ def _watch(kernel: int, placeholder: int) -> int:
     """Wait for the kernel or the placeholder to end, then end the other."""
     kernel_fd = os.pidfd_open(kernel)
     readable, _, _ = select.select([kernel_fd, placeholder], [], [])
-    if kernel_fd in readable:
-        signal.pidfd_send_signal(placeholder, signal.SIGKILL)
-    else:
-        signal.pidfd_send_signal(kernel_fd, signal.SIGKILL)
+    other = placeholder if kernel_fd in readable else kernel_fd
+    # A shutdown often ends both at once: the other one may be gone already.
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(other, signal.SIGKILL)
     os.waitpid(kernel, 0)
     return 0
 
