@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,25 +65,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(text: str) -> float:
-    """A flag's number of seconds: greater than 0 (the same rule as ``serve``'s)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number greater than 0, got {text}")
-    return value
+def _number(convert: Callable[[str], float], ok: Callable[[float], bool], rule: str) -> Any:
+    """An argparse type: ``convert`` the text, then require ``ok`` (the same rules as
+    ``serve``'s settings), saying ``rule`` when it fails."""
+    kind = "a whole number" if convert is int else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_positive = _number(float, lambda v: 0 < v < float("inf"), "a number greater than 0")
+_at_least_one = _number(int, lambda v: v >= 1, "at least 1")
 
 
 def _d(text: str, default: object = None) -> str:

@@ -371,6 +371,12 @@ def notebook_name(episode_id: str) -> str:
     return f"{stem or 'episode'}.ipynb"
 
 
+def named_notebook(record: EpisodeRecord) -> tuple[str, str]:
+    """The episode's notebook file name (from its id) and text, as a download serves them."""
+    name = notebook_name(record.episode_id)
+    return name, notebook_text(record, name)
+
+
 def export_zip(record: EpisodeRecord, name: str) -> bytes:
     """Everything :func:`write_notebook` writes (the notebook, its context sidecar, child
     episodes' notebooks), as the bytes of a zip archive with the files at its top level."""

@@ -131,3 +131,30 @@ def test_docs_are_served_from_the_package() -> None:
     assert page.status_code == 200 and "/static-offline-docs/swagger-ui-bundle.js" in page.text
     assert "cdn" not in page.text.lower()
     assert script.status_code == 200 and len(script.content) > 100_000
+
+
+def test_the_new_routes_need_the_token_and_the_public_prefix_opens_nothing_else() -> None:
+    """Every route this server added that shows or changes an episode refuses a request
+    without the token; the public docs-assets prefix cannot be walked out of."""
+    with make_client(token=TOKEN, sandbox="none") as client:
+        sid = client.post("/reset", json={"context": "SECRET-CTX"}, headers=AUTH).headers[
+            "X-Session-Id"
+        ]
+        guarded = [
+            ("get", "/sessions"),
+            ("get", "/metrics/prometheus"),
+            ("get", f"/web/api/sessions/{sid}/events"),
+            ("get", f"/sessions/{sid}/notebook.html"),
+            ("post", f"/sessions/{sid}/fork"),
+        ]
+        for method, path in guarded:
+            assert getattr(client, method)(path).status_code == 401, path
+        for path in (
+            "/static-offline-docs/%2e%2e/sessions",
+            f"/static-offline-docs/%2e%2e/web/api/sessions/{sid}/events",
+            "/static-offline-docs/..%2f..%2fsessions",
+        ):
+            reply = client.get(path)
+            assert reply.status_code in (404, 401), (path, reply.status_code)
+            assert "SECRET-CTX" not in reply.text and sid not in reply.text
+        assert client.get(f"/web/api/sessions/{sid}/events", headers=AUTH).status_code == 200

@@ -42,7 +42,7 @@ from kernel_env.kernel.factory import kernel_source_from
 from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
-from kernel_env.notebook import ExportPathError, export_zip, notebook_name, notebook_text
+from kernel_env.notebook import ExportPathError, export_zip, named_notebook, notebook_name
 from kernel_env.pool import KernelPool
 from kernel_env.record import EpisodeRecord
 from kernel_env.recursion import BackendForToken
@@ -485,7 +485,7 @@ def _add_episode_routes(app: FastAPI) -> None:
     )
     async def notebook(request: Request, session_id: str) -> Response:
         session = _runtime(request).sessions.get(session_id)
-        name, body = await session.export(_notebook_text)
+        name, body = await session.export(named_notebook)
         return Response(body, media_type=NOTEBOOK_MEDIA_TYPE, headers=_attachment(name))
 
     @app.get(
@@ -532,12 +532,6 @@ def _require_text(kwargs: dict[str, Any]) -> None:
                 raise InvalidInput(
                     f"{key} is not valid Unicode text (a lone surrogate at position {exc.start})"
                 ) from None
-
-
-def _notebook_text(record: EpisodeRecord) -> tuple[str, str]:
-    """The episode's notebook file name and text (its sidecar and children: export.zip)."""
-    name = notebook_name(record.episode_id)
-    return name, notebook_text(record, name)
 
 
 def _attachment(filename: str) -> dict[str, str]:

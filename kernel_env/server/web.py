@@ -21,7 +21,7 @@ import nbformat
 from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse
 
-from kernel_env.notebook import notebook_html, notebook_name, notebook_text
+from kernel_env.notebook import named_notebook, notebook_html
 from kernel_env.record import EpisodeRecord
 from kernel_env.server.sessions import UnknownSession
 
@@ -88,8 +88,8 @@ def _static(name: str) -> Any:
 
 def _page(record: EpisodeRecord) -> tuple[str, str]:
     """The episode's HTML file name and page (run in a thread: nbconvert takes a while)."""
-    name = notebook_name(record.episode_id)
-    nb = nbformat.reads(notebook_text(record, name), as_version=4)
+    name, text = named_notebook(record)
+    nb = nbformat.reads(text, as_version=4)
     try:
         return Path(name).with_suffix(".html").name, notebook_html(nb)
     except RuntimeError as exc:  # no nbconvert on this server
