@@ -18,6 +18,7 @@ from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.errors import ForkRefused
 from kernel_env.kernel import GatewayConfig
 from kernel_env.kernel.factory import gateway_source, local_source
+from kernel_env.kernel.sandbox import sandbox_problem
 from kernel_env.remote import ws_url
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
@@ -49,9 +50,13 @@ def _out(env: KernelEnv, code: str) -> str:
     return result.stdout.strip()
 
 
-def test_children_hold_the_state_then_change_only_their_own() -> None:
+@pytest.mark.parametrize("sandbox", ["none", "bwrap"])
+def test_children_hold_the_state_then_change_only_their_own(sandbox: str) -> None:
+    """Also in the sandbox (each copy its own kernel, uid, /tmp and workspace), as root."""
+    if sandbox == "bwrap" and sandbox_problem() is not None:
+        pytest.skip(f"no sandbox: {sandbox_problem()}")
     model = Model()
-    with KernelEnv(llm_query_fn=model, kernel_source=LOCAL) as parent:
+    with KernelEnv(llm_query_fn=model, kernel_source=local_source(sandbox)) as parent:
         parent.reset(context="ctx", task_prompt="fork me")
         parent.execute(SETUP)
         first, second = parent.fork(2)
