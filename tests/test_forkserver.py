@@ -104,6 +104,53 @@ async def test_two_forked_kernels_draw_different_random_numbers(forkserver: Fork
     assert first.split()[0] != second.split()[0] and first.split()[1] != second.split()[1]
 
 
+# (JPY_PARENT_PID: the server's pid, which jupyter_client's launch gives a cold kernel.)
+_WHAT_A_CELL_SEES = (
+    "import os, sys\nip = get_ipython()\n"
+    "env = sorted((k, v) for k, v in os.environ.items() if k != 'JPY_PARENT_PID')\n"
+    "print(repr((os.getcwd(), list(map(str, _dh)), str(ip.profile_dir.location),\n"
+    "            ip.starting_dir, env, [p for p in sys.path if not p.startswith(sys.prefix)],\n"
+    "            ip.execution_count, type(sys.stdout).__name__, callable(llm_query),\n"
+    "            ip.kernel.shell is ip)))"
+)
+
+
+async def test_a_forked_kernel_looks_like_a_cold_one(forkserver: ForkServer) -> None:
+    """The zygote builds each kernel's shell before the fork: what a cell sees of its
+    working directory, profile, environment, path, stdout and helpers is still what a kernel
+    started cold sees (its own directories, not the zygote's), and each forked kernel has
+    its own session id (the msg ids it sends are its own)."""
+    snapshots = []
+    for source in (_source(forkserver), _source(ForkServerStub())):
+        async with AsyncKernelEnv(kernel_source=source) as env:
+            await env.reset()
+            kernel = env.environment.kernel  # type: ignore[union-attr]
+            seen = eval(await _run(env, _WHAT_A_CELL_SEES))
+            workdir = str(kernel.workdir)
+            assert seen[0] == workdir and seen[1] == [workdir]
+            assert seen[2] == f"{workdir}/.ipython/profile_default"
+            snapshots.append((kernel.forked, [s.replace(workdir, "W") for s in map(str, seen)]))
+    (forked, as_forked), (cold, as_cold) = snapshots
+    assert forked and not cold
+    for a, b in zip(as_forked, as_cold, strict=True):
+        assert a == b
+    source = _source(forkserver)
+    async with AsyncKernelEnv(kernel_source=source) as a, AsyncKernelEnv(kernel_source=source) as b:
+        await a.reset()
+        await b.reset()
+        code = "print(get_ipython().kernel.session.session, get_ipython().kernel.ident)"
+        assert set((await _run(a, code)).split()).isdisjoint((await _run(b, code)).split())
+
+
+class ForkServerStub(ForkServer):
+    """A forkserver that never started: kernels start cold (the same code path as a server
+    whose forkserver failed)."""
+
+    async def start(self) -> ForkServer:
+        self._problem = "not used here"
+        return self
+
+
 async def test_forked_kernels_cannot_reach_each_other(forkserver: ForkServer) -> None:
     """S2 between forked kernels: from A, B's processes, files, sockets and connection file
     are out of reach, and the two run as different host uids."""

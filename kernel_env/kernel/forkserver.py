@@ -99,7 +99,7 @@ class ForkServer:
         try:
             self._process = subprocess.Popen(
                 [*_tied_to_this_process(), self.python, "-m", "kernel_env.kernel.zygote",
-                 str(theirs.fileno()), json.dumps(list(self.preload))],
+                 str(theirs.fileno()), json.dumps(self._config())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=_zygote_environ(self.python),
@@ -128,6 +128,12 @@ class ForkServer:
             return
         ours.settimeout(_REQUEST_TIMEOUT)
         self._problem = None
+
+    def _config(self) -> dict[str, Any]:
+        """What the zygote prepares: the preloads, and the kernel its forks start from."""
+        from kernel_env.kernel.local import forked_kernel_flags
+
+        return {"preload": list(self.preload), "flags": forked_kernel_flags()}
 
     async def fork(self, request: dict[str, Any]) -> int:
         """Fork a kernel as ``request`` says (see :mod:`kernel_env.kernel.zygote`); the pid

@@ -39,6 +39,7 @@ from kernel_env.kernel.runtime import runtime_parent, write_file
 __all__ = [
     "LocalKernel",
     "describe_isolation",
+    "forked_kernel_flags",
     "kernel_argv",
     "launch_guard",
     "minimal_environ",
@@ -66,6 +67,12 @@ _KERNEL_FLAGS = (
 def kernel_argv(python: str = sys.executable) -> list[str]:
     """The command line of an episode kernel (``{connection_file}`` filled in at launch)."""
     return [python, "-m", "ipykernel_launcher", "-f", "{connection_file}", *_KERNEL_FLAGS]
+
+
+def forked_kernel_flags() -> list[str]:
+    """The flags of a kernel forked from the forkserver (its keeper watches it, not
+    ipykernel's parent poller); the zygote builds the kernel with them once."""
+    return [*_KERNEL_FLAGS, "--IPKernelApp.parent_handle=1"]
 
 
 def placeholder_argv() -> list[str]:
@@ -270,14 +277,13 @@ class LocalKernel(Kernel):
         if km is None or forkserver is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
         process = km.provisioner.process  # type: ignore[union-attr]
-        flags = [*_KERNEL_FLAGS, "--IPKernelApp.parent_handle=1"]  # the keeper watches it
         request = {
             "placeholder": process.pid,
             "namespaces_of": await self._namespaces_of(process),
             "cgroup_procs": [str(p) for p in self._cgroup_procs()],
             "uid": self._lease.uid if self._lease is not None else None,
             "gid": self._lease.gid if self._lease is not None else None,
-            "argv": ["-f", km.connection_file, *flags],
+            "connection_file": km.connection_file,
             "env": self._launch_env(),
             "cwd": str(self.workdir),
             "rlimits": self._rlimits(),

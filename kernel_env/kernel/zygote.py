@@ -1,10 +1,12 @@
 """The kernel forkserver's process: import what a kernel needs once, then fork fresh kernels.
 
 Run by :class:`kernel_env.kernel.forkserver.ForkServer` as ``python -m kernel_env.kernel.zygote
-FD PRELOAD_JSON``, FD being its end of a socket pair. It imports ipykernel, IPython, zmq and
-kernel_env's in-kernel module (and the operator's preload list), checks that no thread was
-started (forking a threaded process copies locks held by threads that do not exist in the
-child), says ``ready`` and serves fork requests, one JSON line each.
+FD CONFIG_JSON``, FD being its end of a socket pair and the config giving the operator's
+preload list and the kernels' ipykernel flags. It imports ipykernel, IPython, zmq and
+kernel_env's in-kernel module (and the preloads), builds the kernel every fork starts from
+(:mod:`kernel_env.kernel.template`: the kernel object and its shell, no socket yet), checks
+that no thread was started (forking a threaded process copies locks held by threads that do
+not exist in the child), says ``ready`` and serves fork requests, one JSON line each.
 
 A request forks a *keeper*, which:
 
@@ -19,7 +21,8 @@ A request forks a *keeper*, which:
 
 The kernel then drops every capability, sets no-new-privileges, applies its rlimits, closes
 every inherited descriptor, takes its minimal environment, reseeds its random generators, and
-becomes an ipykernel: sockets, threads and connection info are all made after the fork.
+finishes the template into its own ipykernel: sockets, threads, connection info and session
+id are all made after the fork.
 
 The zygote never runs user code and never holds a secret: it starts with the kernels' minimal
 environment, and requests carry only paths, ids, limits and that environment.
@@ -37,10 +40,14 @@ import os
 import random
 import resource
 import select
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from typing import Any
+
+from kernel_env.kernel.template import KernelTemplate
 
 # The modules every kernel imports while it starts: loaded once here, shared copy-on-write.
 KERNEL_MODULES = (
@@ -88,13 +95,22 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def main() -> None:
+    started_with = dict(os.environ)
+    if sys.path and sys.path[0] == os.getcwd():
+        del sys.path[0]  # what ``-m`` added, as ipykernel_launcher does: kernels add their own
     control = socket.socket(fileno=int(sys.argv[1]))
-    preload = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
-    problem = _preload([*KERNEL_MODULES, *preload])
+    config = json.loads(sys.argv[2])
+    problem = _preload([*KERNEL_MODULES, *config["preload"]])
     if problem is None and (threads := len(os.listdir("/proc/self/task"))) > 1:
         problem = f"the preloaded modules started {threads - 1} thread(s): forking is unsafe"
+    template = None
+    if problem is None:
+        template, problem = _build_template(config["flags"])
+    # What importing and building set in the environment (ipykernel's debugger, the shell's
+    # TERM and PAGER): a kernel started cold sets the same in its own.
+    imported = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
     control.sendall((json.dumps({"ready": problem is None, "problem": problem}) + "\n").encode())
-    if problem is not None:
+    if template is None:
         return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the system
     lines = control.makefile("rb")
@@ -104,7 +120,7 @@ def main() -> None:
         if pid == 0:
             lines.close()
             control.close()
-            _keeper(request)  # never returns
+            _keeper(request | {"env": request["env"] | imported}, template)  # never returns
         control.sendall((json.dumps({"pid": pid}) + "\n").encode())
 
 
@@ -118,10 +134,21 @@ def _preload(modules: list[str]) -> str | None:
     return None
 
 
+def _build_template(flags: list[str]) -> tuple[KernelTemplate | None, str | None]:
+    """The kernel every fork starts from, or why it could not be built."""
+    scratch = tempfile.mkdtemp(prefix="kernel-env-zygote-")  # IPython's profile, while building
+    try:
+        return KernelTemplate.build(flags, scratch), None
+    except BaseException as exc:
+        return None, f"building the kernel failed: {type(exc).__name__}: {exc}"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 # -- the keeper: joins the sandbox, forks the kernel, ties the two lifetimes together ---------
 
 
-def _keeper(request: dict[str, Any]) -> None:
+def _keeper(request: dict[str, Any], template: KernelTemplate) -> None:
     status = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -146,7 +173,7 @@ def _keeper(request: dict[str, Any]) -> None:
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # its keeper gone (killed with the server)
             if os.getppid() != keeper:
                 os._exit(1)  # the keeper died before the line above took effect
-            _become_kernel(request)  # never returns
+            _become_kernel(request, template)  # never returns
         status = _watch(kernel, placeholder)
     except BaseException as exc:  # said on the zygote's stderr (the server's log)
         _say(f"kernel_env: the forkserver could not start a kernel: {type(exc).__name__}: {exc}")
@@ -226,7 +253,7 @@ def _prctl(option: int, arg: int) -> int:
 # -- the kernel ---------------------------------------------------------------------------------
 
 
-def _become_kernel(request: dict[str, Any]) -> None:
+def _become_kernel(request: dict[str, Any], template: KernelTemplate) -> None:
     try:
         os.setsid()  # its own process group: ipykernel's interrupt signals the kernel's group
         _name(KERNEL_NAME)
@@ -239,13 +266,10 @@ def _become_kernel(request: dict[str, Any]) -> None:
         os.chdir(request["cwd"])
         _fresh_descriptors()
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(request["env"], PWD=request["cwd"])  # as the launch's shell exports
         reseed(request.get("seed"))
-        from ipykernel import kernelapp
-
-        argv = list(request["argv"])
-        sys.argv = ["ipykernel_launcher", *argv]
-        kernelapp.launch_new_instance(argv=argv)
+        sys.argv = ["ipykernel_launcher", "-f", request["connection_file"]]
+        template.run(request["connection_file"])
     except BaseException as exc:  # whatever it was, this process must not return
         _say(f"kernel_env: a forked kernel failed: {type(exc).__name__}: {exc}")
         os._exit(1)

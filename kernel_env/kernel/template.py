@@ -1,0 +1,170 @@
+"""An ipykernel built in the zygote up to its first socket, finished in each forked kernel.
+
+A kernel's start after the fork used to be ipykernel's whole ``IPKernelApp.initialize``:
+~70 ms of CPU, two thirds of it parsing the command line, reading config and building the
+kernel object and its ``InteractiveShell`` (magics, aliases, formatters, completer). None of
+that needs a socket, a thread or anything of one kernel's own, so the zygote does it once
+(:meth:`KernelTemplate.build`) and every forked kernel inherits the result, copy-on-write.
+After the fork, :meth:`KernelTemplate.run` does only what is the kernel's own, in the order
+``IPKernelApp.initialize`` does it: connection info and session id, the zmq context, sockets
+and threads, its streams and signal handling, its profile directory, the kernel_env
+extension, then the event loop.
+
+What the zygote builds holds no socket, thread, event loop or open file (``build`` checks),
+so a fork of it is sound; every identity a kernel shows (session id, iopub topic, msg ids)
+is made after the fork.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KernelTemplate"]
+
+
+class KernelTemplate:
+    """One ``IPKernelApp`` with its kernel and shell, built but not connected."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    @classmethod
+    def build(cls, flags: Sequence[str], ipython_dir: str) -> KernelTemplate:
+        """Parse ``flags`` (ipykernel's command line, without ``-f``) and build the kernel
+        object and its shell, in this (thread-free) process. ``ipython_dir`` is where IPython
+        may make its profile while building; each kernel makes its own after the fork."""
+        from ipykernel.kernelapp import IPKernelApp
+        from IPython.core.application import BaseIPythonApplication
+
+        os.environ["IPYTHONDIR"] = ipython_dir
+        try:
+            app = IPKernelApp.instance()
+            # IPKernelApp.initialize, up to its first socket: the command line, profile and
+            # config files, then the parts of it that need no socket.
+            BaseIPythonApplication.initialize(app, list(flags))
+            app.init_pdb()
+            app.init_blackhole()
+            kernel_class: Any = app.kernel_class
+            app.kernel = kernel_class.instance(
+                parent=app,
+                session=app.session,
+                log=app.log,
+                profile_dir=app.profile_dir,
+                user_ns=app.user_ns,
+            )
+            app.init_path()
+            app.init_shell()
+            app.init_gui_pylab()
+        finally:
+            del os.environ["IPYTHONDIR"]
+        _check_forkable()
+        gc.collect()
+        gc.freeze()  # the collector leaves what every kernel shares untouched (copy-on-write)
+        return cls(app)
+
+    def run(self, connection_file: str) -> None:
+        """In a forked kernel: connect the template to ``connection_file`` and serve until
+        shutdown. The environment, working directory and descriptors are the kernel's own
+        already (what imports set in the environment included)."""
+        app, kernel = self.app, self.app.kernel
+        app.connection_file = connection_file
+        app.init_connection_file()  # the key, transport and socket addresses
+        app.session.session = str(uuid.uuid4())  # msg ids and headers of this kernel alone
+        app.session.pid = os.getpid()  # a Session sends nothing from a process it was not made in
+        kernel.ident = str(uuid.uuid4())
+        app.init_sockets()
+        app.init_heartbeat()
+        app.write_connection_file()
+        app.init_io()
+        app.init_signal()
+        self._connect_kernel()
+        self._own_profile()
+        self._own_directory()
+        app.init_extensions()
+        app.init_code()
+        app.start()
+
+    def _connect_kernel(self) -> None:
+        """What ``IPKernelApp.init_kernel`` passes to a new kernel, given to the built one."""
+        from zmq.eventloop.zmqstream import ZMQStream
+
+        app, kernel = self.app, self.app.kernel
+        if app.shell_channel_thread:
+            shell_stream = ZMQStream(app.shell_socket, app.shell_channel_thread.io_loop)
+            app.shell_channel_thread.shell_stream = shell_stream
+        else:
+            shell_stream = ZMQStream(app.shell_socket)
+        control_stream = ZMQStream(app.control_socket, app.control_thread.io_loop)
+        debugpy_stream = ZMQStream(app.debugpy_socket, app.control_thread.io_loop)
+        app.control_thread.start()
+        if app.shell_channel_thread:
+            app.shell_channel_thread.start()
+        kernel.session = app.session
+        kernel.control_stream = control_stream
+        kernel.debugpy_stream = debugpy_stream
+        kernel.debug_shell_socket = app.debug_shell_socket
+        kernel.shell_stream = shell_stream
+        kernel.control_thread = app.control_thread
+        kernel.shell_channel_thread = app.shell_channel_thread
+        kernel.iopub_thread = app.iopub_thread
+        kernel.iopub_socket = app.iopub_socket
+        kernel.stdin_socket = app.stdin_socket
+        kernel._stdout, kernel._stderr = sys.stdout, sys.stderr
+        if getattr(kernel, "debugger", None) is not None:
+            kernel.debugger = kernel.debugger_class(
+                kernel.log,
+                debugpy_stream,
+                kernel._publish_debug_event,
+                kernel.debug_shell_socket,
+                kernel.session,
+                kernel._kernel_modules,
+                kernel.debug_just_my_code,
+                kernel.filter_internal_frames,
+            )
+        shell = kernel.shell
+        shell.displayhook.session = app.session
+        shell.displayhook.pub_socket = kernel.iopub_socket
+        shell.displayhook.topic = kernel._topic("execute_result")
+        shell.display_pub.session = app.session
+        shell.display_pub.pub_socket = kernel.iopub_socket
+        kernel.record_ports({name + "_port": port for name, port in app._ports.items()})
+        app.displayhook.get_execution_count = lambda: kernel.execution_count
+
+    def _own_directory(self) -> None:
+        """The directory the shell noted as its start while it was built in the zygote."""
+        shell = self.app.kernel.shell
+        shell.starting_dir = os.getcwd()
+        shell.history_manager.dir_hist[:] = [Path.cwd()]  # _dh
+
+    def _own_profile(self) -> None:
+        """The profile directory a kernel started cold makes (under its own HOME)."""
+        from IPython.core.profiledir import ProfileDir
+        from IPython.paths import get_ipython_dir
+
+        app, kernel = self.app, self.app.kernel
+        profile = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), app.profile)
+        app.profile_dir = kernel.profile_dir = kernel.shell.profile_dir = profile
+
+
+def _check_forkable() -> None:
+    """What the template built must hold nothing a fork would share or lose."""
+    import zmq
+
+    problems = []
+    if threading.active_count() > 1 or len(os.listdir("/proc/self/task")) > 1:
+        problems.append("a thread")
+    if zmq.Context._instance is not None:
+        problems.append("a zmq context")
+    policy = asyncio.get_event_loop_policy()
+    if getattr(getattr(policy, "_local", None), "_loop", None) is not None:
+        problems.append("an event loop")
+    if problems:
+        raise RuntimeError(f"building the kernel template started {', '.join(problems)}")
