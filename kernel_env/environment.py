@@ -9,12 +9,13 @@ reports in the same reply, detects a final answer, and scores it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +25,7 @@ from kernel_env.errors import (
     ForkRefused,
     KernelError,
     LimitExceeded,
+    LiveForkUnavailable,
     ResetNeeded,
     RubricError,
 )
@@ -467,11 +469,16 @@ class KernelEnvironment:
         its own kernel holding the same state (variables, imports, workspace files, the
         context) and the same record so far; its steps continue the count.
 
-        The method is a replay: a fresh kernel re-runs the recorded steps, with ``llm_query``
-        answered from the record (never asked again); ``record.forked_from`` says whether the
-        replayed outputs matched. Steps that timed out or killed their kernel are not re-run.
-        RNGs are fresh (a reset's ``seed`` reseeds them as it did here). The children share
-        this episode's LLM usage and budget unless ``own_budget``."""
+        Where the kernel runs on this host (unsandboxed), each copy is a **live fork** of its
+        process: copy-on-write, ready in tens of milliseconds whatever the state holds
+        (:mod:`kernel_env.kernel.livefork`). Elsewhere (a gateway's or a sandboxed kernel, or
+        one running a thread or child process of its own) it is a **replay**: a fresh kernel
+        re-runs the recorded steps, with ``llm_query`` answered from the record (never asked
+        again); steps that timed out or killed their kernel are not re-run.
+        ``record.forked_from`` says which (``method``), why not live (``live_fork``), and for a
+        replay whether the outputs matched. RNGs are fresh unless the reset gave a ``seed``
+        (then a live copy keeps the parent's random state, and a replay reseeds as the reset
+        did). The children share this episode's LLM usage and budget unless ``own_budget``."""
         record, _ = self._require()
         if self.stepping:
             raise ForkRefused("a step is running: fork between steps", episode_id=record.episode_id)
@@ -481,12 +488,52 @@ class KernelEnvironment:
             raise LimitExceeded(f"n must be between 1 and {MAX_FORKS}, got {n}")
         children = [self._sibling(own_budget) for _ in range(n)]
         try:
-            await asyncio.gather(*(child._replay_of(record) for child in children))
+            why_not_live = await self._fork_live(children)
+            if why_not_live is not None:
+                await asyncio.gather(
+                    *(child._replay_of(record, why_not_live) for child in children)
+                )
         except BaseException:
             await asyncio.gather(*(child.close() for child in children), return_exceptions=True)
             raise
         record.forks.extend(child._require()[0].episode_id for child in children)
         return children
+
+    async def _fork_live(self, children: list[KernelEnvironment]) -> str | None:
+        """Copy this episode's kernel live into ``children``; None, or why it could not."""
+        record, kernel = self._require()
+        self._stepping += 1  # no step may start while the kernel forks
+        try:
+            kernels = await kernel.live_fork(len(children), reseed=record.seed is None)
+        except LiveForkUnavailable as exc:
+            log.info("episode %s: fork by replay (%s)", record.episode_id, exc)
+            return str(exc)
+        finally:
+            self._stepping -= 1
+        for child, copied in zip(children, kernels, strict=True):
+            await child._copy_of(self, copied)
+        return None
+
+    async def _copy_of(self, parent: KernelEnvironment, kernel: Kernel) -> None:
+        """Become a live copy of ``parent``'s episode, in ``kernel`` (its copied process)."""
+        theirs, _ = parent._require()
+        self._record = replace(
+            copy.deepcopy(theirs),
+            episode_id=_fork_id(theirs),
+            forks=[],
+            forked_from={
+                "episode_id": theirs.episode_id,
+                "steps": len(theirs.steps),
+                "method": "live",
+            },
+        )
+        self._calls = await self._host_calls(_options_of(theirs))
+        self._total_time = parent._total_time
+        self._output_budget = copy.deepcopy(parent._output_budget)
+        self._cut = {}
+        self._names = list(parent._names)
+        _give_expected(self._step_rubric, theirs.expected_answer)
+        self._kernel = kernel
 
     def _sibling(self, own_budget: bool) -> KernelEnvironment:
         return KernelEnvironment(
@@ -498,17 +545,9 @@ class KernelEnvironment:
             child_solver=self._child_solver,
         )
 
-    async def _replay_of(self, parent: EpisodeRecord) -> None:
-        await self.reset(
-            context=parent.context,
-            task_prompt=parent.task_prompt,
-            max_iterations=parent.max_iterations,
-            seed=parent.seed,
-            expected_answer=parent.expected_answer,
-            llm_model=parent.llm_model,
-            agent_max_turns=parent.agent_max_turns,
-            episode_id=f"{parent.episode_id}.fork-{uuid.uuid4().hex[:8]}",
-        )
+    async def _replay_of(self, parent: EpisodeRecord, why_not_live: str) -> None:
+        options = _options_of(parent).model_dump(exclude={"episode_id"})
+        await self.reset(**options, episode_id=_fork_id(parent))
         self._calls.recorded = [
             (c.prompt, c.response) for step in parent.steps for c in step.llm_calls if not c.error
         ]
@@ -527,6 +566,7 @@ class KernelEnvironment:
             "episode_id": parent.episode_id,
             "steps": len(parent.steps),
             "method": "replay",
+            "live_fork": why_not_live,
             "outputs_matched": matched,
         }
 
@@ -648,6 +688,23 @@ def _score_step(
         return float(result), None
     except (TypeError, ValueError):
         return 0.0, f"rubric {name} returned {result!r}, which is not a number or bool"
+
+
+def _options_of(record: EpisodeRecord) -> ResetOptions:
+    """The reset that started ``record``'s episode (what a fork's copy starts from)."""
+    return ResetOptions(
+        context=record.context,
+        task_prompt=record.task_prompt,
+        max_iterations=record.max_iterations,
+        seed=record.seed,
+        expected_answer=record.expected_answer,
+        llm_model=record.llm_model,
+        agent_max_turns=record.agent_max_turns,
+    )
+
+
+def _fork_id(parent: EpisodeRecord) -> str:
+    return f"{parent.episode_id}.fork-{uuid.uuid4().hex[:8]}"
 
 
 def _give_expected(rubric: StepRubric | None, expected: str | None) -> None:

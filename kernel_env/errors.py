@@ -7,7 +7,8 @@ Errors in the *agent's* code are not exceptions: they are data in the observatio
     ├── KernelError              a kernel could not be started, reached, or restarted
     │   ├── KernelStartError     it did not become ready
     │   ├── KernelDied           its process exited while a request was in flight
-    │   └── KernelCapacity       every kernel the server may run is in use
+    │   ├── KernelCapacity       every kernel the server may run is in use
+    │   └── LiveForkUnavailable  this kernel cannot be copied live (a fork then replays)
     ├── EpisodeError             misuse of an episode
     │   ├── ResetNeeded          step() or state before reset() (also a RuntimeError)
     │   │   └── ClientClosed     a call after close(), or in flight when close() ran
@@ -52,6 +53,7 @@ __all__ = [
     "KernelStartError",
     "LLMError",
     "LimitExceeded",
+    "LiveForkUnavailable",
     "RemoteError",
     "RequestError",
     "ResetNeeded",
@@ -91,6 +93,11 @@ class KernelDied(KernelError):
 
 class KernelCapacity(KernelError):
     """Every kernel the server may run (``max_kernels``) is in use."""
+
+
+class LiveForkUnavailable(KernelError):
+    """This kernel cannot be copied live (a gateway's, a sandboxed one, one running a thread
+    or a child process of its own): an episode's fork replays its steps instead."""
 
 
 # -- episodes -----------------------------------------------------------------------------

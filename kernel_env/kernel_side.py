@@ -570,6 +570,18 @@ def load_ipython_extension(shell: Any) -> None:
     episode.local_llm = _llm_from_environ()
 
 
+def after_fork() -> None:
+    """In a live fork's copy, once ipykernel's streams are its own: wrap those (the parent's
+    are abandoned) and drop a lock a parent's thread may have held at the fork."""
+    episode = _episode
+    if episode is None:
+        return
+    episode.host_lock = threading.Lock()
+    for name in ("stdout", "stderr"):
+        episode.__dict__.pop(f"_{name}_inner", None)
+    _install_streams(episode)
+
+
 def _recorded_cell(line: str, cell: str) -> None:
     """``%%kernel_env_recorded interrupted|restarted``: a step of an exported episode that
     timed out or killed its kernel. It is not run again (it would hang or crash); after

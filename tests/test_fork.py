@@ -1,12 +1,17 @@
-"""Forking an episode (replay): copies that hold the parent's state and record, then step on
-their own; llm_query is answered from the record during the replay, never asked again."""
+"""Forking an episode: copies that hold the parent's state and record, then step on their own.
+Unsandboxed local kernels are copied live (a fork of the kernel's process); sandboxed and
+gateway kernels, and kernels running a thread of their own, replay (llm_query answered from
+the record, never asked again)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -75,7 +80,11 @@ def test_children_hold_the_state_then_change_only_their_own(sandbox: str) -> Non
             assert _out(second, probe) == "[1] parent parent"
             assert _out(first, probe) == "[1, 2] first first"
             forked = first._async.environment.record.forked_from  # type: ignore[union-attr]
-            assert forked["method"] == "replay" and forked["outputs_matched"] is True
+            if sandbox == "none":
+                assert forked["method"] == "live"
+            else:
+                assert forked["method"] == "replay" and forked["outputs_matched"] is True
+                assert "sandbox" in forked["live_fork"]
             assert forked["steps"] == 1
         assert len(parent._async.environment.record.forks) == 2  # type: ignore[union-attr]
 
@@ -91,6 +100,92 @@ def test_children_draw_different_random_numbers() -> None:
             for child in children:
                 child.close()
     assert len(draws) == 3
+
+
+def test_live_copies_of_a_seeded_episode_keep_its_random_state() -> None:
+    """A reset's seed makes the episode deterministic: its live copies draw what it draws."""
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset(seed=7)
+        parent.execute("import random; random.random()")
+        children = parent.fork(2)
+        try:
+            draws = {_out(env, "print(random.random())") for env in (parent, *children)}
+        finally:
+            for child in children:
+                child.close()
+    assert len(draws) == 1
+
+
+def test_a_live_copy_has_channels_of_its_own() -> None:
+    """What a copy prints, from Python or from a subprocess writing to its descriptors, is
+    its own output; the parent's next step shows none of it. A copy's files are copies."""
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        parent.execute("import os, subprocess; open('data.txt', 'w').write('parent')")
+        (child,) = parent.fork()
+        with child:
+            assert child._async.environment.kernel.copied  # type: ignore[union-attr]
+            shown = _out(child, "os.system('echo from-a-subprocess'); print(os.getpid())")
+            assert shown.splitlines()[0] == "from-a-subprocess"
+            time.sleep(0.3)  # what the parent's output threads would publish, they have by now
+            assert _out(parent, "print('parent', os.getpid())") == f"parent {_pid_of(parent)}"
+            late = parent._async.environment.kernel.late_outputs  # type: ignore[union-attr]
+            assert "from-a-subprocess" not in repr(list(late))
+            assert shown.splitlines()[1] != str(_pid_of(parent))
+            child.execute("open('data.txt', 'w').write('child')")
+            assert _out(parent, "print(open('data.txt').read())") == "parent"
+            workdirs = {_workdir(env) for env in (parent, child)}
+            assert len(workdirs) == 2
+
+
+def _pid_of(env: KernelEnv) -> int:
+    return int(_out(env, "import os; print(os.getpid())"))
+
+
+def _workdir(env: KernelEnv) -> str:
+    return _out(env, "import os; print(os.getcwd())")
+
+
+def test_a_kernel_running_a_thread_of_its_own_is_forked_by_replay() -> None:
+    """A thread would be cut in half by a fork: the copy replays instead, and says why."""
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        parent.execute(
+            "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start()"
+        )
+        (child,) = parent.fork()
+        with child:
+            forked = child._async.environment.record.forked_from  # type: ignore[union-attr]
+            assert forked["method"] == "replay" and "threads" in forked["live_fork"]
+            assert _out(child, "print(threading.active_count() > 1)") == "True"
+
+
+def test_live_fork_churn_leaves_no_process_or_directory() -> None:
+    """30 cycles of fork, step and close: no copy's process or runtime dir is left."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="ke-"))  # short: the IPC socket paths live here
+    source = local_source("none", runtime_root=str(tmp_path))
+    with KernelEnv(kernel_source=source) as parent:
+        parent.reset()
+        parent.execute("x = list(range(1000))")
+        pids = []
+        for _ in range(30):
+            (child,) = parent.fork()
+            with child:
+                pids.append(_pid_of(child))
+        time.sleep(0.5)
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and _not_zombie(pid)]
+        assert alive == []
+        (runtime,) = tmp_path.iterdir()
+        assert len([d for d in runtime.iterdir() if d.is_dir()]) == 1  # the parent's own
+        assert _out(parent, "print(len(x))") == "1000"
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_budgets_shared_by_default_or_each_its_own() -> None:
@@ -194,7 +289,7 @@ def test_fork_over_http_and_attach_a_websocket_to_a_copy() -> None:
         reply = httpx.post(f"{url}/sessions/{parent}/fork", json={"n": 2}, timeout=120)
         assert reply.status_code == 200, reply.text
         first, second = (c["session_id"] for c in reply.json()["sessions"])
-        assert {c["method"] for c in reply.json()["sessions"]} == {"replay"}
+        assert {c["method"] for c in reply.json()["sessions"]} == {"live"}
         _server_step(url, first, "xs.append(2)")
 
         async def over_ws() -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from kernel_env.errors import KernelDied, KernelError, KernelStartError
+from kernel_env.errors import KernelDied, KernelError, KernelStartError, LiveForkUnavailable
 from kernel_env.kernel_side import PROBE_REPLY
 from kernel_env.outputs import OutputCollector
 from kernel_env.streaming import event_from_message
@@ -160,6 +160,15 @@ class Kernel(ABC):
     @abstractmethod
     async def stage_file(self, name: str, data: bytes) -> str:
         """Make ``data`` readable by the kernel; return the path the kernel should open."""
+
+    async def live_fork(self, n: int, *, reseed: bool = True) -> list[Kernel]:
+        """``n`` started copies of this kernel's process, holding its state (copy-on-write),
+        each ready, with fresh random state if ``reseed``; raises
+        :class:`LiveForkUnavailable` where a backend cannot (the caller then replays). Call
+        it between executes."""
+        raise LiveForkUnavailable(
+            f"{type(self).__name__} kernels cannot be copied live", kernel_id=self.kernel_id
+        )
 
     # -- what backends call ---------------------------------------------------------------
 

@@ -145,6 +145,11 @@ class KernelCgroup:
         """The files a launcher writes its pid to, to join every controller."""
         return [p / "cgroup.procs" for p in self.paths]
 
+    def add(self, pid: int) -> None:
+        """Move a running process (and the threads it has) into this cgroup."""
+        for procs in self.procs_files:
+            _write(procs, str(pid))
+
     def kill(self) -> None:
         """SIGKILL every process in the cgroup (the cgroup stays)."""
         for path in self.paths[:1]:  # on v1 every controller's directory holds the same

@@ -12,12 +12,16 @@ processes and network: see docs/security.md.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
+import select
 import shutil
+import signal
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
@@ -27,9 +31,10 @@ from typing import Any
 import zmq
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec
+from jupyter_client.provisioning import KernelProvisionerBase
 from jupyter_client.session import Session
 
-from kernel_env.errors import KernelStartError
+from kernel_env.errors import KernelStartError, LiveForkUnavailable
 from kernel_env.kernel import privilege
 from kernel_env.kernel.base import Kernel
 from kernel_env.kernel.cgroups import KernelCgroup
@@ -103,6 +108,61 @@ class _KernelManager(AsyncKernelManager):
         super().__init__(**kwargs)
         self._kernel_spec = spec
 
+    def _connect_control_socket(self) -> None:
+        # A shutdown interrupts first (over this socket, for message-mode kernels); to a
+        # kernel already dead the message would wait here, and jupyter_client's 100 ms linger
+        # delivered it to the kernel a restart binds at the same address: its first cell
+        # was interrupted. Closing now drops what is undelivered.
+        super()._connect_control_socket()
+        if self._control_socket is not None:
+            self._control_socket.linger = 0
+
+
+class _CopyProcess(KernelProvisionerBase):
+    """jupyter_client's handle on a live fork's copy: a process this one did not start (the
+    parent kernel forked it, and an init process reaps it), watched and ended through a
+    pidfd. A restart starts a kernel the usual way (the manager makes its usual
+    provisioner)."""
+
+    def __init__(self, pid: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pid = pid
+        self._pidfd: int | None = os.pidfd_open(pid)
+
+    @property
+    def has_process(self) -> bool:
+        return self._pidfd is not None
+
+    async def poll(self) -> int | None:
+        if self._pidfd is None:
+            return 0
+        readable, _, _ = select.select([self._pidfd], [], [], 0)
+        return 0 if readable else None
+
+    async def wait(self) -> int | None:
+        while await self.poll() is None:
+            await asyncio.sleep(0.01)
+        return 0
+
+    async def send_signal(self, signum: int) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signum)  # the copy leads a session of its own
+
+    async def kill(self, restart: bool = False) -> None:
+        await self.send_signal(signal.SIGKILL)
+
+    async def terminate(self, restart: bool = False) -> None:
+        await self.send_signal(signal.SIGTERM)
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
+        raise RuntimeError("a live fork's copy is adopted, never launched")
+
+    async def cleanup(self, restart: bool = False) -> None:
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            os.close(fd)
+
 
 class LocalKernel(Kernel):
     """An ipykernel process on this host, over IPC in a private runtime dir."""
@@ -137,6 +197,11 @@ class LocalKernel(Kernel):
         self._forkserver = forkserver if argv is None else None
         self.forked = False  # whether the running kernel came from the forkserver
         self.keeper_pid: int | None = None  # its keeper (the kernel's parent, on the host)
+        self.copied = False  # whether the running kernel is a live fork's copy of another
+        self._options = dict(
+            python=python, argv=argv, extra_env=extra_env, runtime_root=runtime_root,
+            forkserver=forkserver, **kwargs,
+        )  # fmt: skip
 
     @property
     def runtime_dir(self) -> Path | None:
@@ -162,7 +227,7 @@ class LocalKernel(Kernel):
             argv=self._command(),
             language="python",
             display_name="kernel_env",
-            interrupt_mode="message" if self.forked else "signal",
+            interrupt_mode="message" if self.forked or self.copied else "signal",
         )
 
     def _program(self) -> list[str]:
@@ -218,6 +283,18 @@ class LocalKernel(Kernel):
     # -- transport hooks ------------------------------------------------------------------
 
     async def _launch(self) -> None:
+        await self._prepare()
+        try:
+            await self._start_process()
+        except Exception as exc:
+            raise KernelStartError(
+                f"kernel failed to launch: {exc}", kernel_id=self.kernel_id
+            ) from exc
+        self._start_client()
+
+    async def _prepare(self) -> None:
+        """Everything a kernel process needs before it runs: its uid, directories, cgroup,
+        manager and connection file."""
         self._lease = await asyncio.to_thread(self._lease_uid)
         gid = self._lease.gid if self._lease is not None else None
         parent = runtime_parent(self._runtime_root)
@@ -242,13 +319,6 @@ class LocalKernel(Kernel):
         if gid is not None:
             os.chown(self._km.connection_file, -1, gid)
             os.chmod(self._km.connection_file, 0o640)
-        try:
-            await self._start_process()
-        except Exception as exc:
-            raise KernelStartError(
-                f"kernel failed to launch: {exc}", kernel_id=self.kernel_id
-            ) from exc
-        self._start_client()
 
     async def _start_process(self) -> None:
         """Launch the kernel: cold, or a placeholder the forkserver's child then joins. A
@@ -308,8 +378,92 @@ class LocalKernel(Kernel):
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
         await km.shutdown_kernel(now=True, restart=True)
         await asyncio.to_thread(self._kill_leftovers)
+        if self.copied:  # a copy's state is gone: a kernel starts the usual way
+            km.provisioner, self.copied = None, False
         await self._start_process()
         self._start_client()
+
+    # -- live fork ------------------------------------------------------------------------
+
+    def _live_fork_problem(self) -> str | None:
+        """Why this kernel cannot be copied live, or None."""
+        if self._km is None or not self.started:
+            return "the kernel is not running"
+        if self._lease is not None:
+            return (
+                "the kernel runs as a uid of its own, which its copies would share "
+                "(kernel_env gives every kernel its own)"
+            )
+        return None
+
+    async def live_fork(self, n: int, *, reseed: bool = True) -> list[Kernel]:
+        """``n`` copies of this kernel's process (see :mod:`kernel_env.kernel.livefork`),
+        each with its own runtime dir, a copy of the working directory, its own cgroup and
+        connection file, started and ready."""
+        problem = self._live_fork_problem()
+        if problem is not None:
+            raise LiveForkUnavailable(f"no live fork: {problem}", kernel_id=self.kernel_id)
+        copies = [type(self)(**self._options) for _ in range(n)]
+        try:
+            await asyncio.gather(*(copy._prepare_copy(self) for copy in copies))
+            pids = await self._fork_copies([copy._copy_request(reseed) for copy in copies])
+            adopting = zip(copies, pids, strict=True)
+            await asyncio.gather(*(copy._adopt(pid, reseed) for copy, pid in adopting))
+        except BaseException:
+            await asyncio.shield(asyncio.gather(*(c.shutdown() for c in copies)))
+            raise
+        return list(copies)
+
+    async def _fork_copies(self, requests: list[dict[str, Any]]) -> list[int]:
+        """Ask the kernel to fork itself (a silent execute); the copies' pids."""
+        expression = (
+            "__import__('kernel_env.kernel.livefork', fromlist=['_']).fork_copies("
+            f"__import__('json').loads({json.dumps(json.dumps(requests))}))"
+        )
+        result = await self.execute("", user_expressions={"pids": expression}, silent=True)
+        reply = result.user_expressions.get("pids") or {}
+        if reply.get("status") != "ok":
+            why = f"{reply.get('ename', result.status)}: {reply.get('evalue', '')}"
+            raise LiveForkUnavailable(f"no live fork: {why}", kernel_id=self.kernel_id)
+        pids = ast.literal_eval(reply["data"]["text/plain"])
+        return [int(pid) for pid in pids]
+
+    async def _prepare_copy(self, parent: LocalKernel) -> None:
+        """A new kernel's directories, cgroup and connection file, and a copy of the
+        parent's working directory (its files: the copy's own from now on)."""
+        self._reset_queues()
+        await self._prepare()
+        await asyncio.to_thread(
+            shutil.copytree, parent.workdir, self.workdir, symlinks=True, dirs_exist_ok=True
+        )
+
+    def _copy_request(self, reseed: bool) -> dict[str, Any]:
+        assert self._km is not None
+        return {
+            "connection_file": self._km.connection_file,
+            "cwd": str(self.workdir),
+            "env": self._launch_env(),
+            "server_pid": os.getpid(),
+            "reseed": reseed,
+        }
+
+    async def _adopt(self, pid: int, reseed: bool) -> None:
+        """Take the copy's process as this kernel's, then wait until it is ready (with the
+        parent's random state, unless ``reseed``)."""
+        km = self._km
+        assert km is not None
+        km.provisioner = _CopyProcess(pid, parent=km)
+        km._attempted_start = True  # as if started here (its shutdown and restart expect it)
+        self.copied = True
+        km._kernel_spec = self._kernel_spec()
+        if self._cgroup is not None:
+            await asyncio.to_thread(self._cgroup.add, pid)
+        self._start_client()
+        await self._wait_ready()
+        if not reseed:
+            restore = "__import__('kernel_env.kernel.livefork', fromlist=['_']).restore_random()"
+            await self.execute(restore, silent=True, store_history=False)
+        self.started = True
 
     def _kill_leftovers(self) -> None:
         """Whatever the last kernel process started and left running."""

@@ -370,6 +370,13 @@ class SandboxedKernel(LocalKernel):
             raise KernelStartError("the sandbox's init was not found", kernel_id=self.kernel_id)
         return await _sandbox_command(process, init)
 
+    def _live_fork_problem(self) -> str | None:
+        return (
+            "a copy of a sandboxed kernel would stay in its parent's namespaces (its /tmp, "
+            "workspace and processes), and leaving them needs a user namespace of its own, "
+            "which the sandbox forbids"
+        )
+
     # -- lifecycle ----------------------------------------------------------------------
 
     async def _launch(self) -> None:

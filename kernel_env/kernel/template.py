@@ -74,6 +74,16 @@ class KernelTemplate:
         """In a forked kernel: connect the template to ``connection_file`` and serve until
         shutdown. The environment, working directory and descriptors are the kernel's own
         already (what imports set in the environment included)."""
+        self.connect(connection_file)
+        self._own_profile()
+        self.own_directory()
+        self.app.init_extensions()
+        self.app.init_code()
+        self.app.start()
+
+    def connect(self, connection_file: str) -> None:
+        """Give the kernel the sockets, threads, streams and identities of
+        ``connection_file`` (made in this process, none inherited)."""
         app, kernel = self.app, self.app.kernel
         app.connection_file = connection_file
         app.init_connection_file()  # the key, transport and socket addresses
@@ -86,11 +96,6 @@ class KernelTemplate:
         app.init_io()
         app.init_signal()
         self._connect_kernel()
-        self._own_profile()
-        self._own_directory()
-        app.init_extensions()
-        app.init_code()
-        app.start()
 
     def _connect_kernel(self) -> None:
         """What ``IPKernelApp.init_kernel`` passes to a new kernel, given to the built one."""
@@ -138,7 +143,7 @@ class KernelTemplate:
         kernel.record_ports({name + "_port": port for name, port in app._ports.items()})
         app.displayhook.get_execution_count = lambda: kernel.execution_count
 
-    def _own_directory(self) -> None:
+    def own_directory(self) -> None:
         """The directory the shell noted as its start while it was built in the zygote."""
         shell = self.app.kernel.shell
         shell.starting_dir = os.getcwd()

@@ -1,0 +1,243 @@
+"""A live fork of a running kernel, from inside it: copies of the process, copy-on-write.
+
+Run in the kernel by the host (:meth:`kernel_env.kernel.local.LocalKernel.live_fork`), as a
+silent cell between steps. :func:`fork_copies` checks that the kernel is quiescent: the only
+threads are ipykernel's own (iopub, heartbeat, control, shell channel, output capture), idle
+because no step runs, and the kernel has no child process. It then forks one copy per
+request. A copy holds the whole interpreter state (variables, imports, the shell, the
+execution count) and none of the parent's channels:
+
+- it abandons every inherited ipykernel and zmq object without touching it (they share
+  sockets, an epoll set and capture pipes with the parent; closing or collecting them could
+  act on the parent's), and keeps them referenced so no finalizer runs;
+- it points its stdout and stderr descriptors back where they pointed before ipykernel
+  captured them (the parent's capture threads read those pipes);
+- it leaves the parent's session and process group, takes its own working directory and
+  environment, reseeds its random generators (unless the episode's reset gave a seed), and
+  ends when the server does;
+- it makes new sockets, threads, session id and event loop
+  (:meth:`kernel_env.kernel.template.KernelTemplate.connect`) and serves its own connection
+  file. The cell that forked it never returns in the copy.
+
+ipykernel's threads do not survive a fork (ipykernel#1261, jupyter_client#1031); a copy never
+uses them or anything they may hold, and builds its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import select
+import signal
+import sys
+import threading
+from typing import Any
+
+__all__ = ["fork_copies", "restore_random"]
+
+# Inherited objects a copy must neither use nor let the collector finalize.
+_abandoned: list[Any] = []
+# A copy's thread that ends it with the server (a copy's copies inherit none).
+_server_watch: threading.Thread | None = None
+# A seeded episode's random state at the fork, for restore_random().
+_random_state: Any = None
+
+
+class NotQuiescent(RuntimeError):
+    """The kernel runs something a fork would cut in half (a thread, a child process)."""
+
+
+def fork_copies(requests: list[dict[str, Any]]) -> list[int]:
+    """Fork one copy of this kernel per request; their pids, in order (in the parent only).
+
+    A request gives the copy's ``connection_file``, ``cwd``, ``env`` (its whole environment),
+    ``server_pid`` (the copy ends with it) and ``reseed`` (fresh random state, or the
+    parent's when the episode was seeded)."""
+    from ipykernel.kernelapp import IPKernelApp
+
+    app = IPKernelApp.instance()
+    _check_quiescent(app)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    # Python reseeds ``random`` in every fork's child; a seeded episode's copies restore this.
+    request_state = random.getstate()
+    requests = [{**request, "random_state": request_state} for request in requests]
+    pids: list[int] = []
+    try:
+        for request in requests:
+            pids.append(_fork_detached(app, request))
+    except BaseException:
+        for pid in pids:  # all copies or none
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        raise
+    return pids
+
+
+def restore_random() -> None:
+    """In a seeded episode's copy, once ready: the parent's random state at the fork (the
+    readiness handshake draws, and every fork's child is reseeded by Python)."""
+    global _random_state
+    state, _random_state = _random_state, None
+    if state is not None:
+        random.setstate(state)
+
+
+def _fork_detached(app: Any, request: dict[str, Any]) -> int:
+    """Fork a copy that is not this kernel's child (its parent forks it and exits), so this
+    kernel has no zombie to reap and no child to refuse a later fork for; the copy's pid."""
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(read)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                os.close(write)
+                _become_copy(app, request)  # never returns
+            os.write(write, str(pid).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb", closefd=False) as pipe:
+            pid = int(pipe.read() or b"0")
+    finally:
+        os.close(read)
+        os.waitpid(middle, 0)
+    if pid <= 0:
+        raise OSError("a live fork's copy could not be forked")
+    return pid
+
+
+def _check_quiescent(app: Any) -> None:
+    ours = {id(t) for t in _kernel_threads(app)}
+    others = [t.name for t in threading.enumerate() if id(t) not in ours and t.is_alive()]
+    others = [name for name in others if name != threading.main_thread().name]
+    if others:
+        raise NotQuiescent(f"the kernel runs threads of its own ({', '.join(others)})")
+    children = _children()
+    if children:
+        raise NotQuiescent(f"the kernel has child processes (pids {children})")
+
+
+def _kernel_threads(app: Any) -> list[threading.Thread]:
+    """ipykernel's own threads: the channels' and the output capture's."""
+    threads = [
+        getattr(app.iopub_thread, "thread", None),
+        app.heartbeat,
+        app.control_thread,
+        app.shell_channel_thread,
+        app.poller,
+        _server_watch,
+    ]
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        stream = getattr(stream, "_inner", stream)  # kernel_env's cap around ipykernel's
+        threads.append(getattr(stream, "watch_fd_thread", None))
+    return [t for t in threads if isinstance(t, threading.Thread)]
+
+
+def _children() -> list[int]:
+    me = os.getpid()
+    with contextlib.suppress(OSError), open(f"/proc/{me}/task/{me}/children") as f:
+        return [int(pid) for pid in f.read().split()]
+    return []
+
+
+# -- in the copy ---------------------------------------------------------------------------------
+
+
+def _become_copy(app: Any, request: dict[str, Any]) -> None:
+    try:
+        os.setsid()  # out of the parent's process group: its end is not the copy's
+        _abandon_channels(app)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"], PWD=request["cwd"])
+        from kernel_env.kernel import zygote
+        from kernel_env.kernel.template import KernelTemplate
+
+        _end_with(request["server_pid"])
+        template = KernelTemplate(app)
+        template.connect(request["connection_file"])
+        template.own_directory()
+        from kernel_env import kernel_side
+
+        kernel_side.after_fork()
+        if request["reseed"]:
+            zygote.reseed()
+        else:  # restored once the host has its kernel_info (IPython's banner draws a tip)
+            global _random_state
+            _random_state = request["random_state"]
+        app.start()
+    except BaseException as exc:  # the copy must never return into the parent's cell
+        message = f"kernel_env: a live fork's copy failed: {type(exc).__name__}: {exc}\n"
+        with contextlib.suppress(OSError):
+            os.write(2, message.encode())
+        os._exit(1)
+    os._exit(0)
+
+
+def _abandon_channels(app: Any) -> None:
+    """Drop every reference the app and kernel hold to the parent's channels, loop and
+    streams, keeping the objects alive (never finalized) in :data:`_abandoned`."""
+    kernel = app.kernel
+    names = (
+        "context", "heartbeat", "iopub_thread", "iopub_socket", "shell_socket", "stdin_socket",
+        "control_socket", "debugpy_socket", "debug_shell_socket", "control_thread",
+        "shell_channel_thread", "poller", "displayhook",
+    )  # fmt: skip
+    _abandoned.append({name: getattr(app, name, None) for name in names})
+    _abandoned.append(
+        {
+            name: getattr(kernel, name, None)
+            for name in ("shell_stream", "control_stream", "debugpy_stream", "io_loop")
+        }
+    )
+    _abandoned.append((sys.stdout, sys.stderr, sys.displayhook))
+    _restore_std_descriptors()
+    sys.stdout, sys.stderr, sys.displayhook = sys.__stdout__, sys.__stderr__, sys.__displayhook__
+    for name in names:
+        with contextlib.suppress(Exception):
+            setattr(app, name, None)
+    # The parent's event loop is running this very cell: the copy runs a loop of its own
+    # and never returns into that one (it shares its epoll set with the parent).
+    loop = asyncio.get_event_loop_policy().get_event_loop()
+    _abandoned.append(loop)
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    kernel._main_asyncio_lock = asyncio.Lock()  # held by the parent's cell in the old loop
+
+
+def _restore_std_descriptors() -> None:
+    """Point fds 1 and 2 back at what they were before ipykernel captured them into pipes
+    that the parent's threads read."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        stream = getattr(stream, "_inner", stream)
+        original = getattr(stream, "_original_stdstream_copy", None)
+        if original is not None:
+            os.dup2(original, fd)
+        pipe = getattr(stream, "_fid", None)
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                os.close(pipe)
+
+
+def _end_with(server_pid: int) -> None:
+    """A copy's parent is a kernel, not the server: watch the server and end with it."""
+    global _server_watch
+    try:
+        server = os.pidfd_open(server_pid)
+    except OSError:
+        os._exit(1)  # already gone
+
+    def watch() -> None:
+        select.select([server], [], [])
+        os._exit(1)
+
+    _server_watch = threading.Thread(target=watch, name="kernel-env-server-watch", daemon=True)
+    _server_watch.start()
