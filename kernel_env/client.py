@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kernel_env.agent import solve_child
 from kernel_env.archive import extract_export
-from kernel_env.environment import EnvConfig, KernelEnvironment, KernelSource
+from kernel_env.environment import EnvConfig, ForkMethod, KernelEnvironment, KernelSource
 from kernel_env.errors import ClientClosed, RemoteError, ResetNeeded
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.llm import LLMBackend
@@ -241,15 +241,21 @@ class AsyncKernelEnv:
         ``(await execute(code)).observation.result``."""
         return (await self.execute(code, on_output=on_output)).observation.result
 
-    async def fork(self, n: int = 1, *, own_budget: bool = False) -> list[AsyncKernelEnv]:
+    async def fork(
+        self, n: int = 1, *, own_budget: bool = False, method: ForkMethod = "auto"
+    ) -> list[AsyncKernelEnv]:
         """``n`` independent copies of the running episode, taken between steps: clients
         whose episodes hold this one's state and record so far and then step on their own
-        (see :meth:`KernelEnvironment.fork`: a replay in a fresh kernel; ``own_budget`` gives
-        each its own LLM budget instead of this episode's). Local episodes only."""
+        (see :meth:`KernelEnvironment.fork`: a live copy of the kernel's process where it
+        runs unsandboxed on this host, else a replay in a fresh kernel; ``method`` forces
+        one; ``own_budget`` gives each its own LLM budget instead of this episode's). Local
+        episodes only (a server forks with ``POST /sessions/{id}/fork``)."""
         environment = self.environment
         if environment is None:
             raise NotImplementedError("fork() runs on local episodes; this client is remote")
-        children = await self._call(lambda _: environment.fork(n, own_budget=own_budget))
+        children = await self._call(
+            lambda _: environment.fork(n, own_budget=own_budget, method=method)
+        )
         return [AsyncKernelEnv._around(child) for child in children]
 
     @classmethod
@@ -466,13 +472,15 @@ class KernelEnv:
         """Run ``code`` as a step; its result (``.stdout``, ``.stderr``, ``.success``...)."""
         return self._run(self._async.run(code, on_output=on_output))
 
-    def fork(self, n: int = 1, *, own_budget: bool = False) -> list[KernelEnv]:
+    def fork(
+        self, n: int = 1, *, own_budget: bool = False, method: ForkMethod = "auto"
+    ) -> list[KernelEnv]:
         """``n`` independent copies of the running episode; see :meth:`AsyncKernelEnv.fork`.
         The copies share this client's event-loop thread (it stops when the last closes)."""
         loop = self._loop
         if loop is None:
             raise ClientClosed(_CLOSED)
-        children = loop.run(self._async.fork(n, own_budget=own_budget))
+        children = loop.run(self._async.fork(n, own_budget=own_budget, method=method))
         return [KernelEnv._on(loop.share(), child) for child in children]
 
     @classmethod

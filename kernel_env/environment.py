@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import time
+import typing
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -23,6 +24,7 @@ from kernel_env import answers
 from kernel_env.errors import (
     EpisodeFinished,
     ForkRefused,
+    InvalidInput,
     KernelError,
     LimitExceeded,
     LiveForkUnavailable,
@@ -464,7 +466,9 @@ class KernelEnvironment:
         """A step is running now."""
         return self._stepping > 0
 
-    async def fork(self, n: int = 1, *, own_budget: bool = False) -> list[KernelEnvironment]:
+    async def fork(
+        self, n: int = 1, *, own_budget: bool = False, method: ForkMethod = "auto"
+    ) -> list[KernelEnvironment]:
         """``n`` independent copies of this episode, between steps: each a new environment in
         its own kernel holding the same state (variables, imports, workspace files, the
         context) and the same record so far; its steps continue the count.
@@ -478,7 +482,12 @@ class KernelEnvironment:
         ``record.forked_from`` says which (``method``), why not live (``live_fork``), and for a
         replay whether the outputs matched. RNGs are fresh unless the reset gave a ``seed``
         (then a live copy keeps the parent's random state, and a replay reseeds as the reset
-        did). The children share this episode's LLM usage and budget unless ``own_budget``."""
+        did). The children share this episode's LLM usage and budget unless ``own_budget``.
+
+        ``method``: ``"auto"`` (live where it can be), ``"live"`` (raise
+        :class:`LiveForkUnavailable` where it cannot) or ``"replay"``."""
+        if method not in typing.get_args(ForkMethod):
+            raise InvalidInput(f"method must be 'auto', 'live' or 'replay', not {method!r}")
         record, _ = self._require()
         if self.stepping:
             raise ForkRefused("a step is running: fork between steps", episode_id=record.episode_id)
@@ -488,7 +497,9 @@ class KernelEnvironment:
             raise LimitExceeded(f"n must be between 1 and {MAX_FORKS}, got {n}")
         children = [self._sibling(own_budget) for _ in range(n)]
         try:
-            why_not_live = await self._fork_live(children)
+            why_not_live: str | None = "asked for a replay"
+            if method != "replay":
+                why_not_live = await self._fork_live(children, required=method == "live")
             if why_not_live is not None:
                 await asyncio.gather(
                     *(child._replay_of(record, why_not_live) for child in children)
@@ -499,13 +510,15 @@ class KernelEnvironment:
         record.forks.extend(child._require()[0].episode_id for child in children)
         return children
 
-    async def _fork_live(self, children: list[KernelEnvironment]) -> str | None:
+    async def _fork_live(self, children: list[KernelEnvironment], required: bool) -> str | None:
         """Copy this episode's kernel live into ``children``; None, or why it could not."""
         record, kernel = self._require()
         self._stepping += 1  # no step may start while the kernel forks
         try:
             kernels = await kernel.live_fork(len(children), reseed=record.seed is None)
         except LiveForkUnavailable as exc:
+            if required:
+                raise
             log.info("episode %s: fork by replay (%s)", record.episode_id, exc)
             return str(exc)
         finally:
@@ -811,6 +824,8 @@ def _log_end(record: EpisodeRecord, how: str) -> None:
 
 _MAX_NOTE_CHARS = 20_000
 MAX_FORKS = 64  # copies one fork() makes at most
+# How fork() copies an episode: live where it can be, or as asked.
+ForkMethod = typing.Literal["auto", "live", "replay"]
 
 
 def _note(action: REPLAction) -> str | None:

@@ -20,7 +20,7 @@ from serverkit import small_settings, thread_server
 from websockets.asyncio.client import connect
 
 from kernel_env import AsyncKernelEnv, KernelEnv
-from kernel_env.errors import ForkRefused
+from kernel_env.errors import ForkRefused, InvalidInput, LiveForkUnavailable
 from kernel_env.kernel import GatewayConfig
 from kernel_env.kernel.factory import gateway_source, local_source
 from kernel_env.kernel.sandbox import sandbox_problem
@@ -158,6 +158,25 @@ def test_a_kernel_running_a_thread_of_its_own_is_forked_by_replay() -> None:
             forked = child._async.environment.record.forked_from  # type: ignore[union-attr]
             assert forked["method"] == "replay" and "threads" in forked["live_fork"]
             assert _out(child, "print(threading.active_count() > 1)") == "True"
+
+
+def test_the_method_can_be_chosen() -> None:
+    """``method="replay"`` replays an episode that could be copied live; ``"live"`` refuses
+    where it cannot be; anything else is refused."""
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        parent.execute("x = 1")
+        (child,) = parent.fork(method="replay")
+        with child:
+            forked = child._async.environment.record.forked_from  # type: ignore[union-attr]
+            assert forked["method"] == "replay" and forked["live_fork"] == "asked for a replay"
+        with pytest.raises(InvalidInput):
+            parent.fork(method="teleport")  # type: ignore[arg-type]
+        parent.execute("import threading, time; t = threading.Thread(target=time.sleep, args=(9,))")
+        parent.execute("t.start()")
+        with pytest.raises(LiveForkUnavailable, match="threads"):
+            parent.fork(method="live")
+        assert _out(parent, "print(x)") == "1"
 
 
 def test_live_fork_churn_leaves_no_process_or_directory() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import random
 import select
@@ -43,6 +44,8 @@ _abandoned: list[Any] = []
 _server_watch: threading.Thread | None = None
 # A seeded episode's random state at the fork, for restore_random().
 _random_state: Any = None
+# This kernel's copies (its children, reaped at its next fork; the host ends them).
+_copies: set[int] = set()
 
 
 class NotQuiescent(RuntimeError):
@@ -65,14 +68,24 @@ def fork_copies(requests: list[dict[str, Any]]) -> list[int]:
     request_state = random.getstate()
     requests = [{**request, "random_state": request_state} for request in requests]
     pids: list[int] = []
+    # The collector of a copy would walk (and so write to) every object the parent holds,
+    # copying all its pages: what exists now stays out of its reach there (the parent's
+    # own collector gets them back below).
+    gc.freeze()
     try:
         for request in requests:
-            pids.append(_fork_detached(app, request))
+            pid = os.fork()
+            if pid == 0:
+                _become_copy(app, request)  # never returns
+            pids.append(pid)
+            _copies.add(pid)
     except BaseException:
         for pid in pids:  # all copies or none
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         raise
+    finally:
+        gc.unfreeze()
     return pids
 
 
@@ -85,40 +98,14 @@ def restore_random() -> None:
         random.setstate(state)
 
 
-def _fork_detached(app: Any, request: dict[str, Any]) -> int:
-    """Fork a copy that is not this kernel's child (its parent forks it and exits), so this
-    kernel has no zombie to reap and no child to refuse a later fork for; the copy's pid."""
-    read, write = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        os.close(read)
-        try:
-            pid = os.fork()
-            if pid == 0:
-                os.close(write)
-                _become_copy(app, request)  # never returns
-            os.write(write, str(pid).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    try:
-        with os.fdopen(read, "rb", closefd=False) as pipe:
-            pid = int(pipe.read() or b"0")
-    finally:
-        os.close(read)
-        os.waitpid(middle, 0)
-    if pid <= 0:
-        raise OSError("a live fork's copy could not be forked")
-    return pid
-
-
 def _check_quiescent(app: Any) -> None:
     ours = {id(t) for t in _kernel_threads(app)}
     others = [t.name for t in threading.enumerate() if id(t) not in ours and t.is_alive()]
     others = [name for name in others if name != threading.main_thread().name]
     if others:
         raise NotQuiescent(f"the kernel runs threads of its own ({', '.join(others)})")
-    children = _children()
+    _reap_copies()
+    children = [pid for pid in _children() if pid not in _copies]
     if children:
         raise NotQuiescent(f"the kernel has child processes (pids {children})")
 
@@ -140,6 +127,16 @@ def _kernel_threads(app: Any) -> list[threading.Thread]:
     return [t for t in threads if isinstance(t, threading.Thread)]
 
 
+def _reap_copies() -> None:
+    for pid in list(_copies):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (a cell's os.wait())
+            done = pid
+        if done:
+            _copies.discard(pid)
+
+
 def _children() -> list[int]:
     me = os.getpid()
     with contextlib.suppress(OSError), open(f"/proc/{me}/task/{me}/children") as f:
@@ -152,6 +149,7 @@ def _children() -> list[int]:
 
 def _become_copy(app: Any, request: dict[str, Any]) -> None:
     try:
+        _copies.clear()  # the parent's, not this copy's children
         os.setsid()  # out of the parent's process group: its end is not the copy's
         _abandon_channels(app)
         os.chdir(request["cwd"])

@@ -120,9 +120,8 @@ class _KernelManager(AsyncKernelManager):
 
 class _CopyProcess(KernelProvisionerBase):
     """jupyter_client's handle on a live fork's copy: a process this one did not start (the
-    parent kernel forked it, and an init process reaps it), watched and ended through a
-    pidfd. A restart starts a kernel the usual way (the manager makes its usual
-    provisioner)."""
+    parent kernel forked it and reaps it), watched and ended through a pidfd. A restart
+    starts a kernel the usual way (the manager makes its usual provisioner)."""
 
     def __init__(self, pid: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
