@@ -122,6 +122,7 @@ def test_a_live_copy_has_channels_of_its_own() -> None:
     with KernelEnv(kernel_source=LOCAL) as parent:
         parent.reset()
         parent.execute("import os, subprocess; open('data.txt', 'w').write('parent')")
+        parent.execute("log = open('log.txt', 'a'); log.write('shared line\\n'); log.flush()")
         (child,) = parent.fork()
         with child:
             assert child._async.environment.kernel.copied  # type: ignore[union-attr]
@@ -134,6 +135,11 @@ def test_a_live_copy_has_channels_of_its_own() -> None:
             assert shown.splitlines()[1] != str(_pid_of(parent))
             child.execute("open('data.txt', 'w').write('child')")
             assert _out(parent, "print(open('data.txt').read())") == "parent"
+            # A file held open at the fork: the copy writes to its own copy of it.
+            child.execute("log.write('child line\\n'); log.flush()")
+            assert _out(parent, "print(open('log.txt').read().split())") == "['shared', 'line']"
+            seen = _out(child, "print(open('log.txt').read().split())")
+            assert seen == "['shared', 'line', 'child', 'line']"
             workdirs = {_workdir(env) for env in (parent, child)}
             assert len(workdirs) == 2
 

@@ -36,6 +36,9 @@ import sys
 import threading
 from typing import Any
 
+from kernel_env import kernel_side
+from kernel_env.kernel.template import KernelTemplate, reseed
+
 __all__ = ["fork_copies", "restore_random"]
 
 # Inherited objects a copy must neither use nor let the collector finalize.
@@ -55,7 +58,8 @@ class NotQuiescent(RuntimeError):
 def fork_copies(requests: list[dict[str, Any]]) -> list[int]:
     """Fork one copy of this kernel per request; their pids, in order (in the parent only).
 
-    A request gives the copy's ``connection_file``, ``cwd``, ``env`` (its whole environment),
+    A request gives the copy's ``connection_file``, ``cwd`` (holding a copy of the files of
+    the parent's, ``parent_cwd``), ``env`` (its whole environment),
     ``server_pid`` (the copy ends with it) and ``reseed`` (fresh random state, or the
     parent's when the episode was seeded)."""
     from ipykernel.kernelapp import IPKernelApp
@@ -152,21 +156,17 @@ def _become_copy(app: Any, request: dict[str, Any]) -> None:
         _copies.clear()  # the parent's, not this copy's children
         os.setsid()  # out of the parent's process group: its end is not the copy's
         _abandon_channels(app)
+        _reopen_workspace_files(request["parent_cwd"], request["cwd"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"], PWD=request["cwd"])
-        from kernel_env.kernel import zygote
-        from kernel_env.kernel.template import KernelTemplate
-
         _end_with(request["server_pid"])
         template = KernelTemplate(app)
         template.connect(request["connection_file"])
         template.own_directory()
-        from kernel_env import kernel_side
-
         kernel_side.after_fork()
         if request["reseed"]:
-            zygote.reseed()
+            reseed()
         else:  # restored once the host has its kernel_info (IPython's banner draws a tip)
             global _random_state
             _random_state = request["random_state"]
@@ -208,6 +208,26 @@ def _abandon_channels(app: Any) -> None:
     asyncio.events._set_running_loop(None)
     asyncio.set_event_loop(asyncio.new_event_loop())
     kernel._main_asyncio_lock = asyncio.Lock()  # held by the parent's cell in the old loop
+
+
+def _reopen_workspace_files(theirs: str, mine: str) -> None:
+    """Files the episode holds open in the parent's working directory (a fork shares them,
+    offsets and all): the same descriptors, at the same offsets, on the copy's files."""
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not target.startswith(theirs + "/"):
+                continue
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                fields = dict(line.split(":", 1) for line in info if ":" in line)
+            flags = int(fields["flags"], 8) & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)
+            mine_fd = os.open(mine + target[len(theirs) :], flags)
+        except (OSError, ValueError, KeyError):
+            continue  # the listing's own descriptor, or a file the copy does not have
+        os.lseek(mine_fd, int(fields["pos"]), os.SEEK_SET)
+        os.dup2(mine_fd, fd, inheritable=not flags & os.O_CLOEXEC)
+        os.close(mine_fd)
 
 
 def _restore_std_descriptors() -> None:

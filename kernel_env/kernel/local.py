@@ -405,7 +405,8 @@ class LocalKernel(Kernel):
         copies = [type(self)(**self._options) for _ in range(n)]
         try:
             await asyncio.gather(*(copy._prepare_copy(self) for copy in copies))
-            pids = await self._fork_copies([copy._copy_request(reseed) for copy in copies])
+            requests = [copy._copy_request(self, reseed) for copy in copies]
+            pids = await self._fork_copies(requests)
             adopting = zip(copies, pids, strict=True)
             await asyncio.gather(*(copy._adopt(pid, reseed) for copy, pid in adopting))
         except BaseException:
@@ -436,11 +437,12 @@ class LocalKernel(Kernel):
             shutil.copytree, parent.workdir, self.workdir, symlinks=True, dirs_exist_ok=True
         )
 
-    def _copy_request(self, reseed: bool) -> dict[str, Any]:
+    def _copy_request(self, parent: LocalKernel, reseed: bool) -> dict[str, Any]:
         assert self._km is not None
         return {
             "connection_file": self._km.connection_file,
             "cwd": str(self.workdir),
+            "parent_cwd": str(parent.workdir),
             "env": self._launch_env(),
             "server_pid": os.getpid(),
             "reseed": reseed,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import random
 import sys
 import threading
 import uuid
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KernelTemplate"]
+__all__ = ["KernelTemplate", "reseed"]
 
 
 class KernelTemplate:
@@ -173,3 +174,12 @@ def _check_forkable() -> None:
         problems.append("an event loop")
     if problems:
         raise RuntimeError(f"building the kernel template started {', '.join(problems)}")
+
+
+def reseed(seed: int | None = None) -> None:
+    """New random state for a forked kernel: ``random`` and, if loaded, ``numpy.random``
+    (from the OS's entropy, or from ``seed``)."""
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(None if seed is None else seed % 2**32)

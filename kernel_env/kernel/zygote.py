@@ -37,7 +37,6 @@ import fcntl
 import importlib
 import json
 import os
-import random
 import resource
 import select
 import shutil
@@ -47,7 +46,7 @@ import sys
 import tempfile
 from typing import Any
 
-from kernel_env.kernel.template import KernelTemplate
+from kernel_env.kernel.template import KernelTemplate, reseed
 
 # The modules every kernel imports while it starts: loaded once here, shared copy-on-write.
 KERNEL_MODULES = (
@@ -311,15 +310,6 @@ def _fresh_descriptors() -> None:
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-
-
-def reseed(seed: int | None = None) -> None:
-    """New random state for a forked kernel: ``random`` and, if loaded, ``numpy.random``
-    (from the OS's entropy, or from ``seed``)."""
-    random.seed(seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(None if seed is None else seed % 2**32)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,7 @@ def fork_payload(children: list[Any]) -> dict[str, Any]:
                 "session_id": child.id,
                 "episode_id": record.episode_id,
                 "method": origin.get("method"),
+                "live_fork": origin.get("live_fork"),
                 "outputs_matched": origin.get("outputs_matched"),
             }
         )
