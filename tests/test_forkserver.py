@@ -17,6 +17,7 @@ from kernel_env.kernel import Kernel
 from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
+from kernel_env.kernel.zygote import KERNEL_NAME
 
 pytestmark = [
     pytest.mark.integration,
@@ -182,7 +183,8 @@ async def test_forked_kernels_cannot_reach_each_other(forkserver: ForkServer) ->
 def _host_uid(kernel: object) -> int:
     """The host uid of the process running a kernel's cells (its keeper's child)."""
     keeper = kernel.keeper_pid  # type: ignore[attr-defined]
-    (pid,) = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
+    children = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
+    (pid,) = [c for c in children if Path(f"/proc/{c}/comm").read_text().strip() == KERNEL_NAME]
     return int(Path(f"/proc/{pid}/status").read_text().split("Uid:\t")[1].split()[0])
 
 
@@ -195,6 +197,26 @@ async def test_a_preload_that_fails_means_cold_starts() -> None:
             await env.reset()
             assert "2" in await _run(env, "print(1 + 1)")
             assert not env.environment.kernel.forked  # type: ignore[union-attr]
+
+
+class _UnlaunchableKernel(LocalKernel):
+    """A kernel whose forked launch cannot run (its placeholder does not exist)."""
+
+    def _launch_spec(self) -> dict[str, object]:
+        return {**super()._launch_spec(), "launch": ["/nonexistent/kernel-env-placeholder"]}
+
+
+async def test_a_launch_that_fails_starts_that_kernel_cold(forkserver: ForkServer) -> None:
+    """A forked launch that fails: that kernel starts cold, and the forkserver still forks
+    the next one."""
+    async with AsyncKernelEnv(kernel_source=_source(forkserver, _UnlaunchableKernel)) as env:
+        await env.reset()
+        assert "2" in await _run(env, "print(1 + 1)")
+        assert not env.environment.kernel.forked  # type: ignore[union-attr]
+    assert forkserver.ready
+    async with AsyncKernelEnv(kernel_source=_source(forkserver, LocalKernel)) as env:
+        await env.reset()
+        assert env.environment.kernel.forked  # type: ignore[union-attr]
 
 
 async def test_a_forked_kernel_killed_mid_step_is_replaced(forkserver: ForkServer) -> None:

@@ -5,12 +5,14 @@ The forkserver imports them once, in a process that starts no thread (the *zygot
 :mod:`kernel_env.kernel.zygote`), and forks a child per kernel; the child makes its sockets,
 threads and connection info after the fork.
 
-Isolation is unchanged. The host still launches what a cold kernel gets: the launch guard,
-the kernel's own uid, its cgroups and, when sandboxed, the same bubblewrap sandbox; only the
-process inside is a placeholder (``sleep``). The zygote's child joins the placeholder's
-cgroups and namespaces, drops to the kernel's uid and every capability, and becomes the
-kernel. A kernel and its placeholder live and die together, so jupyter_client's process
-tracking, the liveness watcher, restarts and shutdown work as for a cold kernel.
+Isolation is unchanged. The zygote's child (the *keeper*) launches what a cold kernel's
+launch command starts: in the kernel's cgroups, as its own uid, with its rlimits and, when
+sandboxed, the same bubblewrap sandbox; only the process inside is a placeholder (``sleep``).
+The keeper then joins the placeholder's namespaces, drops to the kernel's uid and forks the
+kernel, which drops every capability. A kernel and its placeholder live and die together,
+and the host holds the launch (a pidfd, :class:`kernel_env.kernel.local.LocalKernel`), so
+jupyter_client's process tracking, the liveness watcher, restarts and shutdown work as for a
+cold kernel.
 docs/security.md gives the design and its threat model.
 
 Lifecycle: ``await ForkServer(preload=...).start()``, then ``close()``. A forkserver that could
@@ -135,12 +137,13 @@ class ForkServer:
 
         return {"preload": list(self.preload), "flags": forked_kernel_flags()}
 
-    async def fork(self, request: dict[str, Any]) -> int:
-        """Fork a kernel as ``request`` says (see :mod:`kernel_env.kernel.zygote`); the pid
-        of its keeper process."""
+    async def fork(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Launch and fork a kernel as ``request`` says (see :mod:`kernel_env.kernel.zygote`);
+        the pids of its keeper (``pid``), its launch (``launcher``: ending it ends the kernel),
+        its sandbox's init (``init``, or None) and its placeholder."""
         return await asyncio.to_thread(self._fork, request)
 
-    def _fork(self, request: dict[str, Any]) -> int:
+    def _fork(self, request: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             if self._problem is not None or self._control is None:
                 raise ForkServerError(f"the forkserver is not running ({self._problem})")
@@ -154,8 +157,10 @@ class ForkServer:
                 log.warning("kernels start cold from now on: the forkserver %s", self._problem)
                 self._stop()
                 raise ForkServerError(self._problem)
+            if "error" in reply:  # this launch failed; the zygote serves the next
+                raise ForkServerError(f"the launch failed: {reply['error']}")
             self.forks += 1
-            return int(reply["pid"])
+            return reply
 
     async def close(self) -> None:
         await asyncio.to_thread(self._stop)

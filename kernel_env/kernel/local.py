@@ -24,7 +24,7 @@ import shutil
 import signal
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +118,16 @@ class _KernelManager(AsyncKernelManager):
             self._control_socket.linger = 0
 
 
-class _CopyProcess(KernelProvisionerBase):
-    """jupyter_client's handle on a live fork's copy: a process this one did not start (the
-    parent kernel forked it and reaps it), watched and ended through a pidfd. A restart
-    starts a kernel the usual way (the manager makes its usual provisioner)."""
+class _PidfdProcess(KernelProvisionerBase):
+    """jupyter_client's handle on a kernel process this one did not start as its child,
+    watched and ended through a pidfd: a forkserver launch (the keeper started it) or a live
+    fork's copy (the parent kernel forked it)."""
 
-    def __init__(self, pid: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.pid = pid
-        self._pidfd: int | None = os.pidfd_open(pid)
+    pid: int | None = None
+    _pidfd: int | None = None
+
+    def _hold(self, pid: int) -> None:
+        self.pid, self._pidfd = pid, os.pidfd_open(pid)
 
     @property
     def has_process(self) -> bool:
@@ -140,13 +141,13 @@ class _CopyProcess(KernelProvisionerBase):
 
     async def wait(self) -> int | None:
         while await self.poll() is None:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.005)
         return 0
 
     async def send_signal(self, signum: int) -> None:
         if self._pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signum)  # the copy leads a session of its own
+                signal.pidfd_send_signal(self._pidfd, signum)
 
     async def kill(self, restart: bool = False) -> None:
         await self.send_signal(signal.SIGKILL)
@@ -154,13 +155,43 @@ class _CopyProcess(KernelProvisionerBase):
     async def terminate(self, restart: bool = False) -> None:
         await self.send_signal(signal.SIGTERM)
 
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        # The manager takes a command line from here; the launch needs none.
+        return await super().pre_launch(cmd=[], **kwargs)
+
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
-        raise RuntimeError("a live fork's copy is adopted, never launched")
+        raise RuntimeError(f"{type(self).__name__} does not launch kernels")
 
     async def cleanup(self, restart: bool = False) -> None:
         fd, self._pidfd = self._pidfd, None
         if fd is not None:
             os.close(fd)
+
+
+class _CopyProcess(_PidfdProcess):
+    """A live fork's copy, adopted. A restart starts a kernel the usual way (the manager
+    makes its usual provisioner)."""
+
+    def __init__(self, pid: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._hold(pid)
+
+
+class _ForkedLaunch(_PidfdProcess):
+    """A kernel the forkserver launches and forks (:mod:`kernel_env.kernel.zygote`); the
+    process held is the launch (bubblewrap, or the placeholder), which the kernel ends with."""
+
+    def __init__(self, launch: Callable[[], Awaitable[dict[str, Any]]], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._launch = launch
+        self.sandbox_init: int | None = None
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
+        launched = await self._launch()
+        self._hold(launched["launcher"])
+        self.sandbox_init = launched["init"]
+        assert self.parent is not None
+        return self.parent.get_connection_info()
 
 
 class LocalKernel(Kernel):
@@ -222,23 +253,20 @@ class LocalKernel(Kernel):
     def _kernel_spec(self) -> KernelSpec:
         # A forked kernel is interrupted through its control channel: a signal would reach
         # the placeholder process instead.
+        forked = self.forked or self.copied
         return KernelSpec(
-            argv=self._command(),
+            argv=[] if forked else self._command(),  # a forked kernel's launch is the keeper's
             language="python",
             display_name="kernel_env",
-            interrupt_mode="message" if self.forked or self.copied else "signal",
+            interrupt_mode="message" if forked else "signal",
         )
 
-    def _program(self) -> list[str]:
-        """What the launch runs: the kernel, or the placeholder a forked kernel replaces."""
-        return placeholder_argv() if self.forked else list(self._argv)
-
     def _command(self) -> list[str]:
-        """The launch command (a sandbox wraps it)."""
+        """The command that launches the kernel cold (a sandbox wraps it)."""
         procs = self._cgroup_procs()
         if not procs and self._lease is None:
-            return self._program()
-        return [*launch_guard(procs), *self._drop(), *self._program()]
+            return list(self._argv)
+        return [*launch_guard(procs), *self._drop(), *self._argv]
 
     def _environ(self) -> dict[str, str]:
         return minimal_environ(str(self.workdir), self._python)
@@ -320,48 +348,58 @@ class LocalKernel(Kernel):
             os.chmod(self._km.connection_file, 0o640)
 
     async def _start_process(self) -> None:
-        """Launch the kernel: cold, or a placeholder the forkserver's child then joins. A
-        fork that fails starts this kernel cold (and the forkserver says why it stopped)."""
+        """Launch the kernel: forked by the forkserver, or cold. A fork that fails starts
+        this kernel cold (and the forkserver says why, when it stopped)."""
         km = self._km
         if km is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
         if self._forkserver is not None:
             await self._forkserver.start()
         self.forked = self._forkserver is not None and self._forkserver.ready
+        if not self.forked:
+            await self._start_cold()
+            return
+        km._kernel_spec = self._kernel_spec()
+        km.provisioner = _ForkedLaunch(self._fork, parent=km, kernel_spec=km._kernel_spec)
+        try:
+            await km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
+        except (ForkServerError, OSError) as exc:
+            log.warning("kernel %s: fork failed (%s); starting it cold", self.kernel_id, exc)
+            with contextlib.suppress(Exception):
+                await km.shutdown_kernel(now=True, restart=True)  # keeps the manager's context
+            self.forked = False
+            await self._start_cold()
+
+    async def _start_cold(self) -> None:
+        km = self._km
+        assert km is not None
+        km.provisioner = None  # the manager makes its usual one
         km._kernel_spec = self._kernel_spec()
         await km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
-        if not self.forked:
-            return
-        try:
-            await self._fork_into_placeholder()
-        except (ForkServerError, OSError, KernelStartError) as exc:
-            log.warning("kernel %s: fork failed (%s); starting it cold", self.kernel_id, exc)
-            await km.shutdown_kernel(now=True)
-            self.forked = False
-            km._kernel_spec = self._kernel_spec()
-            await km.start_kernel(env=self._launch_env(), cwd=str(self.workdir))
 
-    async def _fork_into_placeholder(self) -> None:
+    async def _fork(self) -> dict[str, Any]:
+        """Ask the forkserver to launch this kernel's placeholder and fork the kernel into it."""
         km, forkserver = self._km, self._forkserver
         if km is None or forkserver is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
-        process = km.provisioner.process  # type: ignore[union-attr]
-        request = {
-            "placeholder": process.pid,
-            "namespaces_of": await self._namespaces_of(process),
-            "cgroup_procs": [str(p) for p in self._cgroup_procs()],
-            "uid": self._lease.uid if self._lease is not None else None,
-            "gid": self._lease.gid if self._lease is not None else None,
-            "connection_file": km.connection_file,
-            "env": self._launch_env(),
-            "cwd": str(self.workdir),
-            "rlimits": self._rlimits(),
-        }
-        self.keeper_pid = await forkserver.fork(request)
+        launched = await forkserver.fork(
+            {
+                **self._launch_spec(),
+                "cgroup_procs": [str(p) for p in self._cgroup_procs()],
+                "uid": self._lease.uid if self._lease is not None else None,
+                "gid": self._lease.gid if self._lease is not None else None,
+                "connection_file": km.connection_file,
+                "env": self._launch_env(),
+                "cwd": str(self.workdir),
+                "rlimits": self._rlimits(),
+            }
+        )
+        self.keeper_pid = launched["pid"]
+        return launched
 
-    async def _namespaces_of(self, process: Any) -> int | None:
-        """The process whose namespaces a forked kernel joins (the sandbox's); None here."""
-        return None
+    def _launch_spec(self) -> dict[str, Any]:
+        """What the forkserver's keeper runs in the kernel's place (see ``zygote._launch``)."""
+        return {"launch": placeholder_argv(), "sandboxed": False, "staged": []}
 
     def _rlimits(self) -> dict[str, int]:
         """Per-process limits a forked kernel sets on itself (``resource`` names)."""
@@ -453,10 +491,10 @@ class LocalKernel(Kernel):
         parent's random state, unless ``reseed``)."""
         km = self._km
         assert km is not None
-        km.provisioner = _CopyProcess(pid, parent=km)
-        km._attempted_start = True  # as if started here (its shutdown and restart expect it)
         self.copied = True
         km._kernel_spec = self._kernel_spec()
+        km.provisioner = _CopyProcess(pid, parent=km, kernel_spec=km._kernel_spec)
+        km._attempted_start = True  # as if started here (its shutdown and restart expect it)
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.add, pid)
         self._start_client()

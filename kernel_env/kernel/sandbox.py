@@ -46,7 +46,7 @@ from jupyter_client.kernelspec import KernelSpec
 from kernel_env.errors import KernelStartError
 from kernel_env.kernel import privilege
 from kernel_env.kernel.cgroups import KernelCgroup, available_controllers, cgroup_version
-from kernel_env.kernel.local import LocalKernel, _KernelManager, launch_guard
+from kernel_env.kernel.local import LocalKernel, _KernelManager, launch_guard, placeholder_argv
 
 __all__ = [
     "SandboxLimits",
@@ -218,8 +218,10 @@ class _SandboxManager(_KernelManager):
 
     async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
         await super()._async_launch_kernel(kernel_cmd, **kw)
-        process = self.provisioner.process  # type: ignore[union-attr]
-        init = await _sandbox_init(process)
+        # A forkserver launch knows its init; a cold launch is looked up.
+        init = getattr(self.provisioner, "sandbox_init", None)
+        if init is None:
+            init = await _sandbox_init(self.provisioner.process)  # type: ignore[union-attr]
         self.sandbox_init = init
         self.ip = f"/proc/{init}/root{self.inside_ip}"
 
@@ -247,22 +249,6 @@ async def _sandbox_init(process: Any, timeout: float = 20.0) -> int:
     raise KernelStartError("the sandbox did not start its init in time")
 
 
-async def _sandbox_command(process: Any, init: int, timeout: float = 20.0) -> int:
-    """The host pid of the command bubblewrap runs in the sandbox (the init's child), once
-    it has exec'd (bubblewrap execs it when the sandbox is complete)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if process.poll() is not None:
-            raise KernelStartError(f"the sandbox exited at launch (status {process.returncode})")
-        with contextlib.suppress(OSError):
-            for child in Path(f"/proc/{init}/task/{init}/children").read_text().split():
-                if Path(f"/proc/{child}/comm").read_text().strip() != "bwrap":
-                    return int(child)
-        await asyncio.sleep(0.001)
-    raise KernelStartError("the sandbox did not start its command in time")
-
-
 class SandboxedKernel(LocalKernel):
     """A :class:`LocalKernel` launched through bubblewrap, with limits."""
 
@@ -278,7 +264,7 @@ class SandboxedKernel(LocalKernel):
         # Interrupt through the control channel: a signal to the process group would reach
         # bwrap itself and end the sandbox instead of the cell.
         return KernelSpec(
-            argv=self._command(),
+            argv=[] if self.forked else self._command(),  # a forked kernel's: the keeper's
             language="python",
             display_name="kernel_env",
             interrupt_mode="message",
@@ -293,7 +279,7 @@ class SandboxedKernel(LocalKernel):
         # ipykernel exits when its parent pid changes; inside the PID namespace its parent is
         # bwrap's reaper, pid 1, which the kernel app treats as "no parent to watch".
         # --die-with-parent ends the sandbox with the server instead.
-        kernel = self._program() if self.forked else [*self._argv, "--IPKernelApp.parent_handle=1"]
+        kernel = [*self._argv, "--IPKernelApp.parent_handle=1"]
         binds = self._binds()
         staged = self._staged(binds)
         guard = launch_guard(
@@ -358,17 +344,19 @@ class SandboxedKernel(LocalKernel):
         return [shutil.which("prlimit") or "prlimit", *args, "--"] if args else []
 
     def _rlimits(self) -> dict[str, int]:
-        # The placeholder's limits do not pass to a forked kernel: it sets its own.
+        # Set by the forkserver's launch on the placeholder, and by the forked kernel on itself.
         return {f"RLIMIT_{name.upper()}": v for name, v in self._limit_values().items() if v}
 
-    async def _namespaces_of(self, process: Any) -> int | None:
-        """The placeholder inside the sandbox: it runs once bubblewrap has set everything up
-        (mounts, tmpfs, /proc), and its namespaces are the sandbox's."""
-        km = self._km
-        init = km.sandbox_init if isinstance(km, _SandboxManager) else None
-        if init is None:
-            raise KernelStartError("the sandbox's init was not found", kernel_id=self.kernel_id)
-        return await _sandbox_command(process, init)
+    def _launch_spec(self) -> dict[str, Any]:
+        """The forkserver's keeper runs the placeholder in this kernel's sandbox, after
+        binding what its uid cannot reach, as the cold launch guard does."""
+        binds = self._binds()
+        staged = self._staged(binds)
+        return {
+            "launch": [*self._bwrap(binds, staged), *placeholder_argv()],
+            "sandboxed": True,
+            "staged": [[binds[i][0], keep] for i, keep in staged.items()],
+        }
 
     def _live_fork_problem(self) -> str | None:
         return (

@@ -44,6 +44,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from typing import Any
 
 from kernel_env.kernel.template import KernelTemplate, reseed
@@ -80,6 +81,10 @@ _NAMESPACES = ("user", "mnt", "net", "ipc", "uts", "pid")
 KERNEL_NAME = "ke-kernel"
 KEEPER_NAME = "ke-keeper"
 
+_CLONE_NEWNS = 0x00020000
+_MS_BIND = 4096
+_MS_REC = 16384
+_MS_PRIVATE = 1 << 18
 _PR_SET_NAME = 15
 _NS_GET_PARENT = 0xB702  # ioctl_ns(2): _IO(0xb7, 0x2)
 _PR_SET_PDEATHSIG = 1
@@ -115,12 +120,18 @@ def main() -> None:
     lines = control.makefile("rb")
     for line in lines:
         request = json.loads(line)
+        report, keeper_end = os.pipe()
         pid = os.fork()
         if pid == 0:
             lines.close()
             control.close()
-            _keeper(request | {"env": request["env"] | imported}, template)  # never returns
-        control.sendall((json.dumps({"pid": pid}) + "\n").encode())
+            os.close(report)
+            request["env"] = request["env"] | imported
+            _keeper(request, template, keeper_end)  # never returns
+        os.close(keeper_end)
+        with os.fdopen(report, "rb") as reports:  # the launch's pids, once the sandbox is up
+            launched = json.loads(reports.readline() or b'{"error": "the keeper exited"}')
+        control.sendall((json.dumps({"pid": pid, **launched}) + "\n").encode())
 
 
 def _preload(modules: list[str]) -> str | None:
@@ -147,17 +158,23 @@ def _build_template(flags: list[str]) -> tuple[KernelTemplate | None, str | None
 # -- the keeper: joins the sandbox, forks the kernel, ties the two lifetimes together ---------
 
 
-def _keeper(request: dict[str, Any], template: KernelTemplate) -> None:
+def _keeper(request: dict[str, Any], template: KernelTemplate, report: int) -> None:
     status = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing to keep
         _name(KEEPER_NAME)
-        placeholder = os.pidfd_open(request["placeholder"])
-        namespaces = _open_namespaces(request.get("namespaces_of"))
         for procs in request.get("cgroup_procs", []):
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
+        try:
+            launched = _launch(request)
+        except BaseException as exc:
+            _tell(report, {"error": f"{type(exc).__name__}: {exc}"})
+            raise
+        _tell(report, launched)
+        placeholder = os.pidfd_open(launched["placeholder"])
+        namespaces = _open_namespaces(launched["placeholder"] if launched["init"] else None)
         if request.get("uid") is not None:
             os.setgroups([])
             os.setresgid(request["gid"], request["gid"], request["gid"])
@@ -178,6 +195,113 @@ def _keeper(request: dict[str, Any], template: KernelTemplate) -> None:
         _say(f"kernel_env: the forkserver could not start a kernel: {type(exc).__name__}: {exc}")
     finally:
         os._exit(status)
+
+
+def _tell(report: int, what: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        os.write(report, (json.dumps(what) + "\n").encode())
+    with contextlib.suppress(OSError):
+        os.close(report)
+
+
+# -- the launch: what a cold kernel's launch command does, without a process per step ---------
+
+
+def _launch(request: dict[str, Any]) -> dict[str, Any]:
+    """Start the placeholder as a cold kernel's launch would start the kernel: in this
+    process's cgroups (joined already), with the staged paths bound in a private mount
+    namespace, as the kernel's uid, with its rlimits, through its sandbox when ``argv`` is
+    bubblewrap's. Its pids once it runs: ``launcher`` (the process the host ends to end the
+    kernel), ``init`` (the sandbox's, or None) and ``placeholder``."""
+    if request.get("staged"):
+        _bind_staged(request["staged"])
+    me = os.getpid()
+    failed, failing = os.pipe()  # close-on-exec: end of file once the exec succeeded
+    launcher = os.fork()
+    if launcher == 0:
+        os.close(failed)
+        try:
+            os.chdir(request["cwd"])  # first: the kernel's uid may not traverse the way there
+            if request.get("uid") is not None:
+                os.setgroups([])
+                os.setresgid(request["gid"], request["gid"], request["gid"])
+                os.setresuid(request["uid"], request["uid"], request["uid"])
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+            if os.getppid() != me:
+                os._exit(1)
+            for name, value in request.get("rlimits", {}).items():
+                limit = getattr(resource, name)
+                resource.setrlimit(limit, (value, value))
+            argv = request["launch"]
+            os.execve(argv[0], argv, request["env"])
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.write(failing, f"{type(exc).__name__}: {exc}".encode())
+        finally:
+            os._exit(127)
+    os.close(failing)
+    with os.fdopen(failed, "rb") as pipe:
+        why = pipe.read().decode(errors="replace")
+    if why:
+        os.waitpid(launcher, 0)
+        raise OSError(f"the launch could not run: {why}")
+    if not request.get("sandboxed"):
+        return {"launcher": launcher, "init": None, "placeholder": launcher}
+    init, placeholder = _sandbox_pids(launcher)
+    return {"launcher": launcher, "init": init, "placeholder": placeholder}
+
+
+def _bind_staged(staged: list[list[str]]) -> None:
+    """Bind each ``(host path, mount point)`` in a private mount namespace of this process
+    (and so of the launch), as root: what the kernel's uid cannot reach otherwise."""
+    if _libc.unshare(_CLONE_NEWNS) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"unshare: {os.strerror(error)}")
+    _mount(None, "/", _MS_REC | _MS_PRIVATE)
+    for source, target in staged:
+        _mount(source, target, _MS_BIND)
+
+
+def _mount(source: str | None, target: str, flags: int) -> None:
+    encoded = source.encode() if source is not None else None
+    if _libc.mount(encoded, target.encode(), None, flags, None) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"mount {source} on {target}: {os.strerror(error)}")
+
+
+def _sandbox_pids(launcher: int, timeout: float = 8.0) -> tuple[int, int]:
+    """bubblewrap's init (the launcher's child) and the command it runs once the sandbox is
+    complete (the init's child, once it has exec'd). The zygote waits on this, and the host on
+    the zygote for 10 s: past ``timeout`` the kernel starts cold instead."""
+    deadline = time.monotonic() + timeout
+    init = None
+    while time.monotonic() < deadline:
+        if os.waitpid(launcher, os.WNOHANG)[0]:
+            raise OSError(f"the sandbox exited at launch (pid {launcher})")
+        with contextlib.suppress(OSError, ValueError):
+            if init is None:
+                init = next(iter(_children(launcher, "bwrap")), None)
+            if init is not None:
+                command = next(iter(_children(init, None)), None)
+                if command is not None:
+                    return init, command
+        time.sleep(0.001)
+    raise OSError("the sandbox did not start its command in time")
+
+
+def _children(pid: int, comm: str | None) -> list[int]:
+    """``pid``'s children named ``comm`` (None: named anything but bwrap)."""
+    found = []
+    for child in _read(f"/proc/{pid}/task/{pid}/children").split():
+        name = _read(f"/proc/{child}/comm").strip()
+        if (name == comm) if comm is not None else (name != "bwrap"):
+            found.append(int(child))
+    return found
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def _open_namespaces(pid: int | None) -> list[int]:
@@ -230,7 +354,8 @@ def _outer_user_namespaces(user_ns: int) -> list[int]:
 
 
 def _watch(kernel: int, placeholder: int) -> int:
-    """Wait for the kernel or the placeholder to end, then end the other."""
+    """Wait for the kernel or the placeholder to end, then end the other (the placeholder's
+    launch, this process's child, is reaped when it ends)."""
     kernel_fd = os.pidfd_open(kernel)
     readable, _, _ = select.select([kernel_fd, placeholder], [], [])
     other = placeholder if kernel_fd in readable else kernel_fd
