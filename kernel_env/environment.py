@@ -524,11 +524,13 @@ class KernelEnvironment:
         finally:
             self._stepping -= 1
         for child, copied in zip(children, kernels, strict=True):
-            await child._copy_of(self, copied)
+            child._kernel = copied  # closing the child closes it, whatever happens next
+        for child in children:
+            await child._copy_of(self)
         return None
 
-    async def _copy_of(self, parent: KernelEnvironment, kernel: Kernel) -> None:
-        """Become a live copy of ``parent``'s episode, in ``kernel`` (its copied process)."""
+    async def _copy_of(self, parent: KernelEnvironment) -> None:
+        """Become a live copy of ``parent``'s episode, in the copy of its kernel it holds."""
         theirs, _ = parent._require()
         self._record = replace(
             copy.deepcopy(theirs),
@@ -546,7 +548,6 @@ class KernelEnvironment:
         self._cut = {}
         self._names = list(parent._names)
         _give_expected(self._step_rubric, theirs.expected_answer)
-        self._kernel = kernel
 
     def _sibling(self, own_budget: bool) -> KernelEnvironment:
         return KernelEnvironment(

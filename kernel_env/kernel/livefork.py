@@ -152,6 +152,7 @@ def _children() -> list[int]:
 
 
 def _become_copy(app: Any, request: dict[str, Any]) -> None:
+    global _random_state
     try:
         _copies.clear()  # the parent's, not this copy's children
         os.setsid()  # out of the parent's process group: its end is not the copy's
@@ -168,7 +169,6 @@ def _become_copy(app: Any, request: dict[str, Any]) -> None:
         if request["reseed"]:
             reseed()
         else:  # restored once the host has its kernel_info (IPython's banner draws a tip)
-            global _random_state
             _random_state = request["random_state"]
         app.start()
     except BaseException as exc:  # the copy must never return into the parent's cell

@@ -415,8 +415,7 @@ class LocalKernel(Kernel):
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
         await km.shutdown_kernel(now=True, restart=True)
         await asyncio.to_thread(self._kill_leftovers)
-        if self.copied:  # a copy's state is gone: a kernel starts the usual way
-            km.provisioner, self.copied = None, False
+        self.copied = False  # a copy's state is gone: a kernel starts the usual way
         await self._start_process()
         self._start_client()
 

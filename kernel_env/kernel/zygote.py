@@ -10,11 +10,15 @@ not exist in the child), says ``ready`` and serves fork requests, one JSON line 
 
 A request forks a *keeper*, which:
 
-1. joins the kernel's cgroups, then drops to the kernel's uid (when the server is root);
-2. for a sandboxed kernel, joins the namespaces of the sandbox the host already made with
-   bubblewrap around a placeholder process (``setns(2)``: user first, then mount, network, IPC,
-   UTS and PID), so the kernel gets exactly the sandbox's filesystem view, no network, its own
-   ``/proc`` and private ``/tmp``;
+1. joins the kernel's cgroups and launches what a cold kernel's launch command would, with a
+   placeholder process (``sleep``) in the kernel's place (:func:`_launch`: the paths the
+   kernel's uid cannot reach bound in a private mount namespace, the kernel's uid and
+   rlimits, and for a sandboxed kernel bubblewrap), and reports the launch's pids to the
+   zygote, which answers the request with them;
+2. drops to the kernel's uid (when the server is root) and, for a sandboxed kernel, joins the
+   sandbox's namespaces (``setns(2)``: user first, then mount, network, IPC, UTS and PID), so
+   the kernel gets exactly the sandbox's filesystem view, no network, its own ``/proc`` and
+   private ``/tmp``;
 3. forks the kernel (the fork that lands it in the PID namespace), then watches both: when the
    kernel exits it kills the placeholder (the host sees the kernel end), and when the
    placeholder is killed (the host shuts the kernel down) it kills the kernel.
@@ -354,8 +358,8 @@ def _outer_user_namespaces(user_ns: int) -> list[int]:
 
 
 def _watch(kernel: int, placeholder: int) -> int:
-    """Wait for the kernel or the placeholder to end, then end the other (the placeholder's
-    launch, this process's child, is reaped when it ends)."""
+    """Wait for the kernel or the placeholder to end, then end the other (the launch, this
+    process's child, is reaped by init once this process exits)."""
     kernel_fd = os.pidfd_open(kernel)
     readable, _, _ = select.select([kernel_fd, placeholder], [], [])
     other = placeholder if kernel_fd in readable else kernel_fd
