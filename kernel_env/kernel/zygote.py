@@ -164,6 +164,7 @@ def _build_template(flags: list[str]) -> tuple[KernelTemplate | None, str | None
 
 def _keeper(request: dict[str, Any], template: KernelTemplate, report: int) -> None:
     status = 1
+    zygote = os.getppid()
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing to keep
@@ -185,6 +186,11 @@ def _keeper(request: dict[str, Any], template: KernelTemplate, report: int) -> N
             os.setresuid(request["uid"], request["uid"], request["uid"])
         if namespaces:
             _join(namespaces)
+        # A change of uid or user namespace cleared the request above: without it the keeper,
+        # and the launch it holds, would outlive a server killed with SIGKILL.
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != zygote:
+            raise ProcessLookupError("the forkserver ended while the kernel started")
         # The kernel's view of its keeper: outside its PID namespace (0), or this pid.
         keeper = 0 if namespaces else os.getpid()
         kernel = os.fork()
