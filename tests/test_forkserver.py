@@ -14,9 +14,10 @@ from procs import descendants
 
 from kernel_env import AsyncKernelEnv
 from kernel_env.kernel import Kernel
+from kernel_env.kernel.cgroups import available_controllers
 from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.local import LocalKernel
-from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
+from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
 from kernel_env.kernel.zygote import KERNEL_NAME
 
 pytestmark = [
@@ -92,6 +93,40 @@ async def test_forked_kernels_are_fresh_sandboxed_kernels(forkserver: ForkServer
         assert leaked == []
     assert "forked from a preloaded forkserver" in forkserver.status
     assert forkserver.forks >= 1
+
+
+async def test_a_forked_kernel_and_its_sandbox_hold_the_kernels_cgroups_and_rlimits(
+    forkserver: ForkServer,
+) -> None:
+    """The keeper launches the sandbox in place of the cold launch guard: the launch, the
+    sandbox's init and the kernel are all in the kernel's own cgroups (its memory, pids and CPU
+    limits), and the kernel runs with its rlimits."""
+    limits = SandboxLimits(open_files=321, address_space_bytes=3 * 1024**3)
+    kernel = SandboxedKernel(forkserver=forkserver, limits=limits)
+    await kernel.start()
+    try:
+        assert kernel.forked
+        provisioner = kernel._km.provisioner  # type: ignore[union-attr]
+        pids = [provisioner.pid, kernel._km.sandbox_init, _kernel_pid(kernel)]  # type: ignore[union-attr]
+        cgroup = f"kernel_env/{os.getpid()}/{kernel.kernel_id}"
+        if available_controllers():
+            for pid in pids:
+                assert cgroup in Path(f"/proc/{pid}/cgroup").read_text(), pid
+        seen = await kernel.execute(
+            "import resource\n"
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0],"
+            " resource.getrlimit(resource.RLIMIT_AS)[0])"
+        )
+        assert seen.stdout.split() == ["321", str(3 * 1024**3)]
+    finally:
+        await kernel.shutdown()
+
+
+def _kernel_pid(kernel: SandboxedKernel) -> int:
+    keeper = kernel.keeper_pid
+    children = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
+    (pid,) = [c for c in children if Path(f"/proc/{c}/comm").read_text().strip() == KERNEL_NAME]
+    return int(pid)
 
 
 async def test_two_forked_kernels_draw_different_random_numbers(forkserver: ForkServer) -> None:
@@ -180,11 +215,9 @@ async def test_forked_kernels_cannot_reach_each_other(forkserver: ForkServer) ->
         assert uids[0] != uids[1] and 0 not in uids
 
 
-def _host_uid(kernel: object) -> int:
+def _host_uid(kernel: SandboxedKernel) -> int:
     """The host uid of the process running a kernel's cells (its keeper's child)."""
-    keeper = kernel.keeper_pid  # type: ignore[attr-defined]
-    children = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
-    (pid,) = [c for c in children if Path(f"/proc/{c}/comm").read_text().strip() == KERNEL_NAME]
+    pid = _kernel_pid(kernel)
     return int(Path(f"/proc/{pid}/status").read_text().split("Uid:\t")[1].split()[0])
 
 

@@ -82,3 +82,24 @@ def test_sigkill_leaves_no_orphan_kernel_after_10_s() -> None:
         assert wait_until(lambda: not any(alive(pid) for pid in kernels), 10, interval=0.2), [
             pid for pid in kernels if alive(pid)
         ]
+
+
+def test_sigkill_leaves_no_live_fork_copy_running() -> None:
+    """F11 for a live fork's copies: a copy's parent is a kernel, not the server, so it
+    watches the server itself; after SIGKILL of the server the copy exits within 10 s."""
+    with serve_process("--pool-size", "0", "--sandbox", "none") as server:
+        parent = httpx.post(f"{server.url}/reset", json={}, timeout=30).headers["X-Session-Id"]
+        forked = httpx.post(f"{server.url}/sessions/{parent}/fork", json={}, timeout=60).json()
+        (copy,) = forked["sessions"]
+        assert copy["method"] == "live", copy
+        reply = httpx.post(
+            f"{server.url}/step",
+            json={"action": {"code": "import os; print(os.getpid())"}},
+            headers={"X-Session-Id": copy["session_id"]},
+            timeout=30,
+        )
+        pid = int(reply.json()["observation"]["result"]["stdout"])
+        assert alive(pid)
+        terminate(server.process, signal.SIGKILL)
+        server.process.wait(10)
+        assert wait_until(lambda: not alive(pid), 10, interval=0.2)
