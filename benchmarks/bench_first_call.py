@@ -1,9 +1,9 @@
-"""A fresh episode's first cell calling llm_query: its latency, lost calls, and what the stdin
-readiness probe adds to a kernel start (issue 15, item 1).
+"""A fresh episode's first cell calling llm_query: its latency, lost calls, and the kernel's
+start to ready (readiness includes the stdin probe, sent with the kernel_info request).
 
     .venv/bin/python benchmarks/bench_first_call.py [--episodes 50] [--sandbox none|bwrap]
 
-Each episode: a new local kernel (timed start -> ready, and the probe's part of it), reset,
+Each episode: a new local kernel (timed start -> ready), reset,
 then one cell ``x = llm_query('hi')`` answered by an instant callable. A lost stdin request
 shows as a step that timed out (step timeout 10 s).
 """
@@ -19,20 +19,7 @@ from kernel_env import AsyncKernelEnv
 from kernel_env.kernel import Kernel
 from kernel_env.kernel.factory import local_source
 
-probe_times: list[float] = []
 start_times: list[float] = []
-
-
-def _timed_probe() -> None:
-    """Records each real `_wait_stdin` run (the method itself is unchanged)."""
-    original = Kernel._wait_stdin
-
-    async def timed(self: Kernel, deadline: float) -> None:
-        t0 = time.perf_counter()
-        await original(self, deadline)
-        probe_times.append(time.perf_counter() - t0)
-
-    Kernel._wait_stdin = timed  # type: ignore[method-assign]
 
 
 def _ms(values: list[float], q: float) -> str:
@@ -62,10 +49,6 @@ async def main(episodes: int, sandbox: str) -> None:
     print(f"episodes {episodes}, sandbox {sandbox}: lost first calls {lost}")
     print(f"kernel start -> ready: p50 {_ms(start_times, 0.5)}, p95 {_ms(start_times, 0.95)}")
     print(
-        f"  of which the stdin probe: p50 {_ms(probe_times, 0.5)}, "
-        f"p95 {_ms(probe_times, 0.95)}, max {_ms(probe_times, 1.0)}"
-    )
-    print(
         f"first cell with llm_query: p50 {_ms(steps, 0.5)}, p95 {_ms(steps, 0.95)}, "
         f"max {_ms(steps, 1.0)}, mean {1000 * statistics.mean(steps):.1f} ms"
     )
@@ -76,5 +59,4 @@ if __name__ == "__main__":
     parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--sandbox", default="none", choices=["none", "bwrap"])
     args = parser.parse_args()
-    _timed_probe()
     asyncio.run(main(args.episodes, args.sandbox))

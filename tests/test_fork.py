@@ -254,6 +254,8 @@ def test_a_killed_child_leaves_the_parent_fine() -> None:
         parent.execute("x = 41")
         (child,) = parent.fork()
         with child:
+            copy = child.environment.kernel  # type: ignore[union-attr]
+            assert copy.pid == int(_out(child, "import os; print(os.getpid())"))
             died = child.run("import os; os._exit(1)")
             assert not died.success
         assert _out(parent, "print(x + 1)") == "42"

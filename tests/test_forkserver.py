@@ -108,6 +108,7 @@ async def test_a_forked_kernel_and_its_sandbox_hold_the_kernels_cgroups_and_rlim
         assert kernel.forked
         provisioner = kernel._km.provisioner  # type: ignore[union-attr]
         pids = [provisioner.pid, kernel._km.sandbox_init, _kernel_pid(kernel)]  # type: ignore[union-attr]
+        assert kernel.pid == provisioner.pid  # the launch the host holds
         cgroup = f"kernel_env/{os.getpid()}/{kernel.kernel_id}"
         if available_controllers():
             for pid in pids:

@@ -54,6 +54,7 @@ _STDIN_PROBE = {
 # The probe's request is usually the one lost (stdin connects ~0-100 ms after shell): a short
 # tick answers it soon after the connection is up. Spare answers are cheap and harmless.
 _STDIN_TICK = 0.01
+_READY_RECHECK = 0.05  # is the starting kernel alive; resend kernel_info until iopub shows
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
 
@@ -224,64 +225,73 @@ class Kernel(ABC):
         await self.shutdown()
 
     async def _wait_ready(self) -> None:
+        """Wait until the kernel answers ``kernel_info`` on shell, its iopub messages reach
+        us and its stdin requests reach us, whichever channel connects last.
+
+        Each channel connects on its own, so a ready shell says nothing about the others:
+
+        - iopub: any message proves our subscription (ipykernel's XPUB welcomes each
+          subscriber; the status messages of a kernel_info request, resent every 50 ms
+          until one arrives, do for a kernel that sends no welcome);
+        - stdin: the kernel's stdin socket is a ROUTER, and an ``input_request`` sent before
+          our stdin socket connected is silently dropped (a first cell calling
+          ``llm_query`` then waited out the step timeout). A probe cell asks for input and
+          is answered; a lost request is answered anyway, every 10 ms, since ipykernel
+          takes the next message on stdin as the reply (it purges anything that arrived
+          before it asked). Once the probe's cell has replied, the kernel has heard from our
+          stdin socket, so its requests reach us. A spare answer still on its way then is
+          :data:`PROBE_REPLY`, which ``llm_query`` never takes for its own.
+
+        The kernel_info request and the probe go out together (shell runs them in order):
+        one round trip to the kernel, not two.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ready_timeout
-        got_reply = got_iopub = False
-        while not (got_reply and got_iopub):
-            if loop.time() > deadline:
-                raise KernelStartError(
-                    f"kernel not ready after {self.ready_timeout:.0f} s", kernel_id=self.kernel_id
-                )
-            if not await self.is_alive():
-                raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
-            if not got_reply:
-                self._send("shell", "kernel_info_request", {})
-            tick_end = loop.time() + 0.05
-            while not (got_reply and got_iopub) and (left := tick_end - loop.time()) > 0:
-                msg = await _get(self._queues["shell"], left)
-                got_reply = got_reply or (msg is not None and _msg_type(msg) == "kernel_info_reply")
+        if not await self.is_alive():
+            raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
+        self._send("shell", "kernel_info_request", {})
+        probe = _Run(self._send("shell", "execute_request", _STDIN_PROBE))
+        answer = asyncio.ensure_future(self._serve_stdin(probe, _answer_probe))
+        got_info = got_iopub = False
+        recheck = loop.time() + _READY_RECHECK
+        try:
+            while not (got_info and got_iopub and probe.reply is not None):
+                now = loop.time()
+                if now > deadline:
+                    raise KernelStartError(
+                        "the kernel's stdin channel did not answer"
+                        if got_info and got_iopub
+                        else f"kernel not ready after {self.ready_timeout:.0f} s",
+                        kernel_id=self.kernel_id,
+                    )
+                if now >= recheck:
+                    if not await self.is_alive():
+                        raise KernelStartError(
+                            "kernel exited while starting", kernel_id=self.kernel_id
+                        )
+                    if not got_iopub:
+                        self._send("shell", "kernel_info_request", {})
+                    recheck = now + _READY_RECHECK
+                if probe.reply is None:
+                    self._send("stdin", "input_reply", {"value": PROBE_REPLY})
+                msg = await _get(self._queues["shell"], _STDIN_TICK)
+                if msg is not None and _msg_type(msg) == "kernel_info_reply":
+                    got_info = True
+                elif msg is not None and _parent_id(msg) == probe.msg_id:
+                    probe.reply = msg.get("content") or {}
                 got_iopub = got_iopub or not self._queues["iopub"].empty()
-        await self._wait_stdin(deadline)
+                if answer.done():
+                    answer.result()  # _serve_stdin only ends by raising
+        finally:
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+        if probe.reply.get("status") != "ok":
+            log.warning("kernel %s: stdin probe failed: %s", self.kernel_id, probe.reply)
         log.debug("kernel %s ready", self.kernel_id)
-        # What arrived so far (kernel_info replies, their status messages) is noise now.
+        # What arrived so far (kernel_info replies, the probe's messages) is noise now.
         for queue in self._queues.values():
             while not queue.empty():
                 queue.get_nowait()
-
-    async def _wait_stdin(self, deadline: float) -> None:
-        """Prove that the kernel's stdin requests reach us, with one request answered.
-
-        Each channel connects on its own (a DEALER retries every 100 ms until the kernel has
-        bound its sockets), so a ready shell and iopub say nothing about stdin. The kernel's
-        stdin socket is a ROUTER: an ``input_request`` sent before our stdin socket connected
-        is silently dropped, and a first cell calling ``llm_query`` then waited out the step
-        timeout. The probe asks for input and is answered; a lost request is answered anyway,
-        every 10 ms, since ipykernel takes the next message on stdin as the reply (it purges
-        anything that arrived before it asked). Once the probe's cell completes, the kernel
-        has heard from our stdin socket, so its requests reach us. A spare answer that is
-        still on its way then is :data:`PROBE_REPLY`, which ``llm_query`` never takes for
-        its own.
-        """
-        loop = asyncio.get_running_loop()
-        run = _Run(self._send("shell", "execute_request", _STDIN_PROBE))
-        complete = asyncio.ensure_future(self._until_complete(run))
-        answer = asyncio.ensure_future(self._serve_stdin(run, _answer_probe))
-        try:
-            while not complete.done():
-                if loop.time() > deadline:
-                    raise KernelStartError(
-                        "the kernel's stdin channel did not answer", kernel_id=self.kernel_id
-                    )
-                self._send("stdin", "input_reply", {"value": PROBE_REPLY})
-                await asyncio.wait({complete, answer}, timeout=_STDIN_TICK)
-                if answer.done():
-                    answer.result()  # _serve_stdin only ends by raising
-            if (run.reply or {}).get("status") != "ok":
-                log.warning("kernel %s: stdin probe failed: %s", self.kernel_id, run.reply)
-        finally:
-            for task in (complete, answer):
-                task.cancel()
-            await asyncio.gather(complete, answer, return_exceptions=True)
 
     # -- execute --------------------------------------------------------------------------
 

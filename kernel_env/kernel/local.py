@@ -246,9 +246,10 @@ class LocalKernel(Kernel):
 
     @property
     def pid(self) -> int | None:
+        """The process the host holds: the kernel, or the launch it runs under (a sandbox's
+        bubblewrap, a forked kernel's placeholder)."""
         provisioner = self._km.provisioner if self._km else None
-        process = getattr(provisioner, "process", None)
-        return process.pid if process is not None else None
+        return getattr(provisioner, "pid", None)
 
     def _kernel_spec(self) -> KernelSpec:
         # A forked kernel is interrupted through its control channel: a signal would reach
