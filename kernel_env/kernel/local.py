@@ -101,6 +101,9 @@ def minimal_environ(home: str, python: str = sys.executable) -> dict[str, str]:
     }
 
 
+_EXIT_POLL = 0.005  # seconds between checks that a killed kernel has exited
+
+
 class _KernelManager(AsyncKernelManager):
     """A kernel manager with an explicit kernelspec (not whatever ``python3`` resolves to)."""
 
@@ -116,6 +119,11 @@ class _KernelManager(AsyncKernelManager):
         super()._connect_control_socket()
         if self._control_socket is not None:
             self._control_socket.linger = 0
+
+    async def _async_wait(self, pollinterval: float = 0.1) -> None:
+        # After a kill, jupyter_client checks every 100 ms whether the kernel is gone: every
+        # shutdown and restart waited ~100 ms for a process that ends within a few.
+        await super()._async_wait(pollinterval=min(pollinterval, _EXIT_POLL))
 
 
 class _PidfdProcess(KernelProvisionerBase):
