@@ -149,7 +149,7 @@ class _PidfdProcess(KernelProvisionerBase):
 
     async def wait(self) -> int | None:
         while await self.poll() is None:
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(_EXIT_POLL)
         return 0
 
     async def send_signal(self, signum: int) -> None:
