@@ -105,11 +105,11 @@ _EXIT_POLL = 0.005  # seconds between checks that a killed kernel has exited
 
 
 class _KernelManager(AsyncKernelManager):
-    """A kernel manager with an explicit kernelspec (not whatever ``python3`` resolves to)."""
+    """A kernel manager given its kernelspec before each launch (cold, forked or a copy's),
+    never whatever ``python3`` resolves to: it has no kernel name to look one up by."""
 
-    def __init__(self, spec: KernelSpec, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._kernel_spec = spec
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(kernel_name="", **kwargs)
 
     def _connect_control_socket(self) -> None:
         # A shutdown interrupts first (over this socket, for message-mode kernels); to a
@@ -341,7 +341,6 @@ class LocalKernel(Kernel):
         self._prepare_dirs()
         self._cgroup = self._make_cgroup()
         self._km = self._manager_class(
-            self._kernel_spec(),
             transport="ipc",
             ip=self._ipc_prefix(),
             connection_file=str(self._dir / "kernel.json"),
