@@ -272,10 +272,10 @@ class LocalKernel(Kernel):
 
     def _command(self) -> list[str]:
         """The command that launches the kernel cold (a sandbox wraps it)."""
-        procs = self._cgroup_procs()
-        if not procs and self._lease is None:
+        joins = self._cgroup_joins()
+        if not joins and self._lease is None:
             return list(self._argv)
-        return [*launch_guard(procs), *self._drop(), *self._argv]
+        return [*launch_guard(joins), *self._drop(), *self._argv]
 
     def _environ(self) -> dict[str, str]:
         return minimal_environ(str(self.workdir), self._python)
@@ -284,8 +284,8 @@ class LocalKernel(Kernel):
         lease = self._lease
         return privilege.drop_command(lease.uid, lease.gid) if lease is not None else []
 
-    def _cgroup_procs(self) -> list[Path]:
-        return self._cgroup.procs_files if self._cgroup is not None else []
+    def _cgroup_joins(self) -> list[Path]:
+        return self._cgroup.join_files if self._cgroup is not None else []
 
     def _lease_uid(self) -> privilege.UidLease | None:
         """A uid of the kernel's own when this process is root (None otherwise, or when such
@@ -393,7 +393,7 @@ class LocalKernel(Kernel):
         launched = await forkserver.fork(
             {
                 **self._launch_spec(),
-                "cgroup_procs": [str(p) for p in self._cgroup_procs()],
+                "cgroup_join": [str(p) for p in self._cgroup_joins()],
                 "uid": self._lease.uid if self._lease is not None else None,
                 "gid": self._lease.gid if self._lease is not None else None,
                 "connection_file": km.connection_file,
@@ -533,10 +533,11 @@ class LocalKernel(Kernel):
             km.context.destroy(linger=0)
         cgroup, self._cgroup = self._cgroup, None
         lease, self._lease = self._lease, None
-        if cgroup is not None:
-            await asyncio.to_thread(cgroup.remove)
+        emptied = cgroup is not None and await asyncio.to_thread(cgroup.remove)
         if lease is not None:
-            await asyncio.to_thread(lease.release)  # kills what still runs as its uid
+            # Every process of a kernel runs in its cgroup, and only a kernel runs as its uid:
+            # with the cgroup empty, nothing does; otherwise the uid's processes are killed.
+            await asyncio.to_thread(lease.release, emptied=emptied)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -630,7 +631,7 @@ class LocalKernel(Kernel):
 
 
 def launch_guard(
-    cgroup_procs: list[Path] | Path | None = None,
+    cgroup_joins: list[Path] | Path | None = None,
     parent: int | None = None,
     *,
     staged: list[tuple[str, str]] | None = None,
@@ -640,20 +641,21 @@ def launch_guard(
     bwrap's ``--die-with-parent`` only takes effect once bwrap runs: a server killed in the
     milliseconds before would leave the kernel behind. So ``setpriv`` asks for SIGKILL on the
     parent's death first, then a shell checks that the parent is still this process, joins
-    the kernel's cgroups, and execs the rest.
+    the kernel's cgroups (``0`` written to each of ``cgroup_joins``: see
+    :attr:`KernelCgroup.join_files`), and execs the rest.
 
     ``staged``: ``(host path, mount point)`` pairs bind-mounted first, in a private mount
     namespace, so that a kernel running as an unprivileged uid can reach paths it could not
     (these run as root: only a privileged server passes any)."""
-    if isinstance(cgroup_procs, Path):
-        cgroup_procs = [cgroup_procs]
+    if isinstance(cgroup_joins, Path):
+        cgroup_joins = [cgroup_joins]
     steps = []
     setpriv = shutil.which("setpriv")
     prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
     if setpriv:
         steps.append(f'[ "$PPID" = "{parent or os.getpid()}" ]')
-    for procs in cgroup_procs or []:
-        steps.append(f'echo $$ > "{procs}"')
+    for join in cgroup_joins or []:
+        steps.append(f'echo 0 > "{join}"')
     if staged:
         unshare = shutil.which("unshare") or "unshare"
         prefix += [unshare, "--mount", "--propagation", "private", "--"]

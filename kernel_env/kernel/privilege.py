@@ -12,7 +12,10 @@ live kernel. Its gid is the same number. Then:
   survives, ``setsid`` children included.
 
 A lease is an exclusive ``flock`` on ``/run/kernel-env/uids/<uid>.lock``, held for the kernel's
-life, so servers on one host never share a uid and a dead server's uids are free again.
+life, so servers on one host never share a uid and a dead server's uids are free again. The
+file says ``clean`` while no process runs as its uid: a release leaves it so, once the uid's
+processes are gone. A lease of a uid whose file does not say so (a server died holding it)
+kills whatever still runs as it first.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _LOCK_DIR = Path("/run/kernel-env/uids")
+_CLEAN = b"clean"  # a lock file's content while no process runs as its uid
+_IN_USE = b"in use"
 # The environment of the helper processes run as a kernel's uid: nothing of the server's.
 CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 # Above systemd's container uid ranges (up to 1879048191) and below 2**31.
@@ -81,10 +86,14 @@ class UidLease:
     def gid(self) -> int:
         return self.uid
 
-    def release(self) -> None:
+    def release(self, *, emptied: bool = False) -> None:
+        """Free the uid, after killing every process that runs as it; ``emptied``: the
+        caller saw them all end already (the kernel's cgroup held every one, and is empty)."""
         fd, self._fd = self._fd, -1
         if fd >= 0:
-            kill_uid(self.uid)
+            if not emptied:
+                kill_uid(self.uid)
+            _mark(fd, _CLEAN)
             os.close(fd)
 
 
@@ -93,7 +102,7 @@ _lease_lock = threading.Lock()
 
 def lease_uid(uids: tuple[int, int] | None = None) -> UidLease:
     """An unused kernel uid from ``uids`` (default :data:`KERNEL_UIDS`), locked for the caller.
-    Whatever still runs as that uid (a kernel of a server that died) is killed first."""
+    Whatever may still run as that uid (a kernel of a server that died) is killed first."""
     first, last = uids or KERNEL_UIDS
     _LOCK_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
     count = last - first + 1
@@ -107,9 +116,16 @@ def lease_uid(uids: tuple[int, int] | None = None) -> UidLease:
             except OSError:
                 os.close(fd)
                 continue
-            kill_uid(uid)
+            if os.pread(fd, len(_CLEAN) + 1, 0) != _CLEAN:
+                kill_uid(uid)
+            _mark(fd, _IN_USE)
             return UidLease(uid, fd)
     raise RuntimeError(f"no free kernel uid in {first}-{last}")
+
+
+def _mark(fd: int, state: bytes) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, state, 0)
 
 
 def drop_command(uid: int, gid: int) -> list[str]:

@@ -283,7 +283,7 @@ class SandboxedKernel(LocalKernel):
         binds = self._binds()
         staged = self._staged(binds)
         guard = launch_guard(
-            self._cgroup_procs(), staged=[(binds[i][0], keep) for i, keep in staged.items()]
+            self._cgroup_joins(), staged=[(binds[i][0], keep) for i, keep in staged.items()]
         )
         return [*guard, *self._drop(), *self._prlimit(), *self._bwrap(binds, staged), *kernel]
 

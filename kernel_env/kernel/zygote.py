@@ -169,9 +169,9 @@ def _keeper(request: dict[str, Any], template: KernelTemplate, report: int) -> N
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing to keep
         _name(KEEPER_NAME)
-        for procs in request.get("cgroup_procs", []):
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
+        for join in request.get("cgroup_join", []):  # one thread yet: see KernelCgroup.join_files
+            with open(join, "w") as f:
+                f.write("0")
         try:
             launched = _launch(request)
         except BaseException as exc:
