@@ -4,9 +4,9 @@ A backend (local ZMQ, gateway WebSocket) launches the kernel process, sends mess
 delivers what arrives, one reader per channel, into the three queues here. Everything that
 interprets messages lives in this module, so every backend behaves the same:
 
-- ready = a ``kernel_info_reply`` AND an iopub message, ``kernel_info`` resent every 50 ms
-  (``wait_for_ready()`` sleeps, and after a restart without this the next cell's iopub was lost),
-  AND one stdin request answered (else a first cell's ``llm_query`` could be lost);
+- ready = a stdin probe cell answered and replied on shell (else a first cell's ``llm_query``
+  could be lost) AND an iopub message, ``kernel_info`` sent every 50 ms until one arrives
+  (``wait_for_ready()`` sleeps, and after a restart without this the next cell's iopub was lost);
 - an execute is complete when both the shell ``execute_reply`` and the iopub ``idle`` for its
   ``msg_id`` arrived; output for another parent (a thread printing late) is kept aside, never
   put into the next cell;
@@ -225,14 +225,14 @@ class Kernel(ABC):
         await self.shutdown()
 
     async def _wait_ready(self) -> None:
-        """Wait until the kernel answers ``kernel_info`` on shell, its iopub messages reach
-        us and its stdin requests reach us, whichever channel connects last.
+        """Wait until the kernel answers on shell, its iopub messages reach us and its stdin
+        requests reach us, whichever channel connects last.
 
         Each channel connects on its own, so a ready shell says nothing about the others:
 
         - iopub: any message proves our subscription (ipykernel's XPUB welcomes each
-          subscriber; the status messages of a kernel_info request, resent every 50 ms
-          until one arrives, do for a kernel that sends no welcome);
+          subscriber; the probe's status messages, or those of a kernel_info request sent
+          every 50 ms until one arrives, do for a kernel that sends no welcome);
         - stdin: the kernel's stdin socket is a ROUTER, and an ``input_request`` sent before
           our stdin socket connected is silently dropped (a first cell calling
           ``llm_query`` then waited out the step timeout). A probe cell asks for input and
@@ -242,26 +242,24 @@ class Kernel(ABC):
           stdin socket, so its requests reach us. A spare answer still on its way then is
           :data:`PROBE_REPLY`, which ``llm_query`` never takes for its own.
 
-        The kernel_info request and the probe go out together (shell runs them in order):
-        one round trip to the kernel, not two.
+        The probe's reply proves shell too: one round trip to the kernel, and no kernel_info
+        request to serve first (~3 ms of a forked kernel's start) unless iopub is late.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ready_timeout
         if not await self.is_alive():
             raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
-        self._send("shell", "kernel_info_request", {})
         probe = _Run(self._send("shell", "execute_request", _STDIN_PROBE))
         answer = asyncio.ensure_future(self._serve_stdin(probe, _answer_probe))
-        got_info = got_iopub = False
+        got_iopub = False
         recheck = loop.time() + _READY_RECHECK
         try:
-            while not (got_info and got_iopub and probe.reply is not None):
+            while not (got_iopub and probe.reply is not None):
                 now = loop.time()
                 if now > deadline:
+                    missing = "no probe reply" if got_iopub else "no message on iopub"
                     raise KernelStartError(
-                        "the kernel's stdin channel did not answer"
-                        if got_info and got_iopub
-                        else f"kernel not ready after {self.ready_timeout:.0f} s",
+                        f"kernel not ready after {self.ready_timeout:.0f} s ({missing})",
                         kernel_id=self.kernel_id,
                     )
                 if now >= recheck:
@@ -275,9 +273,7 @@ class Kernel(ABC):
                 if probe.reply is None:
                     self._send("stdin", "input_reply", {"value": PROBE_REPLY})
                 msg = await _get(self._queues["shell"], _STDIN_TICK)
-                if msg is not None and _msg_type(msg) == "kernel_info_reply":
-                    got_info = True
-                elif msg is not None and _parent_id(msg) == probe.msg_id:
+                if msg is not None and _parent_id(msg) == probe.msg_id:
                     probe.reply = msg.get("content") or {}
                 got_iopub = got_iopub or not self._queues["iopub"].empty()
                 if answer.done():
