@@ -151,11 +151,6 @@ class KernelCgroup:
         name = "tasks" if cgroup_version() == 1 else "cgroup.procs"
         return [p / name for p in self.paths]
 
-    def add(self, pid: int) -> None:
-        """Move a running process (and the threads it has) into this cgroup."""
-        for path in self.paths:
-            _write(path / "cgroup.procs", str(pid))
-
     def kill(self) -> None:
         """SIGKILL every process in the cgroup (the cgroup stays)."""
         for path in self.paths[:1]:  # on v1 every controller's directory holds the same

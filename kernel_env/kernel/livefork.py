@@ -59,9 +59,9 @@ def fork_copies(requests: list[dict[str, Any]]) -> list[int]:
     """Fork one copy of this kernel per request; their pids, in order (in the parent only).
 
     A request gives the copy's ``connection_file``, ``cwd`` (holding a copy of the files of
-    the parent's, ``parent_cwd``), ``env`` (its whole environment),
-    ``server_pid`` (the copy ends with it) and ``reseed`` (fresh random state, or the
-    parent's when the episode was seeded)."""
+    the parent's, ``parent_cwd``), ``env`` (its whole environment), ``cgroup_join`` (the
+    files that move it into its own cgroups), ``server_pid`` (the copy ends with it) and
+    ``reseed`` (fresh random state, or the parent's when the episode was seeded)."""
     from ipykernel.kernelapp import IPKernelApp
 
     app = IPKernelApp.instance()
@@ -155,6 +155,9 @@ def _become_copy(app: Any, request: dict[str, Any]) -> None:
     global _random_state
     try:
         _copies.clear()  # the parent's, not this copy's children
+        for join in request["cgroup_join"]:  # one thread yet: see KernelCgroup.join_files
+            with open(join, "w") as f:
+                f.write("0")
         os.setsid()  # out of the parent's process group: its end is not the copy's
         _abandon_channels(app)
         _reopen_workspace_files(request["parent_cwd"], request["cwd"])

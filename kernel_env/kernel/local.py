@@ -491,6 +491,7 @@ class LocalKernel(Kernel):
             "env": self._launch_env(),
             "server_pid": os.getpid(),
             "reseed": reseed,
+            "cgroup_join": [str(p) for p in self._cgroup_joins()],
         }
 
     async def _adopt(self, pid: int, reseed: bool) -> None:
@@ -502,8 +503,6 @@ class LocalKernel(Kernel):
         km._kernel_spec = self._kernel_spec()
         km.provisioner = _CopyProcess(pid, parent=km, kernel_spec=km._kernel_spec)
         km._attempted_start = True  # as if started here (its shutdown and restart expect it)
-        if self._cgroup is not None:
-            await asyncio.to_thread(self._cgroup.add, pid)
         self._start_client()
         await self._wait_ready()
         if not reseed:
