@@ -144,6 +144,17 @@ def test_a_live_copy_has_channels_of_its_own() -> None:
             assert len(workdirs) == 2
 
 
+def test_a_live_copy_grows_its_descriptor_table_before_it_has_threads() -> None:
+    """A copy inherits a table its parent's ~60 descriptors fill; grown on the copy's first
+    new descriptor, with its threads running, the growth would wait ~8 ms for RCU."""
+    fd_size = "print(open('/proc/self/status').read().split('FDSize:')[1].split()[0])"
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        (child,) = parent.fork(method="live")
+        with child:
+            assert int(_out(child, fd_size)) >= 1024
+
+
 def _pid_of(env: KernelEnv) -> int:
     return int(_out(env, "import os; print(os.getpid())"))
 

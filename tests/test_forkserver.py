@@ -60,6 +60,7 @@ async def test_forked_kernels_are_fresh_sandboxed_kernels(forkserver: ForkServer
         assert fields["Uid"].split()[0] == "65534"
         assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0
         assert fields["NoNewPrivs"].strip() == "1"
+        assert int(fields["FDSize"]) >= 1024  # grown before its threads: see grow_descriptor_table
         pids = await _run(
             env, "import os; print(sorted(p for p in os.listdir('/proc') if p.isdigit()))"
         )

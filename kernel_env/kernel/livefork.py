@@ -37,7 +37,7 @@ import threading
 from typing import Any
 
 from kernel_env import kernel_side
-from kernel_env.kernel.template import KernelTemplate, reseed
+from kernel_env.kernel.template import KernelTemplate, grow_descriptor_table, reseed
 
 __all__ = ["fork_copies", "restore_random"]
 
@@ -154,6 +154,7 @@ def _children() -> list[int]:
 def _become_copy(app: Any, request: dict[str, Any]) -> None:
     global _random_state
     try:
+        grow_descriptor_table()  # first, while this copy has one thread
         _copies.clear()  # the parent's, not this copy's children
         for join in request["cgroup_join"]:  # one thread yet: see KernelCgroup.join_files
             with open(join, "w") as f:

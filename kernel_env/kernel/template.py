@@ -21,6 +21,7 @@ import asyncio
 import gc
 import os
 import random
+import resource
 import sys
 import threading
 import uuid
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KernelTemplate", "reseed"]
+__all__ = ["KernelTemplate", "grow_descriptor_table", "reseed"]
 
 
 class KernelTemplate:
@@ -177,6 +178,20 @@ def _check_forkable() -> None:
         problems.append("an event loop")
     if problems:
         raise RuntimeError(f"building the kernel template started {', '.join(problems)}")
+
+
+def grow_descriptor_table(size: int = 1024) -> None:
+    """Make room for ``size`` descriptors now, while this process has one thread.
+
+    Linux grows a process's descriptor table when a new descriptor does not fit (past 64,
+    then 128...) and, when threads share the table, only after an RCU grace period: ~8 ms
+    here, on the first new descriptor of a live fork's copy (its parent's ~60 fill the
+    table it inherits) and in a forked kernel's first cells. A table never shrinks, so
+    growing it once up front costs a few kilobytes and no wait."""
+    top = min(size, resource.getrlimit(resource.RLIMIT_NOFILE)[0]) - 1
+    if top > 0:
+        os.dup2(0, top)
+        os.close(top)
 
 
 def reseed(seed: int | None = None) -> None:

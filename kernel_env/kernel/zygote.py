@@ -51,7 +51,7 @@ import tempfile
 import time
 from typing import Any
 
-from kernel_env.kernel.template import KernelTemplate, reseed
+from kernel_env.kernel.template import KernelTemplate, grow_descriptor_table, reseed
 
 # The modules every kernel imports while it starts: loaded once here, shared copy-on-write.
 KERNEL_MODULES = (
@@ -399,6 +399,7 @@ def _become_kernel(request: dict[str, Any], template: KernelTemplate) -> None:
             resource.setrlimit(limit, (value, value))
         os.chdir(request["cwd"])
         _fresh_descriptors()
+        grow_descriptor_table()
         os.environ.clear()
         os.environ.update(request["env"], PWD=request["cwd"])  # as the launch's shell exports
         reseed(request.get("seed"))
