@@ -14,8 +14,8 @@ live kernel. Its gid is the same number. Then:
 A lease is an exclusive ``flock`` on ``/run/kernel-env/uids/<uid>.lock``, held for the kernel's
 life, so servers on one host never share a uid and a dead server's uids are free again. The
 file says ``clean`` while no process runs as its uid: a release leaves it so, once the uid's
-processes are gone. A lease of a uid whose file does not say so (a server died holding it)
-kills whatever still runs as it first.
+processes are gone. A lease of a uid whose file exists and does not say so (a server died
+holding it) kills whatever still runs as it first.
 """
 
 from __future__ import annotations
@@ -110,17 +110,27 @@ def lease_uid(uids: tuple[int, int] | None = None) -> UidLease:
     with _lease_lock:
         for i in range(min(count, 4096)):
             uid = first + (start + i) % count
-            fd = os.open(_LOCK_DIR / f"{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            fd, created = _open_lock(_LOCK_DIR / f"{uid}.lock")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 os.close(fd)
                 continue
-            if os.pread(fd, len(_CLEAN) + 1, 0) != _CLEAN:
+            if not created and os.pread(fd, len(_CLEAN) + 1, 0) != _CLEAN:
                 kill_uid(uid)
             _mark(fd, _IN_USE)
             return UidLease(uid, fd)
     raise RuntimeError(f"no free kernel uid in {first}-{last}")
+
+
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """The lock file's descriptor, and whether this call made it (then the uid was never
+    leased: nothing runs as it)."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+    except FileExistsError:
+        return os.open(path, flags), False
 
 
 def _mark(fd: int, state: bytes) -> None:
