@@ -8,7 +8,8 @@ kernel_env's in-kernel module (and the preloads), builds the kernel every fork s
 that no thread was started (forking a threaded process copies locks held by threads that do
 not exist in the child), says ``ready`` and serves fork requests, one JSON line each.
 
-A request forks a *keeper*, which:
+Each request goes to a *keeper*, forked before the request came (the zygote keeps one spare:
+its fork is then off the start's path), which:
 
 1. joins the kernel's cgroups and launches what a cold kernel's launch command would, with a
    placeholder process (``sleep``) in the kernel's place (:func:`_launch`: the paths the
@@ -122,20 +123,50 @@ def main() -> None:
         return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the system
     lines = control.makefile("rb")
+    # Each request goes to a keeper forked before it came (Android's zygote keeps such
+    # unspecialized processes too): the fork and the keeper's own start are off the path.
+    spare = _fork_keeper(template, imported, owned=(lines, control))
     for line in lines:
-        request = json.loads(line)
-        report, keeper_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            lines.close()
-            control.close()
-            os.close(report)
-            request["env"] = request["env"] | imported
-            _keeper(request, template, keeper_end)  # never returns
-        os.close(keeper_end)
-        with os.fdopen(report, "rb") as reports:  # the launch's pids, once the sandbox is up
+        keeper = spare
+        keeper.give(line)
+        spare = _fork_keeper(template, imported, owned=(lines, control), others=keeper.report)
+        with os.fdopen(keeper.report, "rb") as reports:  # the launch's pids, once it is up
             launched = json.loads(reports.readline() or b'{"error": "the keeper exited"}')
-        control.sendall((json.dumps({"pid": pid, **launched}) + "\n").encode())
+        control.sendall((json.dumps({"pid": keeper.pid, **launched}) + "\n").encode())
+
+
+class _Spare:
+    """In the zygote: a keeper forked ahead, waiting for its request."""
+
+    def __init__(self, pid: int, request: int, report: int) -> None:
+        self.pid, self.request, self.report = pid, request, report
+
+    def give(self, line: bytes) -> None:
+        """Hand the keeper its request (a few kilobytes: the pipe holds it whole)."""
+        os.write(self.request, line)
+        os.close(self.request)
+
+
+def _fork_keeper(
+    template: KernelTemplate, imported: dict[str, str], *, owned: tuple[Any, ...], others: int = -1
+) -> _Spare:
+    """Fork a keeper that waits for a request, then serves it (:func:`_keeper`). ``owned``:
+    the zygote's files and sockets, and ``others`` another keeper's report pipe, which the
+    keeper closes."""
+    request_end, request = os.pipe()
+    report, report_end = os.pipe()
+    zygote = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        for owner in owned:
+            owner.close()
+        for fd in (request, report, others):
+            if fd >= 0:
+                os.close(fd)
+        _serve_one(zygote, request_end, report_end, template, imported)  # never returns
+    os.close(request_end)
+    os.close(report_end)
+    return _Spare(pid, request, report)
 
 
 def _preload(modules: list[str]) -> str | None:
@@ -162,13 +193,32 @@ def _build_template(flags: list[str]) -> tuple[KernelTemplate | None, str | None
 # -- the keeper: joins the sandbox, forks the kernel, ties the two lifetimes together ---------
 
 
-def _keeper(request: dict[str, Any], template: KernelTemplate, report: int) -> None:
-    status = 1
-    zygote = os.getppid()
+def _serve_one(
+    zygote: int, request_end: int, report: int, template: KernelTemplate, imported: dict[str, str]
+) -> None:
+    """A keeper, until its request comes: tied to the zygote, then waiting on ``request_end``
+    (end of file: the zygote ended, with no request for it)."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing to keep
         _name(KEEPER_NAME)
+        if os.getppid() != zygote:
+            os._exit(1)
+        with os.fdopen(request_end, "rb") as requests:
+            line = requests.read()
+        if not line:
+            os._exit(0)
+        request = json.loads(line)
+        request["env"] = request["env"] | imported
+    except BaseException as exc:
+        _say(f"kernel_env: a forkserver keeper failed: {type(exc).__name__}: {exc}")
+        os._exit(1)
+    _keeper(request, template, report, zygote)
+
+
+def _keeper(request: dict[str, Any], template: KernelTemplate, report: int, zygote: int) -> None:
+    status = 1
+    try:
         for join in request.get("cgroup_join", []):  # one thread yet: see KernelCgroup.join_files
             with open(join, "w") as f:
                 f.write("0")
