@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import statistics
 import time
 
@@ -25,12 +26,17 @@ from kernel_env import AsyncKernelEnv
 from kernel_env.kernel.factory import local_source
 
 BIG = "blob = [str(i) * 10 for i in range(1_500_000)]  # ~100 MB of str objects"
-# 2 s of CPU on any machine: hashing until the clock says so.
-SLOW_SETUP = (
-    "import hashlib, time\nh, t0 = b'', time.perf_counter()\n"
-    "while time.perf_counter() - t0 < 2.0:\n    h = hashlib.sha256(h).digest()"
-)
 SOURCE = local_source("none")
+
+
+def slow_setup(seconds: float = 2.0) -> str:
+    """A setup step of ``seconds`` of CPU on this machine: as many hashes as this process
+    computes in that time (a fixed amount of work, so a replay redoes all of it)."""
+    rounds, h, t0 = 200_000, b"", time.perf_counter()
+    for _ in range(rounds):
+        h = hashlib.sha256(h).digest()
+    count = int(rounds * seconds / (time.perf_counter() - t0))
+    return f"import hashlib\nh = b''\nfor i in range({count}):\n    h = hashlib.sha256(h).digest()"
 
 
 async def fork_once(code: str, samples: int) -> dict[str, list[float]]:
@@ -89,7 +95,7 @@ async def main(args: argparse.Namespace) -> None:
         f"[target: live ready p50 <= 50 ms]",
         flush=True,
     )
-    eight = await eight_way(SLOW_SETUP)
+    eight = await eight_way(slow_setup())
     print(
         f"8-way, a {eight['setup']:.1f} s setup: 8 live forks {eight['live']:.2f} s; 8 replays "
         f"{eight['replay']:.1f} s; 8 fresh episodes, 2 lanes {eight['fresh']:.1f} s "
