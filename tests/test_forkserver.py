@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from procs import comm, descendants
+from procs import child_pids, comm, descendants
 
 from kernel_env import AsyncKernelEnv
 from kernel_env.kernel import Kernel
@@ -245,6 +246,28 @@ async def test_a_launch_that_fails_starts_that_kernel_cold(forkserver: ForkServe
     """A forked launch that fails: that kernel starts cold, and the forkserver still forks
     the next one."""
     async with AsyncKernelEnv(kernel_source=_source(forkserver, _UnlaunchableKernel)) as env:
+        await env.reset()
+        assert "2" in await _run(env, "print(1 + 1)")
+        assert not env.environment.kernel.forked  # type: ignore[union-attr]
+    assert forkserver.ready
+    async with AsyncKernelEnv(kernel_source=_source(forkserver, LocalKernel)) as env:
+        await env.reset()
+        assert env.environment.kernel.forked  # type: ignore[union-attr]
+
+
+async def test_a_spare_keeper_that_died_means_one_cold_start(forkserver: ForkServer) -> None:
+    """The keeper the zygote forked ahead of the next request is killed: that request's
+    kernel starts cold, and the zygote has forked another keeper for the one after."""
+    zygote = forkserver._pid()
+    assert zygote is not None
+    for _ in range(100):  # the zygote forks it once it has said it is ready
+        spares = [p for p in child_pids(zygote) if comm(p) == KEEPER_NAME and not child_pids(p)]
+        if spares:
+            break
+        await asyncio.sleep(0.05)
+    assert len(spares) == 1
+    os.kill(spares[0], signal.SIGKILL)
+    async with AsyncKernelEnv(kernel_source=_source(forkserver, LocalKernel)) as env:
         await env.reset()
         assert "2" in await _run(env, "print(1 + 1)")
         assert not env.environment.kernel.forked  # type: ignore[union-attr]

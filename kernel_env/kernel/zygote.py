@@ -142,9 +142,16 @@ class _Spare:
         self.pid, self.request, self.report = pid, request, report
 
     def give(self, line: bytes) -> None:
-        """Hand the keeper its request (a few kilobytes: the pipe holds it whole)."""
-        os.write(self.request, line)
-        os.close(self.request)
+        """Hand the keeper its request. A keeper that died takes none: its report then ends
+        with nothing, and that kernel starts cold."""
+        try:
+            rest = memoryview(line)
+            while rest:
+                rest = rest[os.write(self.request, rest) :]
+        except OSError:
+            pass
+        finally:
+            os.close(self.request)
 
 
 def _fork_keeper(
