@@ -189,9 +189,12 @@ def grow_descriptor_table(size: int = 1024) -> None:
     table it inherits) and in a forked kernel's first cells. A table never shrinks, so
     growing it once up front costs a few kilobytes and no wait."""
     top = min(size, resource.getrlimit(resource.RLIMIT_NOFILE)[0]) - 1
-    if top > 0:
-        os.dup2(0, top)
-        os.close(top)
+    if top > 2:
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        if null != top:
+            os.dup2(null, top, inheritable=False)
+            os.close(top)
+        os.close(null)
 
 
 def reseed(seed: int | None = None) -> None:
