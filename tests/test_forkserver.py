@@ -150,14 +150,15 @@ _WHAT_A_CELL_SEES = (
     "print(repr((os.getcwd(), list(map(str, _dh)), str(ip.profile_dir.location),\n"
     "            ip.starting_dir, env, [p for p in sys.path if not p.startswith(sys.prefix)],\n"
     "            ip.execution_count, type(sys.stdout).__name__, callable(llm_query),\n"
-    "            ip.kernel.shell is ip)))"
+    "            ip.kernel.shell is ip, sorted(ip.user_ns), len(In), len(Out))))"
 )
 
 
 async def test_a_forked_kernel_looks_like_a_cold_one(forkserver: ForkServer) -> None:
-    """The zygote builds each kernel's shell before the fork: what a cell sees of its
-    working directory, profile, environment, path, stdout and helpers is still what a kernel
-    started cold sees (its own directories, not the zygote's), and each forked kernel has
+    """The zygote builds each kernel's shell before the fork (and runs a silent cell in it):
+    what a cell sees of its working directory, profile, environment, path, stdout, helpers,
+    namespace and history is still what a kernel started cold sees (its own directories, not
+    the zygote's), and each forked kernel has
     its own session id (the msg ids it sends are its own)."""
     snapshots = []
     for source in (_source(forkserver), _source(ForkServerStub())):
