@@ -246,7 +246,12 @@ class _UnlaunchableKernel(LocalKernel):
 async def test_a_launch_that_fails_starts_that_kernel_cold(forkserver: ForkServer) -> None:
     """A forked launch that fails: that kernel starts cold, and the forkserver still forks
     the next one."""
-    async with AsyncKernelEnv(kernel_source=_source(forkserver, _UnlaunchableKernel)) as env:
+    await _one_cold_start_then_forks(forkserver, _UnlaunchableKernel)
+
+
+async def _one_cold_start_then_forks(forkserver: ForkServer, kind: type[LocalKernel]) -> None:
+    """The next kernel (of ``kind``) starts cold and works; the one after is forked."""
+    async with AsyncKernelEnv(kernel_source=_source(forkserver, kind)) as env:
         await env.reset()
         assert "2" in await _run(env, "print(1 + 1)")
         assert not env.environment.kernel.forked  # type: ignore[union-attr]
@@ -268,14 +273,7 @@ async def test_a_spare_keeper_that_died_means_one_cold_start(forkserver: ForkSer
         await asyncio.sleep(0.05)
     assert len(spares) == 1
     os.kill(spares[0], signal.SIGKILL)
-    async with AsyncKernelEnv(kernel_source=_source(forkserver, LocalKernel)) as env:
-        await env.reset()
-        assert "2" in await _run(env, "print(1 + 1)")
-        assert not env.environment.kernel.forked  # type: ignore[union-attr]
-    assert forkserver.ready
-    async with AsyncKernelEnv(kernel_source=_source(forkserver, LocalKernel)) as env:
-        await env.reset()
-        assert env.environment.kernel.forked  # type: ignore[union-attr]
+    await _one_cold_start_then_forks(forkserver, LocalKernel)
 
 
 async def test_a_forked_kernel_killed_mid_step_is_replaced(forkserver: ForkServer) -> None:

@@ -584,10 +584,17 @@ def test_uid_leases_are_exclusive_and_released() -> None:
     second.release()
 
 
-def _run_as(uid: int) -> subprocess.Popen[bytes]:
+@contextlib.contextmanager
+def _running_as(uid: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``sleep`` running as ``uid``, killed at the end if it is still running."""
     setpriv = shutil.which("setpriv") or "setpriv"
     argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"]
-    return subprocess.Popen(argv)
+    process = subprocess.Popen(argv)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_a_uid_leased_by_a_server_that_died_is_emptied_before_its_next_lease() -> None:
@@ -597,15 +604,11 @@ def test_a_uid_leased_by_a_server_that_died_is_emptied_before_its_next_lease() -
         pytest.skip("kernel uids are leased only by root")
     uids = (1_900_100_002, 1_900_100_002)
     lease = privilege.lease_uid(uids)
-    left_behind = _run_as(lease.uid)
-    try:
+    with _running_as(lease.uid) as left_behind:
         os.close(lease._fd)  # the server died: the lock is free, the uid never released
         again = privilege.lease_uid(uids)
         assert left_behind.wait(timeout=10) == -signal.SIGKILL
         again.release()
-    finally:
-        left_behind.kill()
-        left_behind.wait()
 
 
 def test_releasing_a_uid_kills_its_processes_unless_the_caller_saw_them_end() -> None:
@@ -613,23 +616,15 @@ def test_releasing_a_uid_kills_its_processes_unless_the_caller_saw_them_end() ->
         pytest.skip("kernel uids are leased only by root")
     uids = (1_900_100_003, 1_900_100_003)
     lease = privilege.lease_uid(uids)
-    running = _run_as(lease.uid)
-    try:
+    with _running_as(lease.uid) as running:
         lease.release()
         assert running.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        running.kill()
-        running.wait()
     # Released clean (nothing ran as it), the uid is leased again without a kill: a process
     # started as it since (only root can) is left alone.
-    started_by_root = _run_as(uids[0])
-    try:
+    with _running_as(uids[0]) as started_by_root:
         lease = privilege.lease_uid(uids)
         lease.release(emptied=True)
         assert started_by_root.poll() is None
-    finally:
-        started_by_root.kill()
-        started_by_root.wait()
 
 
 @pytest.fixture(autouse=True)

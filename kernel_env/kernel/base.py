@@ -54,7 +54,7 @@ _STDIN_PROBE = {
 # The probe's request is usually the one lost (stdin connects ~0-100 ms after shell): a short
 # tick answers it soon after the connection is up. Spare answers are cheap and harmless.
 _STDIN_TICK = 0.01
-_READY_RECHECK = 0.05  # is the starting kernel alive; resend kernel_info until iopub shows
+_READY_RECHECK = 0.05  # is the starting kernel alive; send kernel_info until iopub shows
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
 

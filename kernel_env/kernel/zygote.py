@@ -52,6 +52,7 @@ import tempfile
 import time
 from typing import Any
 
+from kernel_env.kernel import cgroups
 from kernel_env.kernel.template import KernelTemplate, grow_descriptor_table, reseed
 
 # The modules every kernel imports while it starts: loaded once here, shared copy-on-write.
@@ -226,9 +227,7 @@ def _serve_one(
 def _keeper(request: dict[str, Any], template: KernelTemplate, report: int, zygote: int) -> None:
     status = 1
     try:
-        for join in request.get("cgroup_join", []):  # one thread yet: see KernelCgroup.join_files
-            with open(join, "w") as f:
-                f.write("0")
+        cgroups.join(request.get("cgroup_join", []))
         try:
             launched = _launch(request)
         except BaseException as exc:
