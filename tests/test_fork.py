@@ -22,6 +22,7 @@ from websockets.asyncio.client import connect
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.errors import ForkRefused, InvalidInput, LiveForkUnavailable
 from kernel_env.kernel import GatewayConfig
+from kernel_env.kernel.cgroups import available_controllers
 from kernel_env.kernel.factory import gateway_source, local_source
 from kernel_env.kernel.sandbox import sandbox_problem
 from kernel_env.remote import ws_url
@@ -153,6 +154,22 @@ def test_a_live_copy_grows_its_descriptor_table_before_it_has_threads() -> None:
         (child,) = parent.fork(method="live")
         with child:
             assert int(_out(child, fd_size)) >= 1024
+
+
+def test_a_live_copy_runs_in_a_cgroup_of_its_own() -> None:
+    """Closing a copy kills what is in its cgroup: the copy must be there, not in its
+    parent's (where closing it would leave the copy's children running)."""
+    if "pids" not in available_controllers():
+        pytest.skip("no writable pids cgroup here")
+    pids_cgroup = "print([l for l in open('/proc/self/cgroup').read().split() if ':pids:' in l])"
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        (child,) = parent.fork(method="live")
+        with child:
+            ids = [env._async.environment.kernel.kernel_id for env in (parent, child)]  # type: ignore[union-attr]
+            mine = _out(child, pids_cgroup)
+            assert ids[1] in mine and ids[0] not in mine
+            assert ids[0] in _out(parent, pids_cgroup)
 
 
 def _pid_of(env: KernelEnv) -> int:

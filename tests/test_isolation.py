@@ -310,6 +310,39 @@ def test_3_cpu_and_process_limits_are_per_kernel() -> None:
     assert quota == 50_000 and pids_max == 40
 
 
+@needs_sandbox
+def test_3_a_kernel_cannot_move_itself_out_of_its_cgroup() -> None:
+    """Every process of a kernel stays in its cgroup: closing it kills them all, and a
+    release then skips the uid-wide kill (privilege.UidLease.release). The kernel tries every
+    cgroup it can see (the root's, the server's, its own), by thread and by process."""
+    if "pids" not in cgroups.available_controllers():
+        pytest.skip("no writable pids cgroup here")
+    with sandboxed() as env:
+        env.reset()
+        kernel = env.environment.kernel
+        tried = env.execute(
+            "import os\nescaped = []\n"
+            "for root, _, files in os.walk('/sys/fs/cgroup'):\n"
+            "    for name in ('tasks', 'cgroup.procs'):\n"
+            "        if name in files:\n"
+            "            for what in ('0', str(os.getpid())):\n"
+            "                try:\n"
+            "                    open(os.path.join(root, name), 'w').write(what)\n"
+            "                    escaped.append(root)\n"
+            "                except OSError:\n"
+            "                    pass\n"
+            "print('escaped', escaped)\n"
+        ).observation.result
+        assert tried.success, tried
+        assert "escaped []" in tried.stdout
+        # Seen from the host: the launch, and the keeper with the kernel it forked, are all
+        # still in the kernel's cgroup.
+        members = (kernel._cgroup.paths[0] / "cgroup.procs").read_text().split()
+        tops = [kernel.pid, getattr(kernel, "keeper_pid", None)]
+        ours = {p for top in tops if top is not None for p in _tree(top)}
+        assert ours and ours <= {int(p) for p in members}, (ours, members)
+
+
 def _cgroup_value(env: KernelEnv, controller: str, v1: str, v2: str) -> int:
     kernel = env.environment.kernel
     cgroup = kernel._cgroup
