@@ -70,6 +70,11 @@ class KernelTemplate:
             # compiler) is then built once here, not in each kernel (~3 ms of its CPU). Silent:
             # no history, no execution count, no output; tests compare the namespace.
             app.kernel.shell.run_cell("pass\n", store_history=False, silent=True)
+            # The display formatters, built on first use (every step formats the state the
+            # host asks for), and a logger that makes no record its handlers would drop
+            # (ipykernel logs each message at debug level).
+            app.kernel.shell.display_formatter.format(None)
+            app.log.setLevel(min((h.level for h in app.log.handlers), default=app.log_level))
         finally:
             del os.environ["IPYTHONDIR"]
         _check_forkable()
@@ -98,11 +103,21 @@ class KernelTemplate:
         app.session.pid = os.getpid()  # a Session sends nothing from a process it was not made in
         kernel.ident = str(uuid.uuid4())
         app.init_sockets()
-        app.init_heartbeat()
+        self._without_shell_channel_thread()
+        # No heartbeat (its own zmq context and three threads): the host watches the process
+        # itself, and nothing here connects to the heartbeat socket.
         app.write_connection_file()
         app.init_io()
         app.init_signal()
         self._connect_kernel()
+
+    def _without_shell_channel_thread(self) -> None:
+        """Shell messages go straight to the main thread. ipykernel 7 relays each one
+        through a thread of its own, for subshells (concurrent cells, which an episode does
+        not run): a thread hop and a second parse per message, and one more thread to start."""
+        thread, self.app.shell_channel_thread = self.app.shell_channel_thread, None
+        if thread is not None:
+            thread.io_loop.close(all_fds=True)
 
     def _connect_kernel(self) -> None:
         """What ``IPKernelApp.init_kernel`` passes to a new kernel, given to the built one."""
