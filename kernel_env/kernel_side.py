@@ -329,6 +329,14 @@ class _CappedStream:
             self._inner.flush()
         self.reset()
 
+    def flush(self) -> None:
+        # ipykernel's flush hands the stream to its IO thread and waits for it (two thread
+        # wake-ups), and every request flushes both streams twice; a stream with nothing
+        # written since its last flush has nothing to wait for. (ipykernel marks a pending
+        # flush before write returns; a stream without the mark is always flushed.)
+        if getattr(self._inner, "_flush_pending", True):
+            self._inner.flush()
+
     def close(self) -> None:
         # User code closing sys.stdout must not break every later cell.
         self._closed = True

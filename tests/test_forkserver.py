@@ -97,6 +97,29 @@ async def test_forked_kernels_are_fresh_sandboxed_kernels(forkserver: ForkServer
     assert forkserver.forks >= 1
 
 
+async def test_a_forked_kernels_output_reaches_its_own_step(forkserver: ForkServer) -> None:
+    """A forked kernel runs ipykernel's threads but the shell channel relay and the heartbeat,
+    and a stream is flushed at a cell's end only when something was written to it: what a
+    cell prints, writes to its descriptor 1 or has a subprocess write there still arrives
+    with that cell's step, and nothing of it with the next, cell after cell."""
+    async with AsyncKernelEnv(kernel_source=_source(forkserver)) as env:
+        await env.reset()
+        threads = await _run(
+            env, "import threading; print(sorted(t.name for t in threading.enumerate()))"
+        )
+        names = eval(threads)
+        assert "Shell channel" not in names and "Heartbeat" not in names
+        assert {"MainThread", "IOPub", "Control"} <= set(names)
+        for i in range(24):  # within the episode's 30 steps
+            code, expected = [
+                (f"print('p{i}')", f"p{i}\n"),
+                (f"import os; _ = os.write(1, b'w{i}\\n')", f"w{i}\n"),
+                (f"import os; _ = os.system('echo s{i}')", f"s{i}\n"),
+                (f"x{i} = {i}", ""),
+            ][i % 4]
+            assert await _run(env, code) == expected, code
+
+
 async def test_a_forked_kernel_and_its_sandbox_hold_the_kernels_cgroups_and_rlimits(
     forkserver: ForkServer,
 ) -> None:
