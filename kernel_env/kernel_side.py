@@ -26,6 +26,7 @@ import random
 import reprlib
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,8 @@ DEFAULT_DISPLAY_CHARS = 8_000_000
 _TAIL_KEEP = 20_000  # chars kept from the end of an over-cap stream
 _SNAPSHOT_MAX_VARS = 100
 _SNAPSHOT_REPR_CHARS = 500
+# A stream's flush this soon after a full one, with nothing written since, is skipped.
+_FLUSH_AGAIN = 0.005  # seconds
 
 
 class HostCallError(RuntimeError):
@@ -287,6 +290,7 @@ class _CappedStream:
         self._inner = inner
         self._episode = episode
         self._closed = False
+        self._flushed = 0.0  # when the inner stream's last full flush ended
         self.reset()
 
     def reset(self) -> None:
@@ -331,11 +335,16 @@ class _CappedStream:
 
     def flush(self) -> None:
         # ipykernel's flush hands the stream to its IO thread and waits for it (two thread
-        # wake-ups), and every request flushes both streams twice; a stream with nothing
-        # written since its last flush has nothing to wait for. (ipykernel marks a pending
-        # flush before write returns; a stream without the mark is always flushed.)
-        if getattr(self._inner, "_flush_pending", True):
+        # wake-ups), and a request flushes each stream twice: before its reply and before its
+        # idle status. The first is the barrier that lets the thread capturing the process's
+        # descriptor deliver what a subprocess wrote (it waits for the GIL meanwhile); the
+        # second finds nothing new unless something was written since, which ipykernel marks
+        # before write returns (a stream without the mark is always flushed).
+        if getattr(self._inner, "_flush_pending", True) or (
+            time.monotonic() - self._flushed > _FLUSH_AGAIN
+        ):
             self._inner.flush()
+            self._flushed = time.monotonic()
 
     def close(self) -> None:
         # User code closing sys.stdout must not break every later cell.

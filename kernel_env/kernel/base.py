@@ -240,7 +240,9 @@ class Kernel(ABC):
           takes the next message on stdin as the reply (it purges anything that arrived
           before it asked). Once the probe's cell has replied, the kernel has heard from our
           stdin socket, so its requests reach us. A spare answer still on its way then is
-          :data:`PROBE_REPLY`, which ``llm_query`` never takes for its own.
+          :data:`PROBE_REPLY`, which ``llm_query`` never takes for its own. Spares go out
+          every 10 ms once iopub shows the probe running (an answer sent before the kernel
+          asks is purged), and every 50 ms until then, in case iopub missed its start.
 
         The probe's reply proves shell too: one round trip to the kernel, and no kernel_info
         request to serve first (~3 ms of a forked kernel's start) unless iopub is late.
@@ -251,7 +253,7 @@ class Kernel(ABC):
             raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
         probe = _Run(self._send("shell", "execute_request", _STDIN_PROBE))
         answer = asyncio.ensure_future(self._serve_stdin(probe, _answer_probe))
-        got_iopub = False
+        got_iopub = probe_running = False
         recheck = loop.time() + _READY_RECHECK
         try:
             while not (got_iopub and probe.reply is not None):
@@ -262,6 +264,7 @@ class Kernel(ABC):
                         f"kernel not ready after {self.ready_timeout:.0f} s ({missing})",
                         kernel_id=self.kernel_id,
                     )
+                spare = probe_running
                 if now >= recheck:
                     if not await self.is_alive():
                         raise KernelStartError(
@@ -269,13 +272,15 @@ class Kernel(ABC):
                         )
                     if not got_iopub:
                         self._send("shell", "kernel_info_request", {})
-                    recheck = now + _READY_RECHECK
-                if probe.reply is None:
+                    recheck, spare = now + _READY_RECHECK, True
+                if spare and probe.reply is None:
                     self._send("stdin", "input_reply", {"value": PROBE_REPLY})
                 msg = await _get(self._queues["shell"], _STDIN_TICK)
                 if msg is not None and _parent_id(msg) == probe.msg_id:
                     probe.reply = msg.get("content") or {}
-                got_iopub = got_iopub or not self._queues["iopub"].empty()
+                while not self._queues["iopub"].empty():  # noise once ready: see below
+                    got_iopub = True
+                    probe_running |= _parent_id(self._queues["iopub"].get_nowait()) == probe.msg_id
                 if answer.done():
                     answer.result()  # _serve_stdin only ends by raising
         finally:

@@ -242,6 +242,7 @@ class LocalKernel(Kernel):
         self._dir: Path | None = None
         self._km: _KernelManager | None = None
         self._kc: Any = None
+        self._senders: dict[str, zmq.Socket[bytes]] = {}  # by channel: see _start_client
         self._readers: list[asyncio.Task[None]] = []
         self._lease: privilege.UidLease | None = None
         self._cgroup: KernelCgroup | None = None
@@ -557,9 +558,8 @@ class LocalKernel(Kernel):
     def _send(
         self, channel: str, msg_type: str, content: dict[str, Any], parent: dict | None = None
     ) -> str:
-        kc = self._kc
-        msg = kc.session.msg(msg_type, content, parent=parent)
-        getattr(kc, f"{channel}_channel").send(msg)
+        msg = self._kc.session.msg(msg_type, content, parent=parent)
+        self._kc.session.send(self._senders[channel], msg)
         return str(msg["header"]["msg_id"])
 
     async def is_alive(self) -> bool:
@@ -590,6 +590,12 @@ class LocalKernel(Kernel):
         )
         self._kc = self._km.client(session=session, context=self._km.context)
         self._kc.start_channels(shell=True, iopub=True, stdin=True, hb=False, control=False)
+        # Sent through blocking shadows of the channels' sockets, made once: jupyter_client's
+        # Session.send makes a new one for every message it sends on an asyncio socket.
+        self._senders = {
+            name: zmq.Socket.shadow(getattr(self._kc, f"{name}_channel").socket.underlying)
+            for name in ("shell", "stdin")
+        }
         self._readers = [
             asyncio.create_task(self._pump(name), name=f"{self.kernel_id}-{name}")
             for name in ("shell", "iopub", "stdin")
@@ -637,6 +643,7 @@ class LocalKernel(Kernel):
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+        self._senders = {}  # shadows: closing them would close the channels' sockets
         if self._kc is not None:
             self._kc.stop_channels()
             self._kc = None

@@ -74,6 +74,10 @@ class KernelTemplate:
             # host asks for), and a logger that makes no record its handlers would drop
             # (ipykernel logs each message at debug level).
             app.kernel.shell.display_formatter.format(None)
+            # IPython's own extensions (storemagic: magics, no state of a kernel's own); the
+            # kernel's init_extensions then loads only kernel_env's.
+            for name in app.default_extensions:
+                app.kernel.shell.extension_manager.load_extension(name)
             app.log.setLevel(min((h.level for h in app.log.handlers), default=app.log_level))
         finally:
             del os.environ["IPYTHONDIR"]
@@ -98,7 +102,9 @@ class KernelTemplate:
         ``connection_file`` (made in this process, none inherited)."""
         app, kernel = self.app, self.app.kernel
         app.connection_file = connection_file
-        app.init_connection_file()  # the key, transport and socket addresses
+        # What init_connection_file does with an absolute path that exists, without looking
+        # up Jupyter's runtime directory first: the key, transport and socket addresses.
+        app.load_connection_file()
         app.session.session = str(uuid.uuid4())  # msg ids and headers of this kernel alone
         app.session.pid = os.getpid()  # a Session sends nothing from a process it was not made in
         kernel.ident = str(uuid.uuid4())
