@@ -53,7 +53,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_RECV_REARM = 0.25  # seconds; see LocalKernel._pump
+_RECV_REARM = 0.25  # seconds; see LocalKernel._drain
+_CHANNELS = ("shell", "iopub", "stdin")
 
 # A unix socket path holds at most 107 bytes on Linux. jupyter_client names the IPC sockets
 # "<ip>-<n>", n = 1..5 in a fresh dir; allow two digits.
@@ -112,13 +113,20 @@ class _KernelManager(AsyncKernelManager):
         super().__init__(kernel_name="", **kwargs)
 
     def _connect_control_socket(self) -> None:
-        # A shutdown interrupts first (over this socket, for message-mode kernels); to a
-        # kernel already dead the message would wait here, and jupyter_client's 100 ms linger
-        # delivered it to the kernel a restart binds at the same address: its first cell
-        # was interrupted. Closing now drops what is undelivered.
+        # An interrupt goes over this socket (for message-mode kernels); to a kernel already
+        # dead the message would wait here, and jupyter_client's 100 ms linger delivered it to
+        # the kernel a restart binds at the same address: its first cell was interrupted.
+        # Closing now drops what is undelivered.
         super()._connect_control_socket()
         if self._control_socket is not None:
             self._control_socket.linger = 0
+
+    async def _async_post_start_kernel(self, **kw: Any) -> None:
+        # jupyter_client's, without connecting the control socket: an interrupt or a
+        # shutdown request connects it when it needs it, and most kernels never do.
+        self.start_restarter()
+        assert self.provisioner is not None
+        await self.provisioner.post_launch(**kw)
 
     async def shutdown_kernel(self, now: bool = False, restart: bool = False) -> None:  # type: ignore[override]
         """A kill (``now``) without the interrupt jupyter_client sends first. The kill takes
@@ -242,8 +250,8 @@ class LocalKernel(Kernel):
         self._dir: Path | None = None
         self._km: _KernelManager | None = None
         self._kc: Any = None
-        self._senders: dict[str, zmq.Socket[bytes]] = {}  # by channel: see _start_client
-        self._readers: list[asyncio.Task[None]] = []
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}  # by channel: see _start_client
+        self._rearm: asyncio.TimerHandle | None = None
         self._lease: privilege.UidLease | None = None
         self._cgroup: KernelCgroup | None = None
         self._forkserver = forkserver if argv is None else None
@@ -559,7 +567,8 @@ class LocalKernel(Kernel):
         self, channel: str, msg_type: str, content: dict[str, Any], parent: dict | None = None
     ) -> str:
         msg = self._kc.session.msg(msg_type, content, parent=parent)
-        self._kc.session.send(self._senders[channel], msg)
+        self._kc.session.send(self._sockets[channel], msg)
+        self._drain(channel)  # what arrived before the send, whose signal the send may take
         return str(msg["header"]["msg_id"])
 
     async def is_alive(self) -> bool:
@@ -590,38 +599,33 @@ class LocalKernel(Kernel):
         )
         self._kc = self._km.client(session=session, context=self._km.context)
         self._kc.start_channels(shell=True, iopub=True, stdin=True, hb=False, control=False)
-        # Sent through blocking shadows of the channels' sockets, made once: jupyter_client's
-        # Session.send makes a new one for every message it sends on an asyncio socket.
-        self._senders = {
+        # The host sends and receives through one blocking shadow of each channel's socket,
+        # made once, from this event loop (jupyter_client's Session.send made a new shadow
+        # for every message; pyzmq's asyncio recv registered and dropped the socket's
+        # descriptor with the loop for every message: an eighth of a busy server's CPU).
+        self._sockets = {
             name: zmq.Socket.shadow(getattr(self._kc, f"{name}_channel").socket.underlying)
-            for name in ("shell", "stdin")
+            for name in _CHANNELS
         }
-        self._readers = [
-            asyncio.create_task(self._pump(name), name=f"{self.kernel_id}-{name}")
-            for name in ("shell", "iopub", "stdin")
-        ]
+        loop = asyncio.get_running_loop()
+        for name, sock in self._sockets.items():
+            loop.add_reader(sock.FD, self._drain, name)
+        self._recheck()
 
-    async def _pump(self, name: str) -> None:
-        """The one reader of a channel: everything received goes to the driver's queue."""
-        socket = getattr(self._kc, f"{name}_channel").socket
+    def _drain(self, name: str) -> None:
+        """Hand every message waiting on a channel to the driver's queue.
+
+        A zmq socket's descriptor only signals that its events changed, and a send on the
+        socket can take that signal: so a channel is read until its EVENTS say nothing is
+        left, again after each send on it (``_send``), and every ``_RECV_REARM`` seconds
+        (``_recheck``), which bounds any stall instead of hanging a step."""
+        sock = self._sockets.get(name)
+        if sock is None:
+            return
         session = self._kc.session
         try:
-            while True:
-                # pyzmq's asyncio integration now and then misses the edge-triggered zmq FD
-                # event of a socket we also send on: a reply sat in the socket (EVENTS=POLLIN)
-                # with the recv pending forever. A new recv checks EVENTS first, so re-arming
-                # every _RECV_REARM seconds bounds such a stall instead of hanging the step.
-                # asyncio.wait, not wait_for: on 3.11 wait_for can swallow a cancellation
-                # that lands as the recv completes, and then shutdown waits on us forever.
-                recv = socket.recv_multipart()
-                try:
-                    done, _ = await asyncio.wait({recv}, timeout=_RECV_REARM)
-                finally:
-                    if not recv.done():
-                        recv.cancel()
-                if not done:
-                    continue
-                frames = recv.result()
+            while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
                 _, msg = session.feed_identities(frames)
                 msg = session.deserialize(msg)
                 log.debug(
@@ -632,18 +636,27 @@ class LocalKernel(Kernel):
                     msg.get("parent_header", {}).get("msg_id"),
                 )
                 self._deliver(name, msg)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
+        except Exception as exc:  # a message that fails its signature, a socket gone
+            self._stop_reading()
             self._transport_failed(exc)
-            raise
+
+    def _recheck(self) -> None:
+        for name in list(self._sockets):
+            self._drain(name)
+        if self._sockets:
+            self._rearm = asyncio.get_running_loop().call_later(_RECV_REARM, self._recheck)
+
+    def _stop_reading(self) -> None:
+        loop = asyncio.get_running_loop()
+        sockets, self._sockets = self._sockets, {}
+        for sock in sockets.values():  # shadows: closing them would close the channels'
+            loop.remove_reader(sock.FD)
+        if self._rearm is not None:
+            self._rearm.cancel()
+            self._rearm = None
 
     async def _stop_client(self) -> None:
-        readers, self._readers = self._readers, []
-        for task in readers:
-            task.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
-        self._senders = {}  # shadows: closing them would close the channels' sockets
+        self._stop_reading()
         if self._kc is not None:
             self._kc.stop_channels()
             self._kc = None
