@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from procs import alive
 
-from kernel_env.errors import KernelStartError
+from kernel_env.errors import KernelError, KernelStartError
 from kernel_env.kernel import LocalKernel
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
@@ -117,3 +117,19 @@ async def test_shutdown_kills_the_process_when_jupyter_client_cannot() -> None:
     with pytest.raises(ProcessLookupError):  # reaped, not even a zombie
         os.kill(pid, 0)
     assert kernel.runtime_dir is None
+
+
+async def test_a_forged_message_fails_the_step_instead_of_hanging() -> None:
+    """A cell that sends the host a message it cannot verify (a forged signature, on its own
+    iopub socket) loses the kernel's channels: that step and the next fail at once with a
+    KernelError, none waits out a timeout."""
+    forge = (
+        "get_ipython().kernel.iopub_socket.send_multipart("
+        "[b'x', b'<IDS|MSG>', b'forged', b'{}', b'{}', b'{}', b'{}'])\n"
+        "import time; time.sleep(1)"
+    )
+    async with LocalKernel() as kernel:
+        with pytest.raises(KernelError, match="channel"):
+            await asyncio.wait_for(kernel.execute(forge, timeout=30), 10)
+        with pytest.raises(KernelError, match="channel"):
+            await asyncio.wait_for(kernel.execute("1", timeout=30), 10)

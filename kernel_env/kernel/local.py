@@ -34,7 +34,7 @@ from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.provisioning import KernelProvisionerBase
 from jupyter_client.session import Session
 
-from kernel_env.errors import KernelStartError, LiveForkUnavailable
+from kernel_env.errors import KernelError, KernelStartError, LiveForkUnavailable
 from kernel_env.kernel import privilege
 from kernel_env.kernel.base import Kernel
 from kernel_env.kernel.cgroups import KernelCgroup
@@ -566,8 +566,11 @@ class LocalKernel(Kernel):
     def _send(
         self, channel: str, msg_type: str, content: dict[str, Any], parent: dict | None = None
     ) -> str:
+        sock = self._sockets.get(channel)
+        if sock is None:  # the channels failed (see _drain) or were closed
+            raise KernelError(f"the kernel's {channel} channel is closed", kernel_id=self.kernel_id)
         msg = self._kc.session.msg(msg_type, content, parent=parent)
-        self._kc.session.send(self._sockets[channel], msg)
+        self._kc.session.send(sock, msg)
         self._drain(channel)  # what arrived before the send, whose signal the send may take
         return str(msg["header"]["msg_id"])
 

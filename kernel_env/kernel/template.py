@@ -74,11 +74,11 @@ class KernelTemplate:
             # host asks for), and a logger that makes no record its handlers would drop
             # (ipykernel logs each message at debug level).
             app.kernel.shell.display_formatter.format(None)
+            app.log.setLevel(min((h.level for h in app.log.handlers), default=app.log_level))
             # IPython's own extensions (storemagic: magics, no state of a kernel's own); the
             # kernel's init_extensions then loads only kernel_env's.
             for name in app.default_extensions:
                 app.kernel.shell.extension_manager.load_extension(name)
-            app.log.setLevel(min((h.level for h in app.log.handlers), default=app.log_level))
         finally:
             del os.environ["IPYTHONDIR"]
         _check_forkable()
