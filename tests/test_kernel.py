@@ -133,3 +133,38 @@ async def test_a_forged_message_fails_the_step_instead_of_hanging() -> None:
             await asyncio.wait_for(kernel.execute(forge, timeout=30), 10)
         with pytest.raises(KernelError, match="channel"):
             await asyncio.wait_for(kernel.execute("1", timeout=30), 10)
+
+
+async def test_a_cell_flooding_its_channels_does_not_stall_the_host() -> None:
+    """A cell that sends the host signed messages as fast as it can (on its iopub socket, for
+    4 s): the host reads them in turns with everything else on its event loop, so a tick
+    that other sessions would need still comes every few ms, not after the flood."""
+    flood = (
+        "import time\n"
+        "k = get_ipython().kernel\n"
+        "sock, s = k.iopub_thread.socket, k.session\n"
+        "time.sleep(0.3)  # the iopub thread has sent the cell's busy status: the socket is ours\n"
+        "end = time.monotonic() + 4\n"
+        "while time.monotonic() < end:\n"
+        "    msg = s.msg('stream', {'name': 'stdout', 'text': 'x'})\n"
+        "    sock.send_multipart(s.serialize(msg, ident=b'stream'))\n"
+    )
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    async with LocalKernel() as kernel:
+        ticker = asyncio.create_task(tick())
+        try:
+            await asyncio.wait_for(kernel.execute(flood, timeout=20), 60)
+        finally:
+            done.set()
+            await ticker
+    assert len(gaps) > 100 and max(gaps) < 1.0, f"the event loop stalled {max(gaps):.2f} s"

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _RECV_REARM = 0.25  # seconds; see LocalKernel._drain
 _CHANNELS = ("shell", "iopub", "stdin")
+_DRAIN_BATCH = 64  # messages read from a channel in one turn of the event loop
 
 # A unix socket path holds at most 107 bytes on Linux. jupyter_client names the IPC sockets
 # "<ip>-<n>", n = 1..5 in a fresh dir; allow two digits.
@@ -252,6 +253,7 @@ class LocalKernel(Kernel):
         self._kc: Any = None
         self._sockets: dict[str, zmq.Socket[bytes]] = {}  # by channel: see _start_client
         self._rearm: asyncio.TimerHandle | None = None
+        self._draining: set[str] = set()  # channels with a next turn of _drain scheduled
         self._lease: privilege.UidLease | None = None
         self._cgroup: KernelCgroup | None = None
         self._forkserver = forkserver if argv is None else None
@@ -621,13 +623,17 @@ class LocalKernel(Kernel):
         A zmq socket's descriptor only signals that its events changed, and a send on the
         socket can take that signal: so a channel is read until its EVENTS say nothing is
         left, again after each send on it (``_send``), and every ``_RECV_REARM`` seconds
-        (``_recheck``), which bounds any stall instead of hanging a step."""
+        (``_recheck``), which bounds any stall instead of hanging a step. At most
+        ``_DRAIN_BATCH`` messages a turn of the event loop: the rest in the next turn, so a
+        cell that floods its channels cannot keep the host from its other sessions."""
         sock = self._sockets.get(name)
         if sock is None:
             return
         session = self._kc.session
         try:
-            while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            for _ in range(_DRAIN_BATCH):
+                if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                    return
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 _, msg = session.feed_identities(frames)
                 msg = session.deserialize(msg)
@@ -642,6 +648,14 @@ class LocalKernel(Kernel):
         except Exception as exc:  # a message that fails its signature, a socket gone
             self._stop_reading()
             self._transport_failed(exc)
+            return
+        if name not in self._draining:  # one continuation a channel, however often it fired
+            self._draining.add(name)
+            asyncio.get_running_loop().call_soon(self._continue_draining, name)
+
+    def _continue_draining(self, name: str) -> None:
+        self._draining.discard(name)
+        self._drain(name)
 
     def _recheck(self) -> None:
         for name in list(self._sockets):
