@@ -187,7 +187,7 @@ async def starts_and_memory(args: argparse.Namespace, parts: set[str]) -> float:
     """P12 and memory; the cold start's p50 (P1's yardstick)."""
     async with ForkServer() as forkserver:
         print(f"forkserver: {forkserver.status}", flush=True)
-        start = await p12(forkserver, args.starts if parts & {"p12"} else 3)
+        start = await p12(forkserver, args.starts if "p12" in parts else 3)
         mem = await memory(forkserver, args.kernels) if "memory" in parts else None
     cold_start = statistics.median(start["cold"])
     fork_start = statistics.median(start["fork"])

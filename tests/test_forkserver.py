@@ -269,19 +269,19 @@ class _UnlaunchableKernel(LocalKernel):
 async def test_a_launch_that_fails_starts_that_kernel_cold(forkserver: ForkServer) -> None:
     """A forked launch that fails: that kernel starts cold, and the forkserver still forks
     the next one."""
-    await _one_cold_start_then_forks(forkserver, _UnlaunchableKernel)
-
-
-async def _one_cold_start_then_forks(forkserver: ForkServer, kind: type[LocalKernel]) -> None:
-    """The next kernel (of ``kind``) starts cold and works; the one after is forked."""
-    async with AsyncKernelEnv(kernel_source=_source(forkserver, kind)) as env:
-        await env.reset()
-        assert "2" in await _run(env, "print(1 + 1)")
-        assert not env.environment.kernel.forked  # type: ignore[union-attr]
+    assert await _forked_two_in_turn(forkserver, _UnlaunchableKernel) == (False, True)
     assert forkserver.ready
-    async with AsyncKernelEnv(kernel_source=_source(forkserver, LocalKernel)) as env:
-        await env.reset()
-        assert env.environment.kernel.forked  # type: ignore[union-attr]
+
+
+async def _forked_two_in_turn(forkserver: ForkServer, kind: type[LocalKernel]) -> tuple[bool, bool]:
+    """Whether the next kernel (of ``kind``, which must work) and the one after were forked."""
+    forked = []
+    for source in (_source(forkserver, kind), _source(forkserver, LocalKernel)):
+        async with AsyncKernelEnv(kernel_source=source) as env:
+            await env.reset()
+            assert "2" in await _run(env, "print(1 + 1)")
+            forked.append(bool(env.environment.kernel.forked))  # type: ignore[union-attr]
+    return forked[0], forked[1]
 
 
 async def test_a_spare_keeper_that_died_means_one_cold_start(forkserver: ForkServer) -> None:
@@ -296,7 +296,8 @@ async def test_a_spare_keeper_that_died_means_one_cold_start(forkserver: ForkSer
         await asyncio.sleep(0.05)
     assert len(spares) == 1
     os.kill(spares[0], signal.SIGKILL)
-    await _one_cold_start_then_forks(forkserver, LocalKernel)
+    assert await _forked_two_in_turn(forkserver, LocalKernel) == (False, True)
+    assert forkserver.ready
 
 
 async def test_a_forked_kernel_killed_mid_step_is_replaced(forkserver: ForkServer) -> None:
