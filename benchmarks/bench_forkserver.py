@@ -29,7 +29,6 @@ from websockets.asyncio.client import connect
 
 from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.sandbox import SandboxedKernel
-from kernel_env.kernel.zygote import KERNEL_NAME
 
 PARTS = ("p12", "memory", "p1", "p11")
 
@@ -65,29 +64,17 @@ def _pss(pid: int) -> int:
 
 def _kernel_pid(kernel: SandboxedKernel) -> int:
     """The host pid of the process that runs the kernel's cells."""
-    if kernel.forked and kernel.keeper_pid is not None:
-        keeper = kernel.keeper_pid
-        children = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
-        return next(int(c) for c in children if _comm(c) == KERNEL_NAME)
+    if kernel.forked and kernel.forked_pid is not None:
+        return kernel.forked_pid
     init = kernel._km.sandbox_init  # type: ignore[union-attr]
     return int(Path(f"/proc/{init}/task/{init}/children").read_text().split()[0])
 
 
-def _comm(pid: int | str) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def _processes(kernel: SandboxedKernel) -> list[int]:
     """Every host process a kernel costs: the launch (bubblewrap, its init, the kernel or
-    placeholder) and, when forked, the keeper (the launch's parent) and the kernel."""
+    placeholder) and, when forked, the kernel (the zygote's child)."""
     launched = kernel._km.provisioner.pid  # type: ignore[union-attr]
-    pids = {launched, *descendants(launched)}
-    if kernel.forked and kernel.keeper_pid is not None:
-        pids |= {kernel.keeper_pid, *descendants(kernel.keeper_pid)}
-    return sorted(pids)
+    return sorted({launched, *descendants(launched), _kernel_pid(kernel)})
 
 
 async def p12(server: ForkServer, n: int) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from kernel_env.kernel.cgroups import available_controllers
 from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
-from kernel_env.kernel.zygote import KEEPER_NAME, KERNEL_NAME
+from kernel_env.kernel.zygote import KERNEL_NAME, SPAWNER_NAME
 
 pytestmark = [
     pytest.mark.integration,
@@ -74,7 +74,7 @@ async def test_forked_kernels_are_fresh_sandboxed_kernels(forkserver: ForkServer
             "    except OSError:\n        pass  # the listing's own descriptor, closed by now\n"
             "print(targets)",
         )
-        # Nothing inherited from the zygote or its keeper: no namespace, no host directory.
+        # Nothing inherited from the zygote: no namespace, no host directory, no pidfd.
         leaked = [
             t
             for t in eval(fds)
@@ -123,7 +123,7 @@ async def test_a_forked_kernels_output_reaches_its_own_step(forkserver: ForkServ
 async def test_a_forked_kernel_and_its_sandbox_hold_the_kernels_cgroups_and_rlimits(
     forkserver: ForkServer,
 ) -> None:
-    """The keeper launches the sandbox in place of the cold launch guard: the launch, the
+    """The spawner launches the sandbox in place of the cold launch guard: the launch, the
     sandbox's init and the kernel are all in the kernel's own cgroups (its memory, pids and CPU
     limits), and the kernel runs with its rlimits."""
     limits = SandboxLimits(open_files=321, address_space_bytes=3 * 1024**3)
@@ -148,11 +148,11 @@ async def test_a_forked_kernel_and_its_sandbox_hold_the_kernels_cgroups_and_rlim
         await kernel.shutdown()
 
 
-def _kernel_pid(kernel: SandboxedKernel) -> int:
-    keeper = kernel.keeper_pid
-    children = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
-    (pid,) = [c for c in children if Path(f"/proc/{c}/comm").read_text().strip() == KERNEL_NAME]
-    return int(pid)
+def _kernel_pid(kernel: LocalKernel) -> int:
+    """The host pid of the process running a forked kernel's cells: the zygote's child."""
+    pid = kernel.forked_pid
+    assert pid is not None and comm(pid) == KERNEL_NAME
+    return pid
 
 
 async def test_two_forked_kernels_draw_different_random_numbers(forkserver: ForkServer) -> None:
@@ -243,7 +243,7 @@ async def test_forked_kernels_cannot_reach_each_other(forkserver: ForkServer) ->
 
 
 def _host_uid(kernel: SandboxedKernel) -> int:
-    """The host uid of the process running a kernel's cells (its keeper's child)."""
+    """The host uid of the process running a kernel's cells."""
     pid = _kernel_pid(kernel)
     return int(Path(f"/proc/{pid}/status").read_text().split("Uid:\t")[1].split()[0])
 
@@ -284,19 +284,48 @@ async def _forked_two_in_turn(forkserver: ForkServer, kind: type[LocalKernel]) -
     return forked[0], forked[1]
 
 
-async def test_a_spare_keeper_that_died_means_one_cold_start(forkserver: ForkServer) -> None:
-    """The keeper the zygote forked ahead of the next request is killed: that request's
-    kernel starts cold, and the zygote has forked another keeper for the one after."""
-    zygote = forkserver._pid()
-    assert zygote is not None
-    for _ in range(100):  # the zygote forks it once it has said it is ready
-        spares = [p for p in child_pids(zygote) if comm(p) == KEEPER_NAME and not child_pids(p)]
-        if spares:
+async def test_a_spawner_that_died_means_cold_starts(forkserver: ForkServer) -> None:
+    """The zygote's spawner is killed: the kernels it launched end with it, the next kernel
+    starts cold, and the forkserver says why."""
+    running = SandboxedKernel(forkserver=forkserver)
+    await running.start()
+    try:
+        zygote = forkserver._pid()
+        assert zygote is not None
+        (spawner,) = [p for p in child_pids(zygote) if comm(p) == SPAWNER_NAME]
+        kernel = _kernel_pid(running)
+        os.kill(spawner, signal.SIGKILL)
+        for _ in range(100):
+            if not Path(f"/proc/{kernel}").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert not Path(f"/proc/{kernel}").exists()
+    finally:
+        await running.shutdown()
+    async with AsyncKernelEnv(kernel_source=_source(forkserver)) as env:
+        await env.reset()
+        assert "2" in await _run(env, "print(1 + 1)")
+        assert not env.environment.kernel.forked  # type: ignore[union-attr]
+    assert not forkserver.ready and "spawner" in forkserver.status
+
+
+async def test_kernels_ending_together_leave_the_forkserver_serving(
+    forkserver: ForkServer,
+) -> None:
+    """Eight forked kernels, sandboxed and not, shut down at once (their kernels and
+    placeholders end in the same instants): every one ends, and the next kernel is forked."""
+    kernels = [
+        kind(forkserver=forkserver) for kind in (SandboxedKernel, LocalKernel) for _ in range(4)
+    ]
+    await asyncio.gather(*(k.start() for k in kernels))
+    pids = [_kernel_pid(k) for k in kernels]
+    await asyncio.gather(*(k.shutdown() for k in kernels))
+    for _ in range(100):
+        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
             break
         await asyncio.sleep(0.05)
-    assert len(spares) == 1
-    os.kill(spares[0], signal.SIGKILL)
-    assert await _forked_two_in_turn(forkserver, LocalKernel) == (False, True)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert await _forked_two_in_turn(forkserver, LocalKernel) == (True, True)
     assert forkserver.ready
 
 
@@ -327,7 +356,7 @@ async def test_forked_kernels_without_the_sandbox(forkserver: ForkServer) -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_forked_churn_leaves_nothing_behind(tmp_path: Path) -> None:
-    """200 forked reset/close cycles: no kernel, keeper or placeholder process, runtime
+    """200 forked reset/close cycles: no kernel, launch or placeholder process, runtime
     file or cgroup is left over, and the forkserver is gone once closed."""
     server = await ForkServer().start()
     source = _source(server, runtime_root=str(tmp_path))
@@ -346,13 +375,16 @@ async def test_forked_churn_leaves_nothing_behind(tmp_path: Path) -> None:
         before = set(cgroups.iterdir()) if cgroups.exists() else set()
         for _ in range(200):
             await cycle()
-        await asyncio.sleep(0.5)  # keepers exit once their kernel has gone
+        # The zygote and its spawner, and nothing else, once the last kernel has ended.
+        for _ in range(50):
+            left = descendants(os.getpid()) - {zygote}
+            if len(left) == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert [comm(p) for p in left] == [SPAWNER_NAME]
         assert sorted(os.listdir(parent)) == [".lock"]
-        # The zygote's one spare keeper, forked ahead of the next request, and nothing else.
-        (spare,) = descendants(os.getpid()) - {zygote}
-        assert comm(spare) == KEEPER_NAME and descendants(spare) == set()
         assert not cgroups.exists() or set(cgroups.iterdir()) - before == set()
-        assert server.forks >= 200
+        assert server.forks >= 200 and server.ready
     finally:
         await server.close()
     assert descendants(os.getpid()) == set()

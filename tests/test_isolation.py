@@ -335,10 +335,10 @@ def test_3_a_kernel_cannot_move_itself_out_of_its_cgroup() -> None:
         ).observation.result
         assert tried.success, tried
         assert "escaped []" in tried.stdout
-        # Seen from the host: the launch, and the keeper with the kernel it forked, are all
-        # still in the kernel's cgroup.
+        # Seen from the host: the launch, and the kernel the forkserver forked, are all still
+        # in the kernel's cgroup.
         members = (kernel._cgroup.paths[0] / "cgroup.procs").read_text().split()
-        tops = [kernel.pid, getattr(kernel, "keeper_pid", None)]
+        tops = [kernel.pid, getattr(kernel, "forked_pid", None)]
         ours = {p for top in tops if top is not None for p in _tree(top)}
         assert ours and ours <= {int(p) for p in members}, (ours, members)
 

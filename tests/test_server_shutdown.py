@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from procs import comm, descendants
+from procs import child_pids, comm, descendants
 from serverkit import alive, kernel_pids, metrics, serve_process, terminate, wait_until
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -78,12 +78,13 @@ def test_sigkill_leaves_no_orphan_kernel_after_10_s() -> None:
         )
         kernels = kernel_pids(server.pid)
         assert len(kernels) == 3
-        # The forkserver's keepers too: one per kernel, and the spare waiting for a request.
-        keepers = {p for p in descendants(server.pid) if comm(p) == "ke-keeper"}
-        assert len(keepers) == len(kernels) + 1
+        # The forkserver's zygote and spawner too, and every launch the spawner started.
+        helpers = {p for p in descendants(server.pid) if comm(p) == "ke-spawner"}
+        assert len(helpers) == 1
+        helpers |= descendants(next(iter(helpers))) | set(child_pids(server.pid))
         terminate(server.process, signal.SIGKILL)
         server.process.wait(10)
-        left = kernels | keepers
+        left = kernels | helpers
         assert wait_until(lambda: not any(alive(pid) for pid in left), 10, interval=0.2), [
             pid for pid in left if alive(pid)
         ]

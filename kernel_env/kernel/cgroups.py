@@ -29,7 +29,6 @@ __all__ = [
     "KernelCgroup",
     "available_controllers",
     "cgroup_version",
-    "join",
     "sweep_dead_servers",
 ]
 
@@ -169,15 +168,6 @@ class KernelCgroup:
         emptied = [_empty_and_remove(path) for path in self.paths]
         self.paths = []
         return bool(emptied) and all(emptied)
-
-
-def join(files: list[str]) -> None:
-    """Move this process into a kernel's cgroups: ``0`` written to each of its
-    :attr:`KernelCgroup.join_files`, while the process has one thread (a forkserver keeper,
-    a live fork's copy)."""
-    for path in files:
-        with open(path, "w") as f:
-            f.write("0")
 
 
 def _make(path: Path) -> Path:

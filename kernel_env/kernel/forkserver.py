@@ -5,11 +5,12 @@ The forkserver imports them once, in a process that starts no thread (the *zygot
 :mod:`kernel_env.kernel.zygote`), and forks a child per kernel; the child makes its sockets,
 threads and connection info after the fork.
 
-Isolation is unchanged. The zygote's child (the *keeper*) launches what a cold kernel's
-launch command starts: in the kernel's cgroups, as its own uid, with its rlimits and, when
-sandboxed, the same bubblewrap sandbox; only the process inside is a placeholder (``sleep``).
-The keeper then joins the placeholder's namespaces, drops to the kernel's uid and forks the
-kernel, which drops every capability. A kernel and its placeholder live and die together,
+Isolation is unchanged. The zygote's *spawner* (:mod:`kernel_env.kernel.spawner`, a small
+process) launches what a cold kernel's launch command starts: in the kernel's cgroups, as its
+own uid, with its rlimits and, when sandboxed, the same bubblewrap sandbox; only the process
+inside is a placeholder (``sleep``). The zygote then forks the kernel into the placeholder's
+PID namespace; the kernel joins its cgroups, drops to its uid, joins the sandbox's other
+namespaces and drops every capability. A kernel and its placeholder live and die together,
 and the host holds the launch (a pidfd, :class:`kernel_env.kernel.local.LocalKernel`), so
 jupyter_client's process tracking, the liveness watcher, restarts and shutdown work as for a
 cold kernel.
@@ -139,7 +140,7 @@ class ForkServer:
 
     async def fork(self, request: dict[str, Any]) -> dict[str, Any]:
         """Launch and fork a kernel as ``request`` says (see :mod:`kernel_env.kernel.zygote`);
-        the pids of its keeper (``pid``), its launch (``launcher``: ending it ends the kernel),
+        the pids of the kernel (``pid``), its launch (``launcher``: ending it ends the kernel),
         its sandbox's init (``init``, or None) and its placeholder."""
         return await asyncio.to_thread(self._fork, request)
 
@@ -153,7 +154,7 @@ class ForkServer:
             except (OSError, ValueError) as exc:
                 reply = {"error": str(exc)}
             if "pid" not in reply:
-                self._problem = f"stopped answering ({reply.get('error') or 'it exited'})"
+                self._problem = f"stopped ({reply.get('error') or 'it exited'})"
                 log.warning("kernels start cold from now on: the forkserver %s", self._problem)
                 self._stop()
                 raise ForkServerError(self._problem)

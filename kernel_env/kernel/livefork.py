@@ -37,7 +37,7 @@ import threading
 from typing import Any
 
 from kernel_env import kernel_side
-from kernel_env.kernel import cgroups
+from kernel_env.kernel.spawner import join_cgroups
 from kernel_env.kernel.template import KernelTemplate, grow_descriptor_table, reseed
 
 __all__ = ["fork_copies", "restore_random"]
@@ -157,7 +157,7 @@ def _become_copy(app: Any, request: dict[str, Any]) -> None:
     try:
         grow_descriptor_table()  # first, while this copy has one thread
         _copies.clear()  # the parent's, not this copy's children
-        cgroups.join(request["cgroup_join"])  # one thread yet
+        join_cgroups(request["cgroup_join"])  # one thread yet
         os.setsid()  # out of the parent's process group: its end is not the copy's
         _abandon_channels(app)
         _reopen_workspace_files(request["parent_cwd"], request["cwd"])

@@ -77,7 +77,7 @@ def kernel_argv(python: str = sys.executable) -> list[str]:
 
 
 def forked_kernel_flags() -> list[str]:
-    """The flags of a kernel forked from the forkserver (its keeper watches it, not
+    """The flags of a kernel forked from the forkserver (the zygote watches it, not
     ipykernel's parent poller); the zygote builds the kernel with them once."""
     return [*_KERNEL_FLAGS, "--IPKernelApp.parent_handle=1"]
 
@@ -150,7 +150,7 @@ class _KernelManager(AsyncKernelManager):
 
 class _PidfdProcess(KernelProvisionerBase):
     """jupyter_client's handle on a kernel process this one did not start as its child,
-    watched and ended through a pidfd: a forkserver launch (the keeper started it) or a live
+    watched and ended through a pidfd: a forkserver launch (its spawner started it) or a live
     fork's copy (the parent kernel forked it)."""
 
     pid: int | None = None
@@ -258,7 +258,7 @@ class LocalKernel(Kernel):
         self._cgroup: KernelCgroup | None = None
         self._forkserver = forkserver if argv is None else None
         self.forked = False  # whether the running kernel came from the forkserver
-        self.keeper_pid: int | None = None  # its keeper (the kernel's parent, on the host)
+        self.forked_pid: int | None = None  # the forked kernel's own process (a host pid)
         self.copied = False  # whether the running kernel is a live fork's copy of another
         self._options = dict(
             python=python, argv=argv, extra_env=extra_env, runtime_root=runtime_root,
@@ -288,7 +288,7 @@ class LocalKernel(Kernel):
         # the placeholder process instead.
         forked = self.forked or self.copied
         return KernelSpec(
-            argv=[] if forked else self._command(),  # a forked kernel's launch is the keeper's
+            argv=[] if forked else self._command(),  # a forked kernel's launch is the spawner's
             language="python",
             display_name="kernel_env",
             interrupt_mode="message" if forked else "signal",
@@ -426,11 +426,11 @@ class LocalKernel(Kernel):
                 "rlimits": self._rlimits(),
             }
         )
-        self.keeper_pid = launched["pid"]
+        self.forked_pid = launched["pid"]
         return launched
 
     def _launch_spec(self) -> dict[str, Any]:
-        """What the forkserver's keeper runs in the kernel's place (see ``zygote._launch``)."""
+        """What the forkserver's spawner runs in the kernel's place (see ``spawner.launch``)."""
         return {"launch": placeholder_argv(), "sandboxed": False, "staged": []}
 
     def _rlimits(self) -> dict[str, int]:

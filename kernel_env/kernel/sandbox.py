@@ -264,7 +264,7 @@ class SandboxedKernel(LocalKernel):
         # Interrupt through the control channel: a signal to the process group would reach
         # bwrap itself and end the sandbox instead of the cell.
         return KernelSpec(
-            argv=[] if self.forked else self._command(),  # a forked kernel's: the keeper's
+            argv=[] if self.forked else self._command(),  # a forked kernel's: the spawner's
             language="python",
             display_name="kernel_env",
             interrupt_mode="message",
@@ -348,7 +348,7 @@ class SandboxedKernel(LocalKernel):
         return {f"RLIMIT_{name.upper()}": v for name, v in self._limit_values().items() if v}
 
     def _launch_spec(self) -> dict[str, Any]:
-        """The forkserver's keeper runs the placeholder in this kernel's sandbox, after
+        """The forkserver's spawner runs the placeholder in this kernel's sandbox, after
         binding what its uid cannot reach, as the cold launch guard does."""
         binds = self._binds()
         staged = self._staged(binds)

@@ -6,23 +6,25 @@ preload list and the kernels' ipykernel flags. It imports ipykernel, IPython, zm
 kernel_env's in-kernel module (and the preloads), builds the kernel every fork starts from
 (:mod:`kernel_env.kernel.template`: the kernel object and its shell, no socket yet), checks
 that no thread was started (forking a threaded process copies locks held by threads that do
-not exist in the child), says ``ready`` and serves fork requests, one JSON line each.
+not exist in the child), starts its spawner, says ``ready`` and serves fork requests, one JSON
+line each. For each request:
 
-Each request goes to a *keeper*, forked before the request came (the zygote keeps one spare:
-its fork is then off the start's path), which:
-
-1. joins the kernel's cgroups and launches what a cold kernel's launch command would, with a
-   placeholder process (``sleep``) in the kernel's place (:func:`_launch`: the paths the
-   kernel's uid cannot reach bound in a private mount namespace, the kernel's uid and
-   rlimits, and for a sandboxed kernel bubblewrap), and reports the launch's pids to the
-   zygote, which answers the request with them;
-2. drops to the kernel's uid (when the server is root) and, for a sandboxed kernel, joins the
-   sandbox's namespaces (``setns(2)``: user first, then mount, network, IPC, UTS and PID), so
-   the kernel gets exactly the sandbox's filesystem view, no network, its own ``/proc`` and
-   private ``/tmp``;
-3. forks the kernel (the fork that lands it in the PID namespace), then watches both: when the
-   kernel exits it kills the placeholder (the host sees the kernel end), and when the
-   placeholder is killed (the host shuts the kernel down) it kills the kernel.
+1. the spawner (:mod:`kernel_env.kernel.spawner`, a small process of its own) starts what a
+   cold kernel's launch command would, with a placeholder process (``sleep``) in the kernel's
+   place: in the kernel's cgroups, with the paths the kernel's uid cannot reach bound in a
+   private mount namespace, as the kernel's uid, with its rlimits, and for a sandboxed kernel
+   through bubblewrap;
+2. the zygote forks the kernel. For a sandboxed kernel the fork lands in the sandbox's PID
+   namespace (the zygote points ``pid_for_children`` at it with ``setns(2)`` for that one fork,
+   then back at its own), and the kernel, before anything else, joins the kernel's cgroups,
+   drops to the kernel's uid and joins the sandbox's other namespaces (user first, then mount,
+   network, IPC and UTS), so it gets exactly the sandbox's filesystem view, no network, its own
+   ``/proc`` and private ``/tmp``. A zygote without ``CAP_SYS_ADMIN`` (a server that is not
+   root) cannot point its own forks into another PID namespace: a short-lived child of it
+   joins the sandbox and forks the kernel there instead;
+3. the zygote watches the kernel and the placeholder (pidfds): when one ends it kills the
+   other, so the host, which holds the launch, sees the kernel end, and ending the launch
+   ends the kernel.
 
 The kernel then drops every capability, sets no-new-privileges, applies its rlimits, closes
 every inherited descriptor, takes its minimal environment, reseeds its random generators, and
@@ -43,16 +45,18 @@ import importlib
 import json
 import os
 import resource
-import select
+import selectors
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
-import time
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
 
-from kernel_env.kernel import cgroups
+from kernel_env.kernel import spawner as spawning
 from kernel_env.kernel.template import KernelTemplate, grow_descriptor_table, reseed
 
 # The modules every kernel imports while it starts: loaded once here, shared copy-on-write.
@@ -65,6 +69,7 @@ KERNEL_MODULES = (
     "IPython",
     "IPython.core.completerlib",
     "IPython.core.debugger",
+    "IPython.core.logger",
     "IPython.core.oinspect",
     "IPython.extensions.storemagic",
     "IPython.utils.wildcard",
@@ -78,30 +83,26 @@ KERNEL_MODULES = (
     "kernel_env.kernel_side",
 )
 
-# setns(2) order: the user namespace first (it grants the capabilities the others need), PID
-# last (it applies to the children made after it).
-_NAMESPACES = ("user", "mnt", "net", "ipc", "uts", "pid")
-
 # The processes' names (``ps -o comm``, /proc/<pid>/comm): a forked kernel keeps the zygote's
-# command line, so the name is what tells them apart.
+# command line, so the name is what tells it apart.
 KERNEL_NAME = "ke-kernel"
-KEEPER_NAME = "ke-keeper"
+SPAWNER_NAME = spawning.SPAWNER_NAME
 
-_CLONE_NEWNS = 0x00020000
-_MS_BIND = 4096
-_MS_REC = 16384
-_MS_PRIVATE = 1 << 18
-_PR_SET_NAME = 15
+# setns(2) order: the user namespace first (it grants the capabilities the others need).
+_NAMESPACES = ("user", "mnt", "net", "ipc", "uts")
+
+_CLONE_NEWPID = 0x20000000
 _NS_GET_PARENT = 0xB702  # ioctl_ns(2): _IO(0xb7, 0x2)
-_PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
 _PR_CAPBSET_DROP = 24
+_PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _CAPABILITY_VERSION_3 = 0x20080522
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = spawning.libc
+_prctl = spawning.prctl
 
 
 def main() -> None:
@@ -113,68 +114,20 @@ def main() -> None:
     problem = _preload([*KERNEL_MODULES, *config["preload"]])
     if problem is None and (threads := len(os.listdir("/proc/self/task"))) > 1:
         problem = f"the preloaded modules started {threads - 1} thread(s): forking is unsafe"
-    template = None
+    template = spawner = None
     if problem is None:
         template, problem = _build_template(config["flags"])
+    if template is not None:
+        spawner, problem = _start_spawner()
     # What importing and building set in the environment (ipykernel's debugger, the shell's
     # TERM and PAGER): a kernel started cold sets the same in its own.
     imported = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
     control.sendall((json.dumps({"ready": problem is None, "problem": problem}) + "\n").encode())
-    if template is None:
+    if template is None or spawner is None:
         return
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the system
-    lines = control.makefile("rb")
-    # Each request goes to a keeper forked before it came (Android's zygote keeps such
-    # unspecialized processes too): the fork and the keeper's own start are off the path.
-    spare = _fork_keeper(template, imported, owned=(lines, control))
-    for line in lines:
-        keeper = spare
-        keeper.give(line)
-        spare = _fork_keeper(template, imported, owned=(lines, control), others=keeper.report)
-        with os.fdopen(keeper.report, "rb") as reports:  # the launch's pids, once it is up
-            launched = json.loads(reports.readline() or b'{"error": "the keeper exited"}')
-        control.sendall((json.dumps({"pid": keeper.pid, **launched}) + "\n").encode())
-
-
-class _Spare:
-    """In the zygote: a keeper forked ahead, waiting for its request."""
-
-    def __init__(self, pid: int, request: int, report: int) -> None:
-        self.pid, self.request, self.report = pid, request, report
-
-    def give(self, line: bytes) -> None:
-        """Hand the keeper its request. A keeper that died takes none: its report then ends
-        with nothing, and that kernel starts cold."""
-        try:
-            rest = memoryview(line)
-            while rest:
-                rest = rest[os.write(self.request, rest) :]
-        except OSError:
-            pass
-        finally:
-            os.close(self.request)
-
-
-def _fork_keeper(
-    template: KernelTemplate, imported: dict[str, str], *, owned: tuple[Any, ...], others: int = -1
-) -> _Spare:
-    """Fork a keeper that waits for a request, then serves it (:func:`_keeper`). ``owned``:
-    the zygote's files and sockets, and ``others`` another keeper's report pipe, which the
-    keeper closes."""
-    request_end, request = os.pipe()
-    report, report_end = os.pipe()
-    zygote = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        for owner in owned:
-            owner.close()
-        for fd in (request, report, others):
-            if fd >= 0:
-                os.close(fd)
-        _serve_one(zygote, request_end, report_end, template, imported)  # never returns
-    os.close(request_end)
-    os.close(report_end)
-    return _Spare(pid, request, report)
+    # A kernel forked through a short-lived child (see _fork_kernel) becomes the zygote's.
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    _Zygote(control, template, imported, spawner).serve()
 
 
 def _preload(modules: list[str]) -> str | None:
@@ -198,207 +151,257 @@ def _build_template(flags: list[str]) -> tuple[KernelTemplate | None, str | None
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-# -- the keeper: joins the sandbox, forks the kernel, ties the two lifetimes together ---------
+class _Spawner:
+    """The zygote's end of its spawner (:mod:`kernel_env.kernel.spawner`)."""
+
+    def __init__(self, process: subprocess.Popen[bytes], control: socket.socket) -> None:
+        self.process, self.control = process, control
+        self._replies = control.makefile("rb")
+
+    def launch(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The launch's pids; :class:`LaunchFailed` when this launch failed, OSError when the
+        spawner is gone."""
+        self.control.sendall((json.dumps(request) + "\n").encode())
+        reply = json.loads(self._replies.readline() or b"{}")
+        if not reply:
+            raise OSError("it exited")
+        if "error" in reply:
+            raise LaunchFailed(reply["error"])
+        return reply
 
 
-def _serve_one(
-    zygote: int, request_end: int, report: int, template: KernelTemplate, imported: dict[str, str]
-) -> None:
-    """A keeper, until its request comes: tied to the zygote, then waiting on ``request_end``
-    (end of file: the zygote ended, with no request for it)."""
+class LaunchFailed(Exception):
+    """One kernel's launch failed (the spawner serves the next)."""
+
+
+class _Stopped(Exception):
+    """The zygote cannot fork kernels any more."""
+
+
+def _start_spawner() -> tuple[_Spawner | None, str | None]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    script = Path(spawning.__file__)
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing to keep
-        _name(KEEPER_NAME)
-        if os.getppid() != zygote:
-            os._exit(1)
-        with os.fdopen(request_end, "rb") as requests:
-            line = requests.read()
-        if not line:
-            os._exit(0)
-        request = json.loads(line)
-        request["env"] = request["env"] | imported
-    except BaseException as exc:
-        _say(f"kernel_env: a forkserver keeper failed: {type(exc).__name__}: {exc}")
-        os._exit(1)
-    _keeper(request, template, report, zygote)
-
-
-def _keeper(request: dict[str, Any], template: KernelTemplate, report: int, zygote: int) -> None:
-    status = 1
-    try:
-        cgroups.join(request.get("cgroup_join", []))
-        try:
-            launched = _launch(request)
-        except BaseException as exc:
-            _tell(report, {"error": f"{type(exc).__name__}: {exc}"})
-            raise
-        _tell(report, launched)
-        placeholder = os.pidfd_open(launched["placeholder"])
-        namespaces = _open_namespaces(launched["placeholder"] if launched["init"] else None)
-        if request.get("uid") is not None:
-            os.setgroups([])
-            os.setresgid(request["gid"], request["gid"], request["gid"])
-            os.setresuid(request["uid"], request["uid"], request["uid"])
-        if namespaces:
-            _join(namespaces)
-        # A change of uid or user namespace cleared the request above: without it the keeper,
-        # and the launch it holds, would outlive a server killed with SIGKILL.
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != zygote:
-            raise ProcessLookupError("the forkserver ended while the kernel started")
-        # The kernel's view of its keeper: outside its PID namespace (0), or this pid.
-        keeper = 0 if namespaces else os.getpid()
-        kernel = os.fork()
-        if kernel == 0:
-            os.close(placeholder)
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # its keeper gone (killed with the server)
-            if os.getppid() != keeper:
-                os._exit(1)  # the keeper died before the line above took effect
-            _become_kernel(request, template)  # never returns
-        status = _watch(kernel, placeholder)
-    except BaseException as exc:  # said on the zygote's stderr (the server's log)
-        _say(f"kernel_env: the forkserver could not start a kernel: {type(exc).__name__}: {exc}")
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(script), str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd="/",
+        )  # fmt: skip
+    except OSError as exc:
+        ours.close()
+        return None, f"its spawner could not start: {exc}"
     finally:
-        os._exit(status)
+        theirs.close()
+    return _Spawner(process, ours), None
 
 
-def _tell(report: int, what: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):
-        os.write(report, (json.dumps(what) + "\n").encode())
-    with contextlib.suppress(OSError):
-        os.close(report)
+class _Zygote:
+    """The zygote's loop: fork requests from the host, and the ends of the kernels it forked
+    and of their placeholders."""
 
+    def __init__(
+        self,
+        control: socket.socket,
+        template: KernelTemplate,
+        imported: dict[str, str],
+        spawner: _Spawner,
+    ) -> None:
+        self.control, self.template, self.imported, self.spawner = (
+            control, template, imported, spawner,
+        )  # fmt: skip
+        self.selector = selectors.DefaultSelector()
+        self.own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.can_point_forks = True  # whether setns(CLONE_NEWPID) works here (see _fork_kernel)
 
-# -- the launch: what a cold kernel's launch command does, without a process per step ---------
+    def serve(self) -> None:
+        self.selector.register(self.control, selectors.EVENT_READ)
+        pending = b""
+        while True:
+            for key, _ in self.selector.select():
+                if self.selector.get_map().get(key.fd) is not key:
+                    continue  # closed while handling an earlier event of this batch
+                if key.fileobj is not self.control:
+                    self._ended(key.fd, key.data)
+                    continue
+                data = self.control.recv(65536)
+                if not data:
+                    return  # the host closed its end: done
+                pending += data
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    try:
+                        reply = self._start(json.loads(line))
+                    except _Stopped as exc:  # said without a pid: the host starts kernels cold
+                        self.control.sendall((json.dumps({"error": str(exc)}) + "\n").encode())
+                        return
+                    self.control.sendall((json.dumps(reply) + "\n").encode())
+            _reap()
 
-
-def _launch(request: dict[str, Any]) -> dict[str, Any]:
-    """Start the placeholder as a cold kernel's launch would start the kernel: in this
-    process's cgroups (joined already), with the staged paths bound in a private mount
-    namespace, as the kernel's uid, with its rlimits, through its sandbox when ``argv`` is
-    bubblewrap's. Its pids once it runs: ``launcher`` (the process the host ends to end the
-    kernel), ``init`` (the sandbox's, or None) and ``placeholder``."""
-    if request.get("staged"):
-        _bind_staged(request["staged"])
-    me = os.getpid()
-    failed, failing = os.pipe()  # close-on-exec: end of file once the exec succeeded
-    launcher = os.fork()
-    if launcher == 0:
-        os.close(failed)
+    def _start(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Launch and fork one kernel: its pid and its launch's pids, or why not."""
+        request["env"] = request["env"] | self.imported
         try:
-            os.chdir(request["cwd"])  # first: the kernel's uid may not traverse the way there
-            if request.get("uid") is not None:
-                os.setgroups([])
-                os.setresgid(request["gid"], request["gid"], request["gid"])
-                os.setresuid(request["uid"], request["uid"], request["uid"])
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
-            if os.getppid() != me:
-                os._exit(1)
-            for name, value in request.get("rlimits", {}).items():
-                limit = getattr(resource, name)
-                resource.setrlimit(limit, (value, value))
-            argv = request["launch"]
-            os.execve(argv[0], argv, request["env"])
+            launched = self.spawner.launch(request)
+        except LaunchFailed as exc:
+            return {"pid": None, "error": str(exc)}
+        except OSError as exc:
+            raise _Stopped(f"its spawner is gone ({exc})") from exc
+        try:
+            placeholder = os.pidfd_open(launched["placeholder"])
+        except OSError as exc:
+            return {"pid": None, "error": f"the launch ended at once ({exc})"}
+        try:
+            sandbox = _Sandbox(launched["placeholder"]) if launched["init"] else None
+            try:
+                kernel = self._fork_kernel(request, sandbox)
+            finally:
+                if sandbox is not None:
+                    sandbox.close()
+        except Exception as exc:
+            _kill(placeholder)
+            os.close(placeholder)
+            return {"pid": None, "error": f"forking the kernel failed: {type(exc).__name__}: {exc}"}
+        self._watch(os.pidfd_open(kernel), placeholder)
+        return {"pid": kernel, **launched}
+
+    def _fork_kernel(self, request: dict[str, Any], sandbox: _Sandbox | None) -> int:
+        """Fork the kernel (into ``sandbox``); its pid."""
+        zygote = os.getpid()
+        if sandbox is None:
+            return _fork(lambda: _kernel(request, self.template, None, tied_to=zygote))
+        if self.can_point_forks:
+            try:
+                _set_namespace(sandbox.pid, _CLONE_NEWPID)
+            except PermissionError:
+                self.can_point_forks = False
+            else:
+                try:
+                    return _fork(lambda: _kernel(request, self.template, sandbox, tied_to=None))
+                finally:
+                    self._own_pid_namespace_again()
+        return _fork_through(request, self.template, sandbox)
+
+    def _own_pid_namespace_again(self) -> None:
+        try:
+            _set_namespace(self.own_pid_namespace, _CLONE_NEWPID)
+        except OSError as exc:  # every later fork would land in that sandbox: stop here
+            _say(f"kernel_env: the forkserver cannot return to its PID namespace: {exc}")
+            os._exit(1)
+
+    def _watch(self, kernel: int, placeholder: int) -> None:
+        pair = _Pair(kernel, placeholder)
+        self.selector.register(kernel, selectors.EVENT_READ, pair)
+        self.selector.register(placeholder, selectors.EVENT_READ, pair)
+
+    def _ended(self, pidfd: int, pair: _Pair) -> None:
+        """A kernel or its placeholder ended: end the other (a shutdown often ends both). A
+        kernel is watched until it has ended, then collected."""
+        if pidfd == pair.kernel:
+            with contextlib.suppress(ChildProcessError):  # unless _reap collected it first
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+            if pair.placeholder is not None:
+                _kill(pair.placeholder)
+                self._forget(pair.placeholder)
+            self._forget(pair.kernel)
+        else:
+            _kill(pair.kernel)
+            self._forget(pidfd)
+            pair.placeholder = None
+
+    def _forget(self, pidfd: int) -> None:
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+
+
+class _Pair:
+    """The pidfds of a forked kernel and of its placeholder (None once it has ended)."""
+
+    def __init__(self, kernel: int, placeholder: int) -> None:
+        self.kernel: int = kernel
+        self.placeholder: int | None = placeholder
+
+
+def _fork(child: Callable[[], NoReturn]) -> int:
+    pid = os.fork()
+    if pid == 0:
+        child()
+    return pid
+
+
+def _fork_through(request: dict[str, Any], template: KernelTemplate, sandbox: _Sandbox) -> int:
+    """Fork the kernel from a child that joins ``sandbox`` (its PID namespace included) and
+    ends once it has forked; the kernel's pid (its parent is then this process, a subreaper)."""
+    report, reporting = os.pipe()
+    joiner = os.fork()
+    if joiner == 0:
+        try:
+            os.close(report)
+            spawning.join_cgroups(request.get("cgroup_join", []))
+            spawning.set_ids(request)
+            sandbox.join(pid=True)
+            kernel = _fork(lambda: _become_kernel(request, template))
+            os.write(reporting, str(kernel).encode())
         except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.write(failing, f"{type(exc).__name__}: {exc}".encode())
+            _say(f"kernel_env: a forked kernel could not join its sandbox: {exc}")
         finally:
-            os._exit(127)
-    os.close(failing)
-    with os.fdopen(failed, "rb") as pipe:
-        why = pipe.read().decode(errors="replace")
-    if why:
-        os.waitpid(launcher, 0)
-        raise OSError(f"the launch could not run: {why}")
-    if not request.get("sandboxed"):
-        return {"launcher": launcher, "init": None, "placeholder": launcher}
-    init, placeholder = _sandbox_pids(launcher)
-    return {"launcher": launcher, "init": init, "placeholder": placeholder}
+            os._exit(0)
+    os.close(reporting)
+    with os.fdopen(report, "rb") as pipe:
+        said = pipe.read()
+    os.waitpid(joiner, 0)
+    if not said:
+        raise OSError("the kernel could not join its sandbox")
+    return int(said)
 
 
-def _bind_staged(staged: list[list[str]]) -> None:
-    """Bind each ``(host path, mount point)`` in a private mount namespace of this process
-    (and so of the launch), as root: what the kernel's uid cannot reach otherwise."""
-    if _libc.unshare(_CLONE_NEWNS) != 0:
+def _reap() -> None:
+    """Collect the kernels that ended, and the orphans of unsandboxed ones."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _kill(pidfd: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+
+
+def _set_namespace(fd: int, kind: int = 0) -> None:
+    if _libc.setns(fd, kind) != 0:
         error = ctypes.get_errno()
-        raise OSError(error, f"unshare: {os.strerror(error)}")
-    _mount(None, "/", _MS_REC | _MS_PRIVATE)
-    for source, target in staged:
-        _mount(source, target, _MS_BIND)
+        raise OSError(error, f"setns: {os.strerror(error)}")
 
 
-def _mount(source: str | None, target: str, flags: int) -> None:
-    encoded = source.encode() if source is not None else None
-    if _libc.mount(encoded, target.encode(), None, flags, None) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"mount {source} on {target}: {os.strerror(error)}")
-
-
-def _sandbox_pids(launcher: int, timeout: float = 8.0) -> tuple[int, int]:
-    """bubblewrap's init (the launcher's child) and the command it runs once the sandbox is
-    complete (the init's child, once it has exec'd). The zygote waits on this, and the host on
-    the zygote for 10 s: past ``timeout`` the kernel starts cold instead."""
-    deadline = time.monotonic() + timeout
-    init = None
-    while time.monotonic() < deadline:
-        if os.waitpid(launcher, os.WNOHANG)[0]:
-            raise OSError(f"the sandbox exited at launch (pid {launcher})")
-        with contextlib.suppress(OSError, ValueError):
-            if init is None:
-                init = next(iter(_children(launcher, "bwrap")), None)
-            if init is not None:
-                command = next(iter(_children(init, None)), None)
-                if command is not None:
-                    return init, command
-        time.sleep(0.001)
-    raise OSError("the sandbox did not start its command in time")
-
-
-def _children(pid: int, comm: str | None) -> list[int]:
-    """``pid``'s children named ``comm`` (None: named anything but bwrap)."""
-    found = []
-    for child in _read(f"/proc/{pid}/task/{pid}/children").split():
-        name = _read(f"/proc/{child}/comm").strip()
-        if (name == comm) if comm is not None else (name != "bwrap"):
-            found.append(int(child))
-    return found
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _open_namespaces(pid: int | None) -> list[int]:
-    """Descriptors of ``pid``'s namespaces in the order to join them, then of its root
-    directory; opened while this process may still read them.
+class _Sandbox:
+    """Descriptors of a sandbox's namespaces and root directory, opened from outside it (from
+    its placeholder's /proc entry, while this process may still read it).
 
     bubblewrap nests a second user namespace inside the one that owns the sandbox's other
-    namespaces (to forbid making more), so the order is: the outer user namespaces (only the
-    outermost's owner, this uid, holds the capabilities joining needs), the mount, network,
-    IPC, UTS and PID namespaces they own, and the innermost user namespace last."""
-    if pid is None:
-        return []
-    flags = os.O_RDONLY | os.O_CLOEXEC
-    fds = {name: os.open(f"/proc/{pid}/ns/{name}", flags) for name in _NAMESPACES}
-    root = os.open(f"/proc/{pid}/root", flags | os.O_DIRECTORY)
-    others = [fds[name] for name in _NAMESPACES if name != "user"]
-    return [*_outer_user_namespaces(fds["user"]), *others, fds["user"], root]
+    namespaces (to forbid making more), so the joining order is: the outer user namespaces
+    (only the outermost's owner, the kernel's uid, holds the capabilities joining needs), the
+    mount, network, IPC, UTS (and PID) namespaces they own, and the innermost user namespace
+    last."""
 
+    def __init__(self, placeholder: int) -> None:
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        fds = {name: os.open(f"/proc/{placeholder}/ns/{name}", flags) for name in _NAMESPACES}
+        self.pid = os.open(f"/proc/{placeholder}/ns/pid", flags)
+        self.root = os.open(f"/proc/{placeholder}/root", flags | os.O_DIRECTORY)
+        self.outer = _outer_user_namespaces(fds["user"])
+        self.others = [fds[name] for name in _NAMESPACES if name != "user"]
+        self.inner = fds["user"]
 
-def _join(fds: list[int]) -> None:
-    """Join the namespaces ``_open_namespaces`` opened, then take the sandbox's root as this
-    process's (the mount namespace's own root mount is detached under bubblewrap's pivot)."""
-    *namespaces, root = fds
-    for fd in namespaces:
-        if _libc.setns(fd, 0) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns: {os.strerror(error)}")
-        os.close(fd)
-    os.fchdir(root)
-    os.chroot(".")
-    os.close(root)
+    def join(self, *, pid: bool) -> None:
+        """Join the namespaces (the PID namespace too, for this process's children, when
+        ``pid``), then take the sandbox's root as this process's (the mount namespace's own
+        root mount is detached under bubblewrap's pivot)."""
+        for fd in [*self.outer, *self.others, *([self.pid] if pid else []), self.inner]:
+            _set_namespace(fd)
+        os.fchdir(self.root)
+        os.chroot(".")
+
+    def close(self) -> None:
+        for fd in [*self.outer, *self.others, self.pid, self.inner, self.root]:
+            os.close(fd)
 
 
 def _outer_user_namespaces(user_ns: int) -> list[int]:
@@ -419,40 +422,43 @@ def _outer_user_namespaces(user_ns: int) -> list[int]:
     return outer
 
 
-def _watch(kernel: int, placeholder: int) -> int:
-    """Wait for the kernel or the placeholder to end, then end the other (the launch, this
-    process's child, is reaped by init once this process exits)."""
-    kernel_fd = os.pidfd_open(kernel)
-    readable, _, _ = select.select([kernel_fd, placeholder], [], [])
-    other = placeholder if kernel_fd in readable else kernel_fd
-    # A shutdown often ends both at once: the other one may be gone already.
-    with contextlib.suppress(ProcessLookupError):
-        signal.pidfd_send_signal(other, signal.SIGKILL)
-    os.waitpid(kernel, 0)
-    return 0
-
-
-def _prctl(option: int, arg: int) -> int:
-    result = int(_libc.prctl(option, arg, 0, 0, 0))
-    if result != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"prctl({option}): {os.strerror(error)}")
-    return result
-
-
 # -- the kernel ---------------------------------------------------------------------------------
 
 
-def _become_kernel(request: dict[str, Any], template: KernelTemplate) -> None:
+def _kernel(
+    request: dict[str, Any],
+    template: KernelTemplate,
+    sandbox: _Sandbox | None,
+    *,
+    tied_to: int | None,
+) -> NoReturn:
+    """A forked kernel's first steps, while it has one thread and the zygote's privileges:
+    the kernel's cgroups, its uid, the sandbox's namespaces; then it becomes the kernel.
+    ``tied_to``: the zygote, whose end ends this process. A sandboxed kernel ends with its
+    sandbox instead, which ends with the spawner, which ends with the zygote."""
+    try:
+        spawning.join_cgroups(request.get("cgroup_join", []))
+        spawning.set_ids(request)
+        if sandbox is not None:
+            sandbox.join(pid=False)  # already in its PID namespace: the fork put it there
+        if tied_to is not None:
+            _prctl(spawning.PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change
+            if os.getppid() != tied_to:
+                os._exit(1)  # the zygote died before the line above took effect
+    except BaseException as exc:
+        _say(f"kernel_env: a forked kernel could not start: {type(exc).__name__}: {exc}")
+        os._exit(1)
+    _become_kernel(request, template)
+
+
+def _become_kernel(request: dict[str, Any], template: KernelTemplate) -> NoReturn:
     try:
         os.setsid()  # its own process group: ipykernel's interrupt signals the kernel's group
-        _name(KERNEL_NAME)
+        spawning.set_name(KERNEL_NAME)
         _drop_capabilities()
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
         _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self, as a started kernel has
-        for name, value in request.get("rlimits", {}).items():
-            limit = getattr(resource, name)
-            resource.setrlimit(limit, (value, value))
+        spawning.set_rlimits(request)
         os.chdir(request["cwd"])
         _fresh_descriptors()
         grow_descriptor_table()
@@ -465,10 +471,6 @@ def _become_kernel(request: dict[str, Any], template: KernelTemplate) -> None:
         _say(f"kernel_env: a forked kernel failed: {type(exc).__name__}: {exc}")
         os._exit(1)
     os._exit(0)
-
-
-def _name(name: str) -> None:
-    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()), 0, 0, 0)
 
 
 def _say(message: str) -> None:
@@ -497,7 +499,7 @@ def _drop_capabilities() -> None:
 
 def _fresh_descriptors() -> None:
     """stdin, stdout and stderr on /dev/null (the kernel's output goes over iopub), and no
-    other descriptor inherited from the zygote or the keeper."""
+    other descriptor inherited from the zygote."""
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
