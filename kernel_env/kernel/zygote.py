@@ -91,6 +91,7 @@ SPAWNER_NAME = spawning.SPAWNER_NAME
 # setns(2) order: the user namespace first (it grants the capabilities the others need).
 _NAMESPACES = ("user", "mnt", "net", "ipc", "uts")
 
+_REAP_EVERY = 0.5  # seconds: an orphan is collected this soon, even when nothing else happens
 _CLONE_NEWPID = 0x20000000
 _NS_GET_PARENT = 0xB702  # ioctl_ns(2): _IO(0xb7, 0x2)
 _PR_SET_DUMPABLE = 4
@@ -216,7 +217,7 @@ class _Zygote:
         self.selector.register(self.control, selectors.EVENT_READ)
         pending = b""
         while True:
-            for key, _ in self.selector.select():
+            for key, _ in self.selector.select(timeout=_REAP_EVERY):
                 if self.selector.get_map().get(key.fd) is not key:
                     continue  # closed while handling an earlier event of this batch
                 if key.fileobj is not self.control:
@@ -354,7 +355,8 @@ def _fork_through(request: dict[str, Any], template: KernelTemplate, sandbox: _S
 
 
 def _reap() -> None:
-    """Collect the kernels that ended, and the orphans of unsandboxed ones."""
+    """Collect the kernels that ended, and the orphans that came to the zygote (a subreaper):
+    a sandbox's init whose launch was killed first, what an unsandboxed kernel left running."""
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
