@@ -134,7 +134,7 @@ def load_ipython_extension(shell: Any) -> None:
     """``%load_ext kernel_env``: the agent helpers in your own notebook."""
     from kernel_env import kernel_side
 
-    kernel_side.load_ipython_extension(shell)
+    kernel_side.install(shell)
 
 
 def unload_ipython_extension(shell: Any) -> None:

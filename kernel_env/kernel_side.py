@@ -19,6 +19,7 @@ to a remote kernel that lacks the package (it then registers itself in ``sys.mod
 from __future__ import annotations
 
 import builtins
+import errno
 import functools
 import getpass
 import json
@@ -35,6 +36,10 @@ REQUEST_TAG = "\x00kernel_env/1:"
 # The host's answer to its readiness probe of the stdin channel (kernel.base): never a reply
 # to a helper's request, though a spare one may still be on its way when the first cell asks.
 PROBE_REPLY = "\x00kernel_env/probe"
+# An episode kernel's input request to a host whose stdin socket has not connected yet is
+# refused, and asked again this often, for this long (see _insist_on_a_stdin_peer).
+_STDIN_RETRY = 0.002  # seconds
+_STDIN_WAIT = 10.0
 # Evaluated by the kernel after every cell (in the execute_request's user_expressions).
 STATE_EXPRESSION = f"__import__('sys').modules[{MODULE_NAME!r}].state()"
 
@@ -564,6 +569,16 @@ _episode: _Episode | None = None
 
 
 def load_ipython_extension(shell: Any) -> None:
+    """An episode kernel's extension (``--ext=kernel_env.kernel_side``): the helpers, and
+    input requests that wait for the host's stdin socket rather than get lost."""
+    already = _episode is not None and _episode.shell is shell
+    install(shell)
+    kernel = getattr(shell, "kernel", None)
+    if not already and kernel is not None:
+        _insist_on_a_stdin_peer(kernel)
+
+
+def install(shell: Any) -> None:
     """Install the helpers into ``shell`` (idempotent)."""
     global _episode
     if _episode is not None and _episode.shell is shell:
@@ -597,6 +612,50 @@ def after_fork() -> None:
     for name in ("stdout", "stderr"):
         episode.__dict__.pop(f"_{name}_inner", None)
     _install_streams(episode)
+    _refuse_unseen_stdin_peers(getattr(episode.shell, "kernel", None))
+
+
+def _insist_on_a_stdin_peer(kernel: Any) -> None:
+    """The kernel's stdin socket is a ROUTER, which drops a message to a peer it has not
+    seen: an input request sent before the host's stdin socket connected was lost, and a
+    first cell calling ``llm_query`` waited out the step timeout. Here the socket refuses
+    such a send instead (``ZMQ_ROUTER_MANDATORY``: EHOSTUNREACH), and the kernel's input
+    requests (``input``, ``getpass``, ``llm_query``) ask again every 2 ms until the host's
+    socket is there, for at most 10 s."""
+    if not _refuse_unseen_stdin_peers(kernel):
+        return
+    for name in ("raw_input", "getpass"):
+        method = getattr(kernel, name, None)
+        if method is not None:
+            setattr(kernel, name, _until_stdin_connects(method))
+
+
+def _refuse_unseen_stdin_peers(kernel: Any) -> bool:
+    socket = getattr(kernel, "stdin_socket", None)
+    if socket is None:
+        return False
+    import zmq
+
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return True
+
+
+def _until_stdin_connects(ask: Callable[..., str]) -> Callable[..., str]:
+    @functools.wraps(ask)
+    def asking(*args: Any, **kwargs: Any) -> str:
+        __tracebackhide__ = True
+        deadline = time.monotonic() + _STDIN_WAIT
+        while True:
+            try:
+                return ask(*args, **kwargs)
+            except Exception as exc:
+                if getattr(exc, "errno", None) != errno.EHOSTUNREACH:
+                    raise
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no kernel_env host is connected to stdin") from exc
+            time.sleep(_STDIN_RETRY)
+
+    return asking
 
 
 def _recorded_cell(line: str, cell: str) -> None:

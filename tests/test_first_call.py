@@ -9,17 +9,20 @@ the cell waited out the step timeout. Each mode runs a loop of fresh episodes; t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import zmq
 from fake_openai import FakeOpenAI
 from serverkit import small_settings, thread_server
 
-from kernel_env import KernelEnv
-from kernel_env.kernel import GatewayConfig
+from kernel_env import AsyncKernelEnv, KernelEnv
+from kernel_env.kernel import GatewayConfig, Kernel, LocalKernel
 from kernel_env.kernel.factory import gateway_source, local_source
+from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.sandbox import sandbox_problem
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
@@ -82,3 +85,39 @@ def test_first_cell_llm_query_soak(mode: str, request: pytest.FixtureRequest) ->
     """200 fresh episodes per mode, 0 lost first calls."""
     with _episodes(mode, request) as make_env:
         assert _run_loop(make_env, SOAK_EPISODES) == []
+
+
+class _LateStdin(LocalKernel):
+    """A kernel whose host connects its stdin socket only half a second after it is ready."""
+
+    def _start_client(self) -> None:
+        super()._start_client()
+        stdin = self._sockets["stdin"]
+        endpoint = stdin.getsockopt(zmq.LAST_ENDPOINT).decode()
+        stdin.disconnect(endpoint)
+        asyncio.get_running_loop().call_later(0.5, stdin.connect, endpoint)
+
+
+@pytest.mark.parametrize("forked", [False, True], ids=["cold", "forked"])
+async def test_a_first_call_before_stdin_connects_waits_for_it(forked: bool) -> None:
+    """The kernel's first input request goes out before the host's stdin socket is there:
+    it is refused and asked again, not dropped, and llm_query gets its answer."""
+    forkserver = ForkServer() if forked else None
+
+    async def start() -> Kernel:
+        kernel = _LateStdin(forkserver=forkserver)
+        await kernel.start()
+        return kernel
+
+    try:
+        async with AsyncKernelEnv(
+            kernel_source=start, llm_query_fn=lambda p: "ok", step_timeout=STEP_TIMEOUT
+        ) as env:
+            await env.reset(context="c")
+            assert env.environment is not None and env.environment.kernel is not None
+            assert getattr(env.environment.kernel, "forked", False) == forked
+            result = (await env.execute(FIRST_CELL)).observation.result
+            assert result.success and result.stdout == "ok\n", result
+    finally:
+        if forkserver is not None:
+            await forkserver.close()

@@ -55,6 +55,7 @@ _STDIN_PROBE = {
 # tick answers it soon after the connection is up. Spare answers are cheap and harmless.
 _STDIN_TICK = 0.01
 _READY_RECHECK = 0.05  # is the starting kernel alive; send kernel_info until iopub shows
+_READY_TICK = 0.01  # how often readiness looks at the shell channel between iopub messages
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
 
@@ -224,7 +225,52 @@ class Kernel(ABC):
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
+    # Whether the kernel refuses an input request to a stdin peer it has not seen and asks
+    # again (kernel_side._insist_on_a_stdin_peer, an episode kernel's extension) rather than
+    # losing the request: its readiness then needs no probe of stdin (_wait_connected).
+    _stdin_waits_for_the_host = False
+
     async def _wait_ready(self) -> None:
+        if self._stdin_waits_for_the_host:
+            await self._wait_connected()
+        else:
+            await self._wait_probed()
+
+    async def _wait_connected(self) -> None:
+        """Wait until iopub shows the kernel starting to serve: ipykernel's ``starting``
+        status, sent as its shell handler is set up (our subscription, which ipykernel
+        welcomes, is in place by then, unless the kernel started before we connected: then
+        a ``kernel_info`` request, sent every 50 ms, is answered on shell and on iopub).
+        Stdin needs no proof: the kernel asks again until the host's stdin socket is there."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ready_timeout
+        recheck = loop.time() + _READY_RECHECK
+        subscribed = False
+        while True:
+            msg = await _get(self._queues["iopub"], _READY_TICK)
+            if msg is not None:
+                subscribed = True
+                if msg["header"]["msg_type"] == "status" and (
+                    msg["content"].get("execution_state") == "starting"
+                ):
+                    break
+            if subscribed and _drain_for(self._queues["shell"], "kernel_info_reply"):
+                break
+            now = loop.time()
+            if now >= recheck:
+                if now > deadline:
+                    raise KernelStartError(
+                        f"kernel not ready after {self.ready_timeout:.0f} s "
+                        f"({'no kernel_info reply' if subscribed else 'no message on iopub'})",
+                        kernel_id=self.kernel_id,
+                    )
+                if not await self.is_alive():
+                    raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
+                self._send("shell", "kernel_info_request", {})
+                recheck = now + _READY_RECHECK
+        self._drop_noise()
+
+    async def _wait_probed(self) -> None:
         """Wait until the kernel answers on shell, its iopub messages reach us and its stdin
         requests reach us, whichever channel connects last.
 
@@ -288,8 +334,12 @@ class Kernel(ABC):
             await asyncio.gather(answer, return_exceptions=True)
         if probe.reply.get("status") != "ok":
             log.warning("kernel %s: stdin probe failed: %s", self.kernel_id, probe.reply)
+        self._drop_noise()
+
+    def _drop_noise(self) -> None:
+        """What arrived while the kernel got ready (kernel_info replies, a probe's messages)
+        is noise once it is."""
         log.debug("kernel %s ready", self.kernel_id)
-        # What arrived so far (kernel_info replies, the probe's messages) is noise now.
         for queue in self._queues.values():
             while not queue.empty():
                 queue.get_nowait()
@@ -444,6 +494,14 @@ async def _get(queue: asyncio.Queue[dict[str, Any]], timeout: float) -> dict[str
         return await asyncio.wait_for(queue.get(), timeout)
     except TimeoutError:
         return None
+
+
+def _drain_for(queue: asyncio.Queue[dict[str, Any]], msg_type: str) -> bool:
+    """Empty ``queue``; whether a message of ``msg_type`` was in it."""
+    found = False
+    while not queue.empty():
+        found |= queue.get_nowait()["header"]["msg_type"] == msg_type
+    return found
 
 
 async def _answer_probe(prompt: str) -> str:

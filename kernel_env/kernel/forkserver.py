@@ -81,7 +81,8 @@ class ForkServer:
         """Start the zygote, if it is not running yet, and wait until it has imported
         everything; on failure, the reason is in ``status`` and kernels start cold. The
         first kernel that needs it starts it, so a server that starts no kernel pays nothing."""
-        await asyncio.to_thread(self._start_once)
+        if self._problem == "not started":
+            await asyncio.to_thread(self._start_once)
         return self
 
     def _start_once(self) -> None:

@@ -54,7 +54,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _RECV_REARM = 0.25  # seconds; see LocalKernel._drain
-_CHANNELS = ("shell", "iopub", "stdin")
+_CHANNELS = {"shell": zmq.DEALER, "iopub": zmq.SUB, "stdin": zmq.DEALER}  # and socket types
 _DRAIN_BATCH = 64  # messages read from a channel in one turn of the event loop
 
 # A unix socket path holds at most 107 bytes on Linux. jupyter_client names the IPC sockets
@@ -250,13 +250,16 @@ class LocalKernel(Kernel):
         self._runtime_root = runtime_root
         self._dir: Path | None = None
         self._km: _KernelManager | None = None
-        self._kc: Any = None
-        self._sockets: dict[str, zmq.Socket[bytes]] = {}  # by channel: see _start_client
+        self._session: Session  # the client's, made with its sockets: see _start_client
+        self._channels: list[zmq.Socket[bytes]] = []  # its sockets, until _stop_client
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}  # those read, by channel: see _drain
         self._rearm: asyncio.TimerHandle | None = None
         self._draining: set[str] = set()  # channels with a next turn of _drain scheduled
         self._lease: privilege.UidLease | None = None
         self._cgroup: KernelCgroup | None = None
         self._forkserver = forkserver if argv is None else None
+        # Its own command line loads kernel_env's extension, which makes stdin wait for us.
+        self._stdin_waits_for_the_host = argv is None
         self.forked = False  # whether the running kernel came from the forkserver
         self.forked_pid: int | None = None  # the forked kernel's own process (a host pid)
         self.copied = False  # whether the running kernel is a live fork's copy of another
@@ -571,8 +574,8 @@ class LocalKernel(Kernel):
         sock = self._sockets.get(channel)
         if sock is None:  # the channels failed (see _drain) or were closed
             raise KernelError(f"the kernel's {channel} channel is closed", kernel_id=self.kernel_id)
-        msg = self._kc.session.msg(msg_type, content, parent=parent)
-        self._kc.session.send(sock, msg)
+        msg = self._session.msg(msg_type, content, parent=parent)
+        self._session.send(sock, msg)
         self._drain(channel)  # what arrived before the send, whose signal the send may take
         return str(msg["header"]["msg_id"])
 
@@ -595,25 +598,28 @@ class LocalKernel(Kernel):
     # -- channels -------------------------------------------------------------------------
 
     def _start_client(self) -> None:
-        if self._km is None:
+        km = self._km
+        if km is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
         # A new session per client: a new socket identity and fresh msg ids. Reusing the
         # manager's session after a restart repeated both, and a reply was now and then lost.
-        session = Session(
-            key=self._km.session.key, signature_scheme=self._km.session.signature_scheme
-        )
-        self._kc = self._km.client(session=session, context=self._km.context)
-        self._kc.start_channels(shell=True, iopub=True, stdin=True, hb=False, control=False)
-        # The host sends and receives through one blocking shadow of each channel's socket,
-        # made once, from this event loop (jupyter_client's Session.send made a new shadow
-        # for every message; pyzmq's asyncio recv registered and dropped the socket's
-        # descriptor with the loop for every message: an eighth of a busy server's CPU).
-        self._sockets = {
-            name: zmq.Socket.shadow(getattr(self._kc, f"{name}_channel").socket.underlying)
-            for name in _CHANNELS
-        }
+        self._session = Session(key=km.session.key, signature_scheme=km.session.signature_scheme)
+        # One blocking socket per channel, on the manager's zmq context, read through the event
+        # loop's own readers (see _drain). jupyter_client's asyncio client made channel objects
+        # and asyncio sockets for every kernel, and its recv registered and dropped each
+        # socket's descriptor with the loop for every message (an eighth of a busy server's
+        # CPU); its Session.send made a new shadow socket for every message.
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(km.context.underlying)
         loop = asyncio.get_running_loop()
-        for name, sock in self._sockets.items():
+        for name, kind in _CHANNELS.items():
+            sock = context.socket(kind)
+            sock.linger = 0
+            sock.identity = self._session.bsession
+            if kind == zmq.SUB:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(f"{km.transport}://{km.ip}-{getattr(km, f'{name}_port')}")
+            self._channels.append(sock)
+            self._sockets[name] = sock
             loop.add_reader(sock.FD, self._drain, name)
         self._recheck()
 
@@ -629,14 +635,14 @@ class LocalKernel(Kernel):
         sock = self._sockets.get(name)
         if sock is None:
             return
-        session = self._kc.session
+        session = self._session
         try:
             for _ in range(_DRAIN_BATCH):
                 if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
                     return
                 frames = sock.recv_multipart(zmq.NOBLOCK)
-                _, msg = session.feed_identities(frames)
-                msg = session.deserialize(msg)
+                _, parts = session.feed_identities(frames)
+                msg = session.deserialize(parts)
                 log.debug(
                     "%s %s <- %s %s",
                     self.kernel_id,
@@ -666,7 +672,7 @@ class LocalKernel(Kernel):
     def _stop_reading(self) -> None:
         loop = asyncio.get_running_loop()
         sockets, self._sockets = self._sockets, {}
-        for sock in sockets.values():  # shadows: closing them would close the channels'
+        for sock in sockets.values():  # closed by _stop_client
             loop.remove_reader(sock.FD)
         if self._rearm is not None:
             self._rearm.cancel()
@@ -674,9 +680,9 @@ class LocalKernel(Kernel):
 
     async def _stop_client(self) -> None:
         self._stop_reading()
-        if self._kc is not None:
-            self._kc.stop_channels()
-            self._kc = None
+        channels, self._channels = self._channels, []
+        for sock in channels:  # before the manager destroys their context, which waits for them
+            sock.close(linger=0)
 
 
 def launch_guard(
