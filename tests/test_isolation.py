@@ -693,10 +693,13 @@ UNPRIVILEGED_SERVER = """\
 import os, sys
 from kernel_env import KernelEnv
 from kernel_env.kernel.factory import local_source
-source = local_source("bwrap", extra_env={"PYTHONPATH": os.environ["PYTHONPATH"]})
+from kernel_env.kernel.forkserver import ForkServer
+forked = {"forkserver": ForkServer(python=sys.argv[2])} if len(sys.argv) > 2 else {}
+source = local_source("bwrap", extra_env={"PYTHONPATH": os.environ["PYTHONPATH"]}, **forked)
 with KernelEnv(kernel_source=source, step_timeout=30) as env:
     env.reset()
     print(env.execute(sys.argv[1]).observation.result.stdout, end="")
+    print("forked" if env._async.environment.kernel.forked else "cold")
 """
 
 UNPRIVILEGED_PROBE = """\
@@ -716,10 +719,13 @@ print(os.getuid(), 'token' if 'unpriv-secret-token' in blob else 'no-token',
 
 
 @needs_sandbox
-def test_unprivileged_server_sandboxes_its_kernels(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["cold", "forked"])
+def test_unprivileged_server_sandboxes_its_kernels(tmp_path: Path, start: str) -> None:
     """A server run by an ordinary user (here a fresh uid, with Debian's own python3): its
     kernels are "nobody" in their own namespaces, cannot find its token in any process
-    environment nor its home's files, and cannot write their runtime dir."""
+    environment nor its home's files, and cannot write their runtime dir; started cold, and
+    forked from a forkserver, which cannot point its own forks into a sandbox's PID namespace
+    without root (a child of the zygote joins the sandbox and forks the kernel there)."""
     python = Path("/usr/bin/python3.11")
     if not ROOT or not python.exists() or sys.version_info[:2] != (3, 11):
         pytest.skip("needs root (to become another uid) and a system python3.11 beside ours")
@@ -741,12 +747,19 @@ def test_unprivileged_server_sandboxes_its_kernels(tmp_path: Path) -> None:
             "SECRET_FILE": str(secret),
         }  # a name the probe reads, not a secret itself
         probe = UNPRIVILEGED_PROBE.replace("os.environ['SECRET_FILE']", repr(str(secret)))
+        # The zygote starts with the kernels' minimal environment: a python that finds
+        # kernel_env where this one does.
+        wrapper = home / "python"
+        wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={env["PYTHONPATH"]} exec {python} "$@"\n')
+        wrapper.chmod(0o755)
+        os.chown(wrapper, uid, uid)
+        forked = [str(wrapper)] if start == "forked" else []
         out = subprocess.run(
             ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", str(python),
-             "-c", UNPRIVILEGED_SERVER, probe],
+             "-c", UNPRIVILEGED_SERVER, probe, *forked],
             capture_output=True, text=True, timeout=180, env=env, cwd="/tmp",
         )  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
-        assert out.stdout == "65534 no-token no-home refused 30\n", out.stdout
+        assert out.stdout == f"65534 no-token no-home refused 30\n{start}\n", out.stdout
     finally:
         shutil.rmtree(home, ignore_errors=True)

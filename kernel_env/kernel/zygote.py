@@ -385,12 +385,17 @@ class _Sandbox:
 
     def __init__(self, placeholder: int) -> None:
         flags = os.O_RDONLY | os.O_CLOEXEC
-        fds = {name: os.open(f"/proc/{placeholder}/ns/{name}", flags) for name in _NAMESPACES}
-        self.pid = os.open(f"/proc/{placeholder}/ns/pid", flags)
-        self.root = os.open(f"/proc/{placeholder}/root", flags | os.O_DIRECTORY)
-        self.outer = _outer_user_namespaces(fds["user"])
-        self.others = [fds[name] for name in _NAMESPACES if name != "user"]
-        self.inner = fds["user"]
+        opened: list[int] = []  # closed again if the placeholder is gone half-way
+        try:
+            for name in (*_NAMESPACES, "pid"):
+                opened.append(os.open(f"/proc/{placeholder}/ns/{name}", flags))
+            opened.append(os.open(f"/proc/{placeholder}/root", flags | os.O_DIRECTORY))
+            self.outer = _outer_user_namespaces(opened[0])
+        except BaseException:
+            for fd in opened:
+                os.close(fd)
+            raise
+        self.inner, *self.others, self.pid, self.root = opened
 
     def join(self, *, pid: bool) -> None:
         """Join the namespaces (the PID namespace too, for this process's children, when
