@@ -257,6 +257,7 @@ class SandboxedKernel(LocalKernel):
     def __init__(self, *, limits: SandboxLimits | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.limits = limits or SandboxLimits()
+        self._staging: dict[int, str] | None = None  # see _staged
 
     # -- launch command -----------------------------------------------------------------
 
@@ -295,15 +296,18 @@ class SandboxedKernel(LocalKernel):
 
     def _staged(self, binds: list[tuple[str, str]]) -> dict[int, str]:
         """The binds whose host path the kernel's own uid cannot reach, each with the mount
-        point (under a directory it can reach) the launch guard binds it on first, as root."""
+        point (under a directory it can reach) the launch guard binds it on first, as root;
+        found once for the kernel's launches, and its shutdown removes those mount points."""
         if self._lease is None:
             return {}
-        keep = _keep_root() / str(os.getpid())
-        return {
-            i: str(keep / f"{self.kernel_id}-{i}")
-            for i, (source, _) in enumerate(binds)
-            if not privilege.reachable(source)
-        }
+        if self._staging is None:
+            keep = _keep_root() / str(os.getpid())
+            self._staging = {
+                i: str(keep / f"{self.kernel_id}-{i}")
+                for i, (source, _) in enumerate(binds)
+                if not privilege.reachable(source)
+            }
+        return self._staging
 
     def _bwrap(self, binds: list[tuple[str, str]], staged: dict[int, str]) -> list[str]:
         work = str(self.workdir)
@@ -395,6 +399,7 @@ class SandboxedKernel(LocalKernel):
     async def _terminate(self) -> None:
         runtime = self.runtime_dir
         keeps = list(self._staged(self._binds()).values()) if runtime is not None else []
+        self._staging = None
         await super()._terminate()
         for keep in keeps:  # empty mount points: the binds lived in the launch's namespace
             with contextlib.suppress(OSError):
