@@ -19,7 +19,8 @@ from kernel_env.kernel.cgroups import available_controllers
 from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
-from kernel_env.kernel.zygote import KERNEL_NAME, SPAWNER_NAME
+from kernel_env.kernel.spawner import SPAWNER_NAME
+from kernel_env.kernel.zygote import KERNEL_NAME
 
 pytestmark = [
     pytest.mark.integration,
@@ -351,6 +352,25 @@ async def test_forked_kernels_without_the_sandbox(forkserver: ForkServer) -> Non
         timed_out = (await env.execute("import time\nwhile True: time.sleep(0.01)")).observation
         assert timed_out.result.timed_out and not timed_out.result.kernel_restarted
         assert "still" in await _run(env, "print('still here')")
+
+
+async def test_a_sandboxed_fork_leaves_the_next_kernel_outside_its_sandbox(
+    forkserver: ForkServer,
+) -> None:
+    """The zygote points its forks into a sandbox's PID namespace for one fork only: the
+    unsandboxed kernel forked next runs in the host's, its pid the one the host sees (it would
+    be a small pid of that sandbox otherwise, and inside that kernel's processes)."""
+    sandboxed = SandboxedKernel(forkserver=forkserver)
+    await sandboxed.start()
+    plain = LocalKernel(forkserver=forkserver)
+    try:
+        await plain.start()
+        assert sandboxed.forked and plain.forked
+        seen = await plain.execute("import os; print(os.getpid())")
+        assert seen.stdout.strip() == str(_kernel_pid(plain))
+    finally:
+        await plain.shutdown()
+        await sandboxed.shutdown()
 
 
 @pytest.mark.slow

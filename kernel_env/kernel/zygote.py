@@ -86,7 +86,6 @@ KERNEL_MODULES = (
 # The processes' names (``ps -o comm``, /proc/<pid>/comm): a forked kernel keeps the zygote's
 # command line, so the name is what tells it apart.
 KERNEL_NAME = "ke-kernel"
-SPAWNER_NAME = spawning.SPAWNER_NAME
 
 # setns(2) order: the user namespace first (it grants the capabilities the others need).
 _NAMESPACES = ("user", "mnt", "net", "ipc", "uts")
@@ -336,9 +335,7 @@ def _fork_through(request: dict[str, Any], template: KernelTemplate, sandbox: _S
     if joiner == 0:
         try:
             os.close(report)
-            spawning.join_cgroups(request.get("cgroup_join", []))
-            spawning.set_ids(request)
-            sandbox.join(pid=True)
+            _enter(request, sandbox, pid=True)
             kernel = _fork(lambda: _become_kernel(request, template))
             os.write(reporting, str(kernel).encode())
         except BaseException as exc:
@@ -444,10 +441,7 @@ def _kernel(
     ``tied_to``: the zygote, whose end ends this process. A sandboxed kernel ends with its
     sandbox instead, which ends with the spawner, which ends with the zygote."""
     try:
-        spawning.join_cgroups(request.get("cgroup_join", []))
-        spawning.set_ids(request)
-        if sandbox is not None:
-            sandbox.join(pid=False)  # already in its PID namespace: the fork put it there
+        _enter(request, sandbox, pid=False)  # in its PID namespace already: the fork put it there
         if tied_to is not None:
             _prctl(spawning.PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change
             if os.getppid() != tied_to:
@@ -456,6 +450,15 @@ def _kernel(
         _say(f"kernel_env: a forked kernel could not start: {type(exc).__name__}: {exc}")
         os._exit(1)
     _become_kernel(request, template)
+
+
+def _enter(request: dict[str, Any], sandbox: _Sandbox | None, *, pid: bool) -> None:
+    """Join the kernel's cgroups, take its uid, join ``sandbox`` (see ``_Sandbox.join``),
+    while this process has one thread."""
+    spawning.join_cgroups(request.get("cgroup_join", []))
+    spawning.set_ids(request)
+    if sandbox is not None:
+        sandbox.join(pid=pid)
 
 
 def _become_kernel(request: dict[str, Any], template: KernelTemplate) -> NoReturn:
