@@ -67,12 +67,13 @@ def peak_kernels() -> Iterator[list[int]]:
 
 
 def child_model(body: dict[str, Any]) -> str:
-    """A child's root model: wait a little (so children overlap), then answer; a depth-1 child
-    that may recurse asks for grandchildren as well."""
+    """A child's root model: hold the kernel for 3 s, longer than the pool lets a child wait for
+    room (2 s), so that children waiting meanwhile are refused however fast kernels start; then
+    answer. A depth-1 child that may recurse asks for grandchildren as well."""
     prompt = next(m["content"] for m in body["messages"] if m["role"] == "user")
     if "DEEP" in prompt and "GRAND" not in prompt:
         return "```repl\nr = rlm_query_batched(['GRAND'] * 4)\nFINAL('child')\n```"
-    return "```repl\nimport time\ntime.sleep(0.5)\nFINAL('child')\n```"
+    return "```repl\nimport time\ntime.sleep(3)\nFINAL('child')\n```"
 
 
 # rlm_max_depth counts levels as OpenEnv does: 1 runs no child, 2 children, 3 grandchildren.
