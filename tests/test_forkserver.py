@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -373,6 +375,24 @@ async def test_a_sandboxed_fork_leaves_the_next_kernel_outside_its_sandbox(
         await sandboxed.shutdown()
 
 
+async def test_kernels_share_the_hosts_zmq_threads(forkserver: ForkServer) -> None:
+    """Every local kernel's host sockets are on one zmq context: once one kernel runs (and
+    has made that context's two threads, I/O and reaper), three more add no zmq thread to the
+    host (they added two each; one thread of asyncio's executor may come and go)."""
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    kernels = [LocalKernel(forkserver=forkserver) for _ in range(4)]
+    try:
+        await kernels[0].start()
+        before = threads()
+        for kernel in kernels[1:]:
+            await kernel.start()
+        assert "1" in (await kernels[-1].execute("print(1)")).stdout
+        assert threads() - before <= 1, threads() - before
+    finally:
+        for kernel in kernels:
+            await kernel.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_forked_churn_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -408,3 +428,22 @@ async def test_forked_churn_leaves_nothing_behind(tmp_path: Path) -> None:
     finally:
         await server.close()
     assert descendants(os.getpid()) == set()
+
+
+def test_the_spawner_wakes_when_the_placeholder_program_runs(tmp_path: Path) -> None:
+    """The spawner waits for a sandbox's placeholder on inotify, not by polling /proc: an exec
+    of the watched program wakes it, nothing else does, and a program it cannot watch leaves
+    it waiting out each interval (then it looks at /proc every millisecond, as it did)."""
+    from kernel_env.kernel.spawner import _ExecWatch
+
+    program = tmp_path / "placeholder"  # a file of its own: nothing else on the host runs it
+    program.write_bytes(Path(shutil.which("true") or "/bin/true").read_bytes())
+    program.chmod(0o755)
+    watch = _ExecWatch(str(program))
+    assert watch.fd >= 0
+    assert not watch.wait(0.05)
+    subprocess.run([str(program)], check=True)
+    assert watch.wait(5.0)
+    assert not watch.wait(0.05)  # the event was taken
+    unwatched = _ExecWatch(str(tmp_path / "missing"))
+    assert unwatched.fd < 0 and not unwatched.wait(0.001)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+import zmq.asyncio
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.provisioning import KernelProvisionerBase
@@ -85,7 +86,13 @@ def forked_kernel_flags() -> list[str]:
 def placeholder_argv() -> list[str]:
     """The process a forked kernel's launch runs in its place: it holds the launch's uid,
     cgroups and sandbox until the kernel joins them, and lives exactly as long as the kernel."""
-    return [shutil.which("sleep") or "/bin/sleep", "infinity"]
+    return [_program("sleep"), "infinity"]
+
+
+@functools.cache
+def _program(name: str) -> str:
+    """Where ``name`` is on this process's PATH (looked up once: every launch runs it)."""
+    return shutil.which(name) or f"/bin/{name}"
 
 
 def minimal_environ(home: str, python: str = sys.executable) -> dict[str, str]:
@@ -104,6 +111,28 @@ def minimal_environ(home: str, python: str = sys.executable) -> dict[str, str]:
 
 
 _EXIT_POLL = 0.005  # seconds between checks that a killed kernel has exited
+
+_shared_context: tuple[int, zmq.asyncio.Context] | None = None  # (the pid that made it, it)
+
+
+def _host_context() -> zmq.asyncio.Context:
+    """The zmq context of every local kernel's host sockets in this process.
+
+    jupyter_client gives each kernel manager a context of its own: two threads (zmq's I/O
+    thread and its reaper) started and joined for every kernel, ~1.7 ms of a server's CPU per
+    episode. Kernels' sockets are closed one by one instead (``LocalKernel._stop_client``).
+    A process forked from this one (never the server itself) makes its own."""
+    global _shared_context
+    if _shared_context is None or _shared_context[0] != os.getpid():
+        context = zmq.asyncio.Context()
+        context.setsockopt(zmq.MAX_SOCKETS, context.get(zmq.SOCKET_LIMIT))  # not 1023
+        # The host's sockets connect before the kernel binds its own; zmq then retries every
+        # 100 ms by default, which a forked kernel (ready in tens of ms) would wait out.
+        # (Backing off to 1 s: a dead kernel's sockets are not retried every 5 ms.)
+        context.setsockopt(zmq.RECONNECT_IVL, 5)
+        context.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        _shared_context = (os.getpid(), context)
+    return _shared_context[1]
 
 
 class _KernelManager(AsyncKernelManager):
@@ -371,12 +400,8 @@ class LocalKernel(Kernel):
             transport="ipc",
             ip=self._ipc_prefix(),
             connection_file=str(self._dir / "kernel.json"),
+            context=_host_context(),
         )
-        # The host's sockets connect before the kernel binds its own; zmq then retries every
-        # 100 ms by default, which a forked kernel (ready in tens of ms) would wait out.
-        # (Backing off to 1 s: a dead kernel's sockets are not retried every 5 ms.)
-        self._km.context.setsockopt(zmq.RECONNECT_IVL, 5)
-        self._km.context.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._km.write_connection_file()
         if gid is not None:
             os.chown(self._km.connection_file, -1, gid)
@@ -401,7 +426,7 @@ class LocalKernel(Kernel):
         except (ForkServerError, OSError) as exc:
             log.warning("kernel %s: fork failed (%s); starting it cold", self.kernel_id, exc)
             with contextlib.suppress(Exception):
-                await km.shutdown_kernel(now=True, restart=True)  # keeps the manager's context
+                await km.shutdown_kernel(now=True, restart=True)  # keeps the connection file
             self.forked = False
             await self._start_cold()
 
@@ -553,10 +578,7 @@ class LocalKernel(Kernel):
             except Exception as exc:  # already dead is fine: we only want it gone
                 log.debug("kernel %s: shutdown: %r", self.kernel_id, exc)
                 await _kill_process(km)
-            await km.cleanup_resources()
-            # The manager made its own zmq context (our client used it too): close it now
-            # rather than leave it to the garbage collector.
-            km.context.destroy(linger=0)
+            await km.cleanup_resources()  # closes its control socket, if it made one
         cgroup, self._cgroup = self._cgroup, None
         lease, self._lease = self._lease, None
         emptied = cgroup is not None and await asyncio.to_thread(cgroup.remove)
@@ -681,7 +703,7 @@ class LocalKernel(Kernel):
     async def _stop_client(self) -> None:
         self._stop_reading()
         channels, self._channels = self._channels, []
-        for sock in channels:  # before the manager destroys their context, which waits for them
+        for sock in channels:
             sock.close(linger=0)
 
 

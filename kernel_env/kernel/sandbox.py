@@ -356,9 +356,11 @@ class SandboxedKernel(LocalKernel):
         binding what its uid cannot reach, as the cold launch guard does."""
         binds = self._binds()
         staged = self._staged(binds)
+        placeholder = placeholder_argv()
         return {
-            "launch": [*self._bwrap(binds, staged), *placeholder_argv()],
+            "launch": [*self._bwrap(binds, staged), *placeholder],
             "sandboxed": True,
+            "placeholder": placeholder[0],  # the program the spawner watches for (see spawner)
             "staged": [[binds[i][0], keep] for i, keep in staged.items()],
         }
 
