@@ -184,8 +184,8 @@ async def test_a_forked_kernel_looks_like_a_cold_one(forkserver: ForkServer) -> 
     """The zygote builds each kernel's shell before the fork (and runs a silent cell in it):
     what a cell sees of its working directory, profile, environment, path, stdout, helpers,
     namespace and history is still what a kernel started cold sees (its own directories, not
-    the zygote's), and each forked kernel has
-    its own session id (the msg ids it sends are its own)."""
+    the zygote's), and each forked kernel has its own session id (the msg ids it sends are its
+    own)."""
     snapshots = []
     for source in (_source(forkserver), _source(ForkServerStub())):
         async with AsyncKernelEnv(kernel_source=source) as env:
@@ -206,6 +206,22 @@ async def test_a_forked_kernel_looks_like_a_cold_one(forkserver: ForkServer) -> 
         await b.reset()
         code = "print(get_ipython().kernel.session.session, get_ipython().kernel.ident)"
         assert set((await _run(a, code)).split()).isdisjoint((await _run(b, code)).split())
+
+
+async def test_an_aggressive_reset_drops_only_what_cells_imported(forkserver: ForkServer) -> None:
+    """``%reset -f --aggressive`` drops the modules imported since the kernel started, as in a
+    kernel started cold: a cell's import goes; the preloads, IPython and kernel_env stay."""
+    code = (
+        "import sys, wave\nget_ipython().run_line_magic('reset', '-f --aggressive')\n"
+        "import sys\nprint(sorted(m for m in ('wave', 'numpy', 'IPython', "
+        "'kernel_env.kernel_side') if m in sys.modules))"
+    )
+    kept = {"forked": "['IPython', 'kernel_env.kernel_side', 'numpy']"}
+    for kind, source in (("forked", _source(forkserver)), ("cold", _source(ForkServerStub()))):
+        async with AsyncKernelEnv(kernel_source=source) as env:
+            await env.reset()
+            after = (await _run(env, code)).strip().splitlines()[-1]
+            assert after == kept.get(kind, "['IPython', 'kernel_env.kernel_side']"), after
 
 
 class ForkServerStub(ForkServer):
