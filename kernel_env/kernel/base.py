@@ -4,9 +4,11 @@ A backend (local ZMQ, gateway WebSocket) launches the kernel process, sends mess
 delivers what arrives, one reader per channel, into the three queues here. Everything that
 interprets messages lives in this module, so every backend behaves the same:
 
-- ready = a stdin probe cell answered and replied on shell (else a first cell's ``llm_query``
-  could be lost) AND an iopub message, ``kernel_info`` sent every 50 ms until one arrives
-  (``wait_for_ready()`` sleeps, and after a restart without this the next cell's iopub was lost);
+- ready = our iopub subscription shown (ipykernel's welcome to it; ``kernel_info`` sent every
+  50 ms for a kernel that sends none), for a local episode kernel, whose stdin asks again
+  until the host is there; for others, also a stdin probe cell answered and replied on shell
+  (else a first cell's ``llm_query`` could be lost). ``wait_for_ready()`` sleeps, and after a
+  restart without this the next cell's iopub was lost;
 - an execute is complete when both the shell ``execute_reply`` and the iopub ``idle`` for its
   ``msg_id`` arrived; output for another parent (a thread printing late) is kept aside, never
   put into the next cell;
@@ -237,11 +239,12 @@ class Kernel(ABC):
             await self._wait_probed()
 
     async def _wait_connected(self) -> None:
-        """Wait until iopub shows the kernel starting to serve: ipykernel's ``starting``
-        status, sent as its shell handler is set up (our subscription, which ipykernel
-        welcomes, is in place by then, unless the kernel started before we connected: then
-        a ``kernel_info`` request, sent every 50 ms, is answered on shell and on iopub).
-        Stdin needs no proof: the kernel asks again until the host's stdin socket is there."""
+        """Wait until iopub shows our subscription: ipykernel's welcome to it (its iopub
+        thread sends one as our subscription arrives, early in the kernel's start), else its
+        ``starting`` status, else, for a kernel that sends neither, a ``kernel_info`` reply
+        (requested every 50 ms; answered on shell and on iopub). A cell's iopub messages then
+        reach us; the execute request waits in zmq until the kernel serves its shell, and
+        the kernel asks again on stdin until the host's stdin socket is there."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ready_timeout
         recheck = loop.time() + _READY_RECHECK
@@ -250,8 +253,9 @@ class Kernel(ABC):
             msg = await _get(self._queues["iopub"], _READY_TICK)
             if msg is not None:
                 subscribed = True
-                if msg["header"]["msg_type"] == "status" and (
-                    msg["content"].get("execution_state") == "starting"
+                if _msg_type(msg) == "iopub_welcome" or (
+                    _msg_type(msg) == "status"
+                    and msg["content"].get("execution_state") == "starting"
                 ):
                     break
             if subscribed and _drain_for(self._queues["shell"], "kernel_info_reply"):

@@ -56,10 +56,12 @@ class ForkServer:
         self.python = python
         self._process: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
-        self._replies: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the socket's writes, the waiting requests, _problem
         self._start_lock = threading.Lock()
         self._problem: str | None = "not started"
+        self._waiting: dict[int, _Answer] = {}  # requests sent, by id, until answered
+        self._last_id = 0
+        self._reader: threading.Thread | None = None
         self.forks = 0
 
     @property
@@ -121,17 +123,21 @@ class ForkServer:
             theirs.close()
         self._control = ours
         ours.settimeout(_START_TIMEOUT)
-        self._replies = ours.makefile("rb")
         try:
-            hello = json.loads(self._replies.readline() or b"{}")
+            with ours.makefile("rb") as hello_line:  # the only line before any request
+                hello = json.loads(hello_line.readline() or b"{}")
         except (OSError, ValueError) as exc:
             hello = {"problem": f"did not start: {exc}"}
         if not hello.get("ready"):
             self._problem = hello.get("problem") or "exited while starting"
             self._stop()
             return
-        ours.settimeout(_REQUEST_TIMEOUT)
+        ours.settimeout(_REQUEST_TIMEOUT)  # bounds each write of a request
         self._problem = None
+        self._reader = threading.Thread(
+            target=self._read_answers, args=(ours,), name="forkserver-answers", daemon=True
+        )
+        self._reader.start()
 
     def _config(self) -> dict[str, Any]:
         """What the zygote prepares: the preloads, and the kernel its forks start from."""
@@ -142,41 +148,103 @@ class ForkServer:
     async def fork(self, request: dict[str, Any]) -> dict[str, Any]:
         """Launch and fork a kernel as ``request`` says (see :mod:`kernel_env.kernel.zygote`);
         the pids of the kernel (``pid``), its launch (``launcher``: ending it ends the kernel),
-        its sandbox's init (``init``, or None) and its placeholder."""
-        return await asyncio.to_thread(self._fork, request)
+        its sandbox's init (``init``, or None) and its placeholder. Requests overlap: the
+        zygote answers each once its launch runs, and no thread waits for the answer."""
+        answer = _Answer(asyncio.get_running_loop())
+        problem = self._send(request, answer)
+        if problem is None:
+            try:
+                reply = await asyncio.wait_for(answer.future, _REQUEST_TIMEOUT)
+            except TimeoutError:
+                problem = f"stopped (no answer in {_REQUEST_TIMEOUT:.0f} s)"
+        if problem is not None:
+            await asyncio.to_thread(self._failed, problem)
+            raise ForkServerError(self._problem or problem)
+        if "pid" not in reply:  # the zygote stopped
+            raise ForkServerError(self._problem or "stopped")
+        if "error" in reply:  # this launch failed; the zygote serves the next
+            raise ForkServerError(f"the launch failed: {reply['error']}")
+        self.forks += 1
+        return reply
 
-    def _fork(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _send(self, request: dict[str, Any], answer: _Answer) -> str | None:
+        """Send ``request`` under an id of its own, for ``answer``; what went wrong, or None."""
         with self._lock:
             if self._problem is not None or self._control is None:
                 raise ForkServerError(f"the forkserver is not running ({self._problem})")
+            self._last_id += 1
+            self._waiting[self._last_id] = answer
             try:
-                self._control.sendall((json.dumps(request) + "\n").encode())
-                reply = json.loads(self._replies.readline() or b"{}")
-            except (OSError, ValueError) as exc:
-                reply = {"error": str(exc)}
-            if "pid" not in reply:
-                self._problem = f"stopped ({reply.get('error') or 'it exited'})"
-                log.warning("kernels start cold from now on: the forkserver %s", self._problem)
-                self._stop()
-                raise ForkServerError(self._problem)
-            if "error" in reply:  # this launch failed; the zygote serves the next
-                raise ForkServerError(f"the launch failed: {reply['error']}")
-            self.forks += 1
-            return reply
+                line = json.dumps({**request, "id": self._last_id}) + "\n"
+                self._control.sendall(line.encode())  # a small write, with a timeout
+            except OSError as exc:
+                return f"stopped ({exc})"
+        return None
+
+    def _read_answers(self, control: socket.socket) -> None:
+        """The reader thread: hands each answer to the request with its id, until the
+        zygote stops (end of file, or an error that answers no request)."""
+        pending = b""
+        why = None
+        while why is None:
+            try:
+                data = control.recv(65536)
+            except TimeoutError:
+                continue  # nothing to say for a while
+            except OSError as exc:
+                why = str(exc)
+                break
+            if not data:
+                why = "it exited"
+                break
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                why = why or self._hand_out(line)
+        self._failed(f"stopped ({why})")
+
+    def _hand_out(self, line: bytes) -> str | None:
+        """Give an answer to its request; why the zygote stopped, if it says so."""
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            return f"it answered {line[:80]!r}"
+        if answer.get("id") is None:
+            return str(answer.get("error") or "it stopped")
+        with self._lock:
+            waiting = self._waiting.pop(answer["id"], None)
+        if waiting is not None:
+            waiting.give(answer)
+        return None
+
+    def _failed(self, problem: str) -> None:
+        """The zygote stopped answering: kernels start cold from now on, and every request
+        still waiting fails."""
+        with self._lock:
+            if self._problem is None:
+                self._problem = problem
+                log.warning("kernels start cold from now on: the forkserver %s", problem)
+            waiting, self._waiting = self._waiting, {}
+        for answer in waiting.values():
+            answer.give({"error": self._problem})
+        self._stop()
 
     async def close(self) -> None:
+        with self._lock:
+            if self._problem is None:
+                self._problem = "closed"
         await asyncio.to_thread(self._stop)
-        if self._problem is None:
-            self._problem = "closed"
 
     def _stop(self) -> None:
-        control, self._control = self._control, None
-        if self._replies is not None:
-            with contextlib.suppress(OSError):
-                self._replies.close()
-            self._replies = None
+        with self._lock:
+            control, self._control = self._control, None
         if control is not None:
-            control.close()  # the zygote's loop ends at end of file
+            with contextlib.suppress(OSError):
+                control.shutdown(socket.SHUT_RDWR)  # the zygote's loop ends at end of file
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(5)  # it ends at that end of file too
+        if control is not None:
+            control.close()
         process, self._process = self._process, None
         if process is not None:
             try:
@@ -190,6 +258,22 @@ class ForkServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class _Answer:
+    """The zygote's answer to one request: a future of the event loop that asked, given
+    from the reader thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.future = loop, loop.create_future()
+
+    def give(self, answer: dict[str, Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+            self.loop.call_soon_threadsafe(self._set, answer)
+
+    def _set(self, answer: dict[str, Any]) -> None:
+        if not self.future.done():
+            self.future.set_result(answer)
 
 
 def _tied_to_this_process() -> list[str]:

@@ -126,11 +126,13 @@ def _host_context() -> zmq.asyncio.Context:
     if _shared_context is None or _shared_context[0] != os.getpid():
         context = zmq.asyncio.Context()
         context.setsockopt(zmq.MAX_SOCKETS, context.get(zmq.SOCKET_LIMIT))  # not 1023
-        # The host's sockets connect before the kernel binds its own; zmq then retries every
-        # 100 ms by default, which a forked kernel (ready in tens of ms) would wait out.
-        # (Backing off to 1 s: a dead kernel's sockets are not retried every 5 ms.)
+        # The host's sockets may connect before the kernel binds its own; zmq then retries
+        # every 100 ms by default, which a forked kernel (ready in tens of ms) would wait out.
+        # No backing off either: a kernel that binds late under load was reached only at the
+        # next doubled interval. (Trying a unix socket path costs one failed connect(2); a
+        # dead kernel's sockets are closed by its restart or shutdown.)
         context.setsockopt(zmq.RECONNECT_IVL, 5)
-        context.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        context.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
         _shared_context = (os.getpid(), context)
     return _shared_context[1]
 

@@ -7,7 +7,8 @@ place; :mod:`kernel_env.kernel.zygote` then forks the kernel into it. Forking ea
 the zygote would copy the zygote's page tables (tens of megabytes of imported modules) for a
 process that execs at once, and unmap them again: ~5 ms of CPU per kernel. The zygote instead
 runs this file once, as a fresh interpreter that imports only the standard library, and asks it
-for each launch over a socket pair, one JSON line each way.
+for each launch over a socket pair, one JSON line each way, tagged with the request's id: a
+launch is answered once it runs, and launches overlap (a sandbox's setup is mostly waiting).
 
 Run by path, as ``python -I -S spawner.py FD ZYGOTE_PID`` (importing the kernel_env package
 would make it as large as the zygote). It ends with the zygote, and every launch it started
@@ -18,11 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import json
 import os
 import resource
-import select
+import selectors
 import signal
 import socket
 import sys
@@ -51,43 +51,145 @@ def main() -> None:
         return  # the zygote ended before the line above took effect
     set_name(SPAWNER_NAME)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launches are reaped by the system
-    for line in control.makefile("rb"):
+    _Spawner(control).serve()
+
+
+class _Spawner:
+    """The spawner's loop: launch requests from the zygote, each answered (by its ``id``) once
+    its launch runs, so that launches whose sandboxes are being set up overlap (bubblewrap's
+    setup takes ~10-40 ms, most of it waiting, which one launch at a time made every kernel's
+    start wait for the kernels' before it)."""
+
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(control, selectors.EVENT_READ)
+        self.setting_up: list[_Launch] = []  # sandboxed launches whose command has not run
+        self.watch: _ExecWatch | None = None
+
+    def serve(self) -> None:
+        pending = b""
+        woken = False
+        while True:
+            events = self.selector.select(self._patience(woken))
+            woken = False
+            for key, _ in events:
+                if key.fileobj is self.control:
+                    data = self.control.recv(65536)
+                    if not data:
+                        return  # the zygote closed its end: done
+                    pending += data
+                    while b"\n" in pending:
+                        line, pending = pending.split(b"\n", 1)
+                        self._begin(json.loads(line))
+                elif isinstance(key.data, _ExecWatch):
+                    woken = key.data.taken()
+                else:
+                    self._execed(key.data)
+            self._look_for_commands()
+
+    def _patience(self, woken: bool) -> float | None:
+        """How long to wait for an event: for ever with no sandbox being set up; else 0.5 ms
+        just after the placeholder's program was opened (its exec may still be under way),
+        5 ms otherwise (1 ms without inotify)."""
+        if not self.setting_up:
+            return None
+        if woken:
+            return 0.0005
+        return 0.005 if self.watch is not None and self.watch.fd >= 0 else 0.001
+
+    def _begin(self, request: dict[str, Any]) -> None:
         try:
-            reply = launch(json.loads(line))
+            launch = _Launch(request)
         except Exception as exc:
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        control.sendall((json.dumps(reply) + "\n").encode())
+            self._reply(request.get("id"), {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        self.selector.register(launch.failed, selectors.EVENT_READ, launch)
+
+    def _execed(self, launch: _Launch) -> None:
+        """The launch exec'd (its close-on-exec pipe ended) or said why it could not."""
+        self.selector.unregister(launch.failed)
+        with os.fdopen(launch.failed, "rb") as pipe:
+            why = pipe.read().decode(errors="replace")
+        if why:
+            self._reply(launch.id, {"error": f"OSError: the launch could not run: {why}"})
+        elif not launch.request.get("sandboxed"):
+            self._reply(launch.id, launch.pids(None, launch.launcher))
+        else:
+            self.setting_up.append(launch)
+            if self.watch is None:
+                self.watch = _ExecWatch(launch.request["placeholder"])
+                if self.watch.fd >= 0:
+                    self.selector.register(self.watch.fd, selectors.EVENT_READ, self.watch)
+
+    def _look_for_commands(self) -> None:
+        for launch in list(self.setting_up):
+            try:
+                found = launch.sandbox_pids()
+            except OSError as exc:
+                found = {"error": f"OSError: {exc}"}
+            if found is not None:
+                self.setting_up.remove(launch)
+                self._reply(launch.id, found)
+
+    def _reply(self, rid: Any, reply: dict[str, Any]) -> None:
+        self.control.sendall((json.dumps({"id": rid, **reply}) + "\n").encode())
 
 
-def launch(request: dict[str, Any]) -> dict[str, Any]:
-    """Start ``request["launch"]`` as a cold kernel's launch would start the kernel: in the
-    kernel's cgroups, with the staged paths bound in a private mount namespace, in its working
-    directory, as its uid, with its rlimits, ending when this process ends. Its pids once it
-    runs: ``launcher`` (the process the host holds: ending it ends the kernel), ``init`` (the
-    sandbox's, or None) and ``placeholder``."""
-    me = os.getpid()
-    failed, failing = os.pipe()  # close-on-exec: end of file once the exec succeeded
-    launcher = os.fork()
-    if launcher == 0:
-        os.close(failed)
-        try:
-            _prepare(request, me)
-            argv = request["launch"]
-            os.execve(argv[0], argv, request["env"])
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.write(failing, f"{type(exc).__name__}: {exc}".encode())
-        finally:
-            os._exit(127)
-    os.close(failing)
-    with os.fdopen(failed, "rb") as pipe:
-        why = pipe.read().decode(errors="replace")
-    if why:
-        raise OSError(f"the launch could not run: {why}")
-    if not request.get("sandboxed"):
-        return {"launcher": launcher, "init": None, "placeholder": launcher}
-    init, placeholder = _sandbox_pids(launcher, _exec_watch(request["placeholder"]))
-    return {"launcher": launcher, "init": init, "placeholder": placeholder}
+class _Launch:
+    """One kernel's launch: ``request["launch"]`` started as a cold kernel's launch would start
+    the kernel, in the kernel's cgroups, with the staged paths bound in a private mount
+    namespace, in its working directory, as its uid, with its rlimits, ending when the spawner
+    ends. ``failed`` ends at its exec, or says why it failed."""
+
+    _TIMEOUT = 8.0  # seconds for a sandbox to start its command (the host waits 10 s)
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.request, self.id = request, request.get("id")
+        me = os.getpid()
+        failed, failing = os.pipe()  # close-on-exec: end of file once the exec succeeded
+        launcher = os.fork()
+        if launcher == 0:
+            os.close(failed)
+            try:
+                _prepare(request, me)
+                argv = request["launch"]
+                os.execve(argv[0], argv, request["env"])
+            except BaseException as exc:
+                with contextlib.suppress(OSError):
+                    os.write(failing, f"{type(exc).__name__}: {exc}".encode())
+            finally:
+                os._exit(127)
+        os.close(failing)
+        self.launcher, self.failed = launcher, failed
+        self.deadline = time.monotonic() + self._TIMEOUT
+        self.init: int | None = None
+
+    def pids(self, init: int | None, placeholder: int) -> dict[str, Any]:
+        """What the zygote is told: ``launcher`` (the process the host holds: ending it ends
+        the kernel), ``init`` (the sandbox's, or None) and ``placeholder``."""
+        return {"launcher": self.launcher, "init": init, "placeholder": placeholder}
+
+    def sandbox_pids(self) -> dict[str, Any] | None:
+        """The pids once the sandbox runs its command: bubblewrap's init (the launcher's
+        child) and the command (the init's child, once it has exec'd); None until then.
+        OSError when the sandbox ended, or did not start its command in time (it is killed:
+        the kernel starts cold instead)."""
+        launcher = self.launcher
+        if not os.path.exists(f"/proc/{launcher}/task/{launcher}/children"):
+            raise OSError(f"the sandbox exited at launch (pid {launcher})")
+        with contextlib.suppress(OSError, ValueError):
+            if self.init is None:
+                self.init = next(iter(_children(launcher, "bwrap")), None)
+            if self.init is not None:
+                command = next(iter(_children(self.init, None)), None)
+                if command is not None:
+                    return self.pids(self.init, command)
+        if time.monotonic() < self.deadline:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(launcher, signal.SIGKILL)
+        raise OSError("the sandbox did not start its command in time")
 
 
 def _prepare(request: dict[str, Any], spawner: int) -> None:
@@ -145,36 +247,9 @@ def _mount(source: str | None, target: str, flags: int) -> None:
         raise OSError(error, f"mount {source} on {target}: {os.strerror(error)}")
 
 
-def _sandbox_pids(launcher: int, watch: _ExecWatch, timeout: float = 8.0) -> tuple[int, int]:
-    """bubblewrap's init (the launcher's child) and the command it runs once the sandbox is
-    complete (the init's child, once it has exec'd). The zygote waits on this, and the host on
-    the zygote for 10 s: past ``timeout`` the kernel starts cold instead.
-
-    Looked for again each time ``watch`` sees the command's program opened, soon after (its
-    exec may still be under way then), and every 5 ms in any case: not every millisecond of
-    the sandbox's setup, which took ~2 ms of this process's CPU per launch under load."""
-    deadline = time.monotonic() + timeout
-    init = None
-    woken = False
-    while time.monotonic() < deadline:
-        if not os.path.exists(f"/proc/{launcher}/task/{launcher}/children"):
-            raise OSError(f"the sandbox exited at launch (pid {launcher})")
-        with contextlib.suppress(OSError, ValueError):
-            if init is None:
-                init = next(iter(_children(launcher, "bwrap")), None)
-            if init is not None:
-                command = next(iter(_children(init, None)), None)
-                if command is not None:
-                    return init, command
-        woken = watch.wait(0.0005 if woken else 0.005)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(launcher, signal.SIGKILL)
-    raise OSError("the sandbox did not start its command in time")
-
-
 class _ExecWatch:
     """Says when a program was opened (inotify's ``IN_OPEN`` on its file, which an exec of it
-    raises, in any mount namespace the file is bound into); without inotify, every 1 ms."""
+    raises, in any mount namespace the file is bound into). ``fd`` is -1 without inotify."""
 
     def __init__(self, path: str) -> None:
         self.fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
@@ -182,24 +257,14 @@ class _ExecWatch:
             os.close(self.fd)
             self.fd = -1
 
-    def wait(self, timeout: float) -> bool:
-        """Whether the program was opened (by anyone) since the last call, waiting at most
-        ``timeout`` seconds for it."""
-        if self.fd < 0:
-            time.sleep(min(timeout, 0.001))
-            return False
-        readable, _, _ = select.select([self.fd], [], [], timeout)
-        if not readable:
-            return False
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.fd, 4096):
-                pass
-        return True
-
-
-@functools.cache
-def _exec_watch(path: str) -> _ExecWatch:
-    return _ExecWatch(path)
+    def taken(self) -> bool:
+        """Whether the program was opened (by anyone) since the last call."""
+        opened = False
+        if self.fd >= 0:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self.fd, 4096):
+                    opened = True
+        return opened
 
 
 def _children(pid: int, comm: str | None) -> list[int]:

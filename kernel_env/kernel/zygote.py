@@ -7,7 +7,7 @@ kernel_env's in-kernel module (and the preloads), builds the kernel every fork s
 (:mod:`kernel_env.kernel.template`: the kernel object and its shell, no socket yet), checks
 that no thread was started (forking a threaded process copies locks held by threads that do
 not exist in the child), starts its spawner, says ``ready`` and serves fork requests, one JSON
-line each. For each request:
+line each, answered by id as each kernel is forked (requests overlap). For each request:
 
 1. the spawner (:mod:`kernel_env.kernel.spawner`, a small process of its own) starts what a
    cold kernel's launch command would, with a placeholder process (``sleep``) in the kernel's
@@ -154,26 +154,26 @@ def _build_template(flags: list[str]) -> tuple[KernelTemplate | None, str | None
 
 
 class _Spawner:
-    """The zygote's end of its spawner (:mod:`kernel_env.kernel.spawner`)."""
+    """The zygote's end of its spawner (:mod:`kernel_env.kernel.spawner`): launch requests
+    out, and their answers (by ``id``, in the order the launches come to run) back."""
 
     def __init__(self, process: subprocess.Popen[bytes], control: socket.socket) -> None:
         self.process, self.control = process, control
-        self._replies = control.makefile("rb")
+        self._pending = b""
 
-    def launch(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The launch's pids; :class:`LaunchFailed` when this launch failed, OSError when the
-        spawner is gone."""
+    def launch(self, request: dict[str, Any]) -> None:
+        """Ask for ``request``'s launch (OSError when the spawner is gone)."""
         self.control.sendall((json.dumps(request) + "\n").encode())
-        reply = json.loads(self._replies.readline() or b"{}")
-        if not reply:
+
+    def answers(self) -> list[dict[str, Any]]:
+        """The answers the spawner has sent (call when its socket is readable): each the
+        launch's pids, or an ``error``. OSError when the spawner is gone."""
+        data = self.control.recv(65536)
+        if not data:
             raise OSError("it exited")
-        if "error" in reply:
-            raise LaunchFailed(reply["error"])
-        return reply
-
-
-class LaunchFailed(Exception):
-    """One kernel's launch failed (the spawner serves the next)."""
+        self._pending += data
+        *lines, self._pending = self._pending.split(b"\n")
+        return [json.loads(line) for line in lines]
 
 
 class _Stopped(Exception):
@@ -197,8 +197,9 @@ def _start_spawner() -> tuple[_Spawner | None, str | None]:
 
 
 class _Zygote:
-    """The zygote's loop: fork requests from the host, and the ends of the kernels it forked
-    and of their placeholders."""
+    """The zygote's loop: fork requests from the host, the spawner's answers to the launches
+    they need, and the ends of the kernels it forked and of their placeholders. Requests
+    overlap: each is answered (by its ``id``) once its launch runs and its kernel is forked."""
 
     def __init__(
         self,
@@ -213,40 +214,56 @@ class _Zygote:
         self.selector = selectors.DefaultSelector()
         self.own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.can_point_forks = True  # whether setns(CLONE_NEWPID) works here (see _fork_kernel)
+        self.launching: dict[Any, dict[str, Any]] = {}  # requests by id, until launched
 
     def serve(self) -> None:
         self.selector.register(self.control, selectors.EVENT_READ)
+        self.selector.register(self.spawner.control, selectors.EVENT_READ)
         pending = b""
-        while True:
-            for key, _ in self.selector.select(timeout=_REAP_EVERY):
-                if self.selector.get_map().get(key.fd) is not key:
-                    continue  # closed while handling an earlier event of this batch
-                if key.fileobj is not self.control:
-                    self._ended(key.fd, key.data)
-                    continue
-                data = self.control.recv(65536)
-                if not data:
-                    return  # the host closed its end: done
-                pending += data
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    try:
-                        reply = self._start(json.loads(line))
-                    except _Stopped as exc:  # said without a pid: the host starts kernels cold
-                        self.control.sendall((json.dumps({"error": str(exc)}) + "\n").encode())
-                        return
-                    self.control.sendall((json.dumps(reply) + "\n").encode())
-            _reap()
-
-    def _start(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Launch and fork one kernel: its pid and its launch's pids, or why not."""
-        request["env"] = request["env"] | self.imported
         try:
-            launched = self.spawner.launch(request)
-        except LaunchFailed as exc:
-            return {"pid": None, "error": str(exc)}
+            while True:
+                for key, _ in self.selector.select(timeout=_REAP_EVERY):
+                    if self.selector.get_map().get(key.fd) is not key:
+                        continue  # closed while handling an earlier event of this batch
+                    if key.fileobj is self.spawner.control:
+                        self._launched()
+                    elif key.fileobj is not self.control:
+                        self._ended(key.fd, key.data)
+                    else:
+                        data = self.control.recv(65536)
+                        if not data:
+                            return  # the host closed its end: done
+                        pending += data
+                        *lines, pending = pending.split(b"\n")
+                        for line in lines:
+                            self._launch(json.loads(line))
+                _reap()
+        except _Stopped as exc:  # said without an id: the host starts kernels cold
+            self._answer({"error": str(exc)})
+
+    def _launch(self, request: dict[str, Any]) -> None:
+        request["env"] = request["env"] | self.imported
+        self.launching[request.get("id")] = request
+        try:
+            self.spawner.launch(request)
         except OSError as exc:
             raise _Stopped(f"its spawner is gone ({exc})") from exc
+
+    def _launched(self) -> None:
+        try:
+            answers = self.spawner.answers()
+        except (OSError, ValueError) as exc:
+            raise _Stopped(f"its spawner is gone ({exc})") from exc
+        for launched in answers:
+            request = self.launching.pop(launched.pop("id", None), None)
+            if request is not None:
+                self._answer({"id": request.get("id"), **self._fork_into(request, launched)})
+
+    def _fork_into(self, request: dict[str, Any], launched: dict[str, Any]) -> dict[str, Any]:
+        """Fork ``request``'s kernel into its launch: its pid and the launch's pids, or why
+        not."""
+        if "error" in launched:
+            return {"pid": None, "error": launched["error"]}
         try:
             placeholder = os.pidfd_open(launched["placeholder"])
         except OSError as exc:
@@ -264,6 +281,9 @@ class _Zygote:
             return {"pid": None, "error": f"forking the kernel failed: {type(exc).__name__}: {exc}"}
         self._watch(os.pidfd_open(kernel), placeholder)
         return {"pid": kernel, **launched}
+
+    def _answer(self, reply: dict[str, Any]) -> None:
+        self.control.sendall((json.dumps(reply) + "\n").encode())
 
     def _fork_kernel(self, request: dict[str, Any], sandbox: _Sandbox | None) -> int:
         """Fork the kernel (into ``sandbox``); its pid."""
