@@ -392,6 +392,41 @@ async def test_a_sandboxed_fork_leaves_the_next_kernel_outside_its_sandbox(
         await sandboxed.shutdown()
 
 
+async def test_a_stuck_launch_does_not_hold_up_the_next_kernel(
+    forkserver: ForkServer, tmp_path: Path
+) -> None:
+    """Launches overlap: a kernel whose launch is stuck (writing its cgroup join file, a FIFO
+    here, until something reads it) does not keep the next kernel from being forked; it
+    starts itself once unblocked."""
+    fifo = tmp_path / "join"
+    os.mkfifo(fifo)
+
+    class Stuck(LocalKernel):
+        def _cgroup_joins(self) -> list[Path]:
+            return [*super()._cgroup_joins(), fifo]
+
+    stuck, other = Stuck(forkserver=forkserver), LocalKernel(forkserver=forkserver)
+    starting = asyncio.ensure_future(stuck.start())
+    try:
+        await asyncio.sleep(0.5)
+        assert not starting.done()
+        await asyncio.wait_for(other.start(), 20)
+        assert other.forked and not starting.done()
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the stuck launch goes on
+        try:
+            await asyncio.wait_for(asyncio.shield(starting), 20)
+        finally:
+            os.close(reader)
+        assert stuck.forked
+        assert "2" in (await stuck.execute("print(1 + 1)")).stdout
+    finally:
+        await other.shutdown()
+        if not starting.done():
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        await asyncio.gather(starting, return_exceptions=True)
+        await stuck.shutdown()
+
+
 async def test_kernels_share_the_hosts_zmq_threads(forkserver: ForkServer) -> None:
     """Every local kernel's host sockets are on one zmq context: once one kernel runs (and
     has made that context's two threads, I/O and reaper), three more add no zmq thread to the
