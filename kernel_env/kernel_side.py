@@ -391,7 +391,10 @@ def _cap_display(shell: Any, episode: _Episode) -> None:
     original = formatter.format
 
     def format(obj: Any, include: Any = None, exclude: Any = None) -> Any:
-        data, metadata = original(obj, include=include, exclude=exclude)
+        if type(obj) is _JSONState:  # the host's state, after every cell: its text is all
+            data, metadata = {"text/plain": repr(obj)}, {}  # (not a try of each formatter)
+        else:
+            data, metadata = original(obj, include=include, exclude=exclude)
         cap = episode.output_cap
         for mime, value in data.items():
             if isinstance(value, str) and len(value) > cap:
