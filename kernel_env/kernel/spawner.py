@@ -148,7 +148,12 @@ class _Launch:
         self.request, self.id = request, request.get("id")
         me = os.getpid()
         failed, failing = os.pipe()  # close-on-exec: end of file once the exec succeeded
-        launcher = os.fork()
+        try:
+            launcher = os.fork()
+        except OSError:
+            os.close(failed)
+            os.close(failing)
+            raise
         if launcher == 0:
             os.close(failed)
             try:
