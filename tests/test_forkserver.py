@@ -264,7 +264,10 @@ async def test_forked_kernels_cannot_reach_each_other(forkserver: ForkServer) ->
 
 def _host_uid(kernel: SandboxedKernel) -> int:
     """The host uid of the process running a kernel's cells."""
-    pid = _kernel_pid(kernel)
+    return _uid_of(_kernel_pid(kernel))
+
+
+def _uid_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/status").read_text().split("Uid:\t")[1].split()[0])
 
 
@@ -327,6 +330,31 @@ async def test_a_spawner_that_died_means_cold_starts(forkserver: ForkServer) -> 
         assert "2" in await _run(env, "print(1 + 1)")
         assert not env.environment.kernel.forked  # type: ignore[union-attr]
     assert not forkserver.ready and "spawner" in forkserver.status
+
+
+async def test_kernels_started_together_each_land_in_their_own_sandbox(
+    forkserver: ForkServer,
+) -> None:
+    """Launches overlap and are answered by id: four sandboxed kernels started at once each
+    run in the PID, mount, network and IPC namespaces of their own sandbox (the one the host
+    holds and tears down), not a sibling's, and as uids of their own on a root server."""
+    kernels = [SandboxedKernel(forkserver=forkserver) for _ in range(4)]
+    try:
+        await asyncio.gather(*(k.start() for k in kernels))
+        for kernel in kernels:
+            pid, init = _kernel_pid(kernel), kernel._km.sandbox_init  # type: ignore[union-attr]
+            assert kernel.forked and init is not None
+            for ns in ("pid", "mnt", "net", "ipc"):
+                theirs = os.stat(f"/proc/{init}/ns/{ns}").st_ino
+                assert os.stat(f"/proc/{pid}/ns/{ns}").st_ino == theirs, (ns, pid, init)
+            # The sandbox was launched for this kernel: as its uid, in its cgroups.
+            assert _uid_of(init) == _uid_of(pid)
+            cgroups = [Path(f"/proc/{p}/cgroup").read_text() for p in (init, pid)]
+            assert cgroups[0] == cgroups[1]
+        if os.geteuid() == 0:
+            assert len({_host_uid(k) for k in kernels}) == len(kernels)
+    finally:
+        await asyncio.gather(*(k.shutdown() for k in kernels))
 
 
 async def test_kernels_ending_together_leave_the_forkserver_serving(
