@@ -184,7 +184,7 @@ class KernelTemplate:
     def _init_code(self) -> None:
         """IPython's ``InteractiveShellApp.init_code`` (startup files, exec lines and files,
         hiding the initial namespace, flushing), with the zygote's set of the names in
-        ``sys.modules`` (what ``%reset -f aggressive`` keeps) when no module came since: a
+        ``sys.modules`` (what ``%reset -f --aggressive`` keeps) when no module came since: a
         new set of those names touches strings on ~480 pages of the zygote's memory, which
         copy-on-write then copies into every kernel (~1.3 ms of its CPU)."""
         app, shell = self.app, self.app.kernel.shell
