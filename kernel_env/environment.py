@@ -276,6 +276,8 @@ class KernelEnvironment:
             "display_chars": self.config.display_chars,
             "max_prompt_chars": self.config.max_prompt_chars,
         }
+        if kernel.quiet_iopub:
+            params["quiet"] = True
         if len(record.context) <= self.config.inline_context_chars:
             params["context"] = record.context
         else:

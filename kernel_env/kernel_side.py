@@ -705,11 +705,36 @@ def setup(params_json: str) -> None:
 
     ``context_path``: a file to read ``context`` from, or ``context``: the text; ``seed``;
     ``output_cap``; ``replay``: recorded ``[prompt, response]`` pairs that answer ``llm_query``
-    offline (an exported notebook re-run with no model).
+    offline (an exported notebook re-run with no model); ``quiet``: send only the iopub
+    messages a kernel_env host reads (see ``_publish_only_what_the_host_reads``).
     """
-    _apply_setup(json.loads(params_json))
+    params = json.loads(params_json)
+    quiet = bool(params.pop("quiet", False))
+    _apply_setup(params)
     if _episode is not None:
         _episode.hosted = True
+        if quiet:
+            _publish_only_what_the_host_reads(getattr(_episode.shell, "kernel", None))
+
+
+def _publish_only_what_the_host_reads(kernel: Any) -> None:
+    """No ``busy`` status and no ``execute_input`` broadcast. A kernel_env host reads a cell's
+    outputs, its ``idle`` status and its reply; the other two are half of a trivial cell's
+    messages, each a hop through ipykernel's iopub thread and a message for the host to take
+    in (~1.5 ms of CPU a cell, the kernel's and the host's). A notebook's kernel, or one a
+    gateway watches (its culling reads ``busy``), keeps the whole protocol: only a host that
+    owns the kernel's iopub asks for this."""
+    if kernel is None or getattr(kernel, "_kernel_env_quiet", False):
+        return
+    publish_status = kernel._publish_status
+
+    def _publish_status(status: str, *args: Any, **kwargs: Any) -> None:
+        if status != "busy":
+            publish_status(status, *args, **kwargs)
+
+    kernel._publish_status = _publish_status
+    kernel._publish_execute_input = lambda *args, **kwargs: None
+    kernel._kernel_env_quiet = True
 
 
 def _apply_setup(params: dict[str, Any]) -> None:

@@ -168,3 +168,58 @@ async def test_a_cell_flooding_its_channels_does_not_stall_the_host() -> None:
             done.set()
             await ticker
     assert len(gaps) > 100 and max(gaps) < 1.0, f"the event loop stalled {max(gaps):.2f} s"
+
+
+async def test_an_episode_kernel_sends_only_what_the_host_reads() -> None:
+    """Once an episode's setup runs, a cell's iopub messages are its outputs and its idle
+    status: no busy status, no execute_input broadcast (read by no one). Seen from a second
+    iopub subscriber, which sees both from the same kernel before the setup."""
+    import json
+
+    import zmq
+    from jupyter_client.session import Session
+
+    from kernel_env import AsyncKernelEnv
+
+    kernel = LocalKernel()
+    await kernel.start()
+
+    async def source() -> LocalKernel:
+        return kernel
+
+    info = json.loads(Path(kernel._km.connection_file).read_text())
+    session = Session(key=info["key"].encode(), signature_scheme=info["signature_scheme"])
+    observer = zmq.Context.instance().socket(zmq.SUB)
+    observer.linger = 0
+    observer.setsockopt(zmq.SUBSCRIBE, b"")
+    observer.connect(f"ipc://{info['ip']}-{info['iopub_port']}")
+
+    def types(idle: bool = True) -> list[str]:
+        """What arrives until an idle status (or 0.5 s of silence, for ``idle=False``)."""
+        seen: list[str] = []
+        while observer.poll(10_000 if idle else 500):
+            msg = session.deserialize(session.feed_identities(observer.recv_multipart())[1])
+            kind = msg["msg_type"]
+            if kind == "status":
+                kind += ":" + msg["content"]["execution_state"]
+            seen.append(kind)
+            if idle and kind == "status:idle":
+                return seen
+        assert not idle, f"no idle status after {seen}"
+        return seen
+
+    try:
+        await asyncio.to_thread(types, False)  # subscribed, and past the start's messages
+        await kernel.execute("print(1)")
+        assert await asyncio.to_thread(types) == [
+            "status:busy", "execute_input", "stream", "status:idle"
+        ]  # fmt: skip
+        async with AsyncKernelEnv(kernel_source=source) as env:
+            await env.reset()
+            await asyncio.to_thread(types)  # the setup cell's (its busy went before it ran)
+            await env.execute("print(2)")
+            assert await asyncio.to_thread(types) == ["stream", "status:idle"]
+            assert (await env.execute("print(3)")).observation.result.stdout == "3\n"
+    finally:
+        observer.close()
+        await kernel.shutdown()

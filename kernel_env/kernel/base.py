@@ -227,6 +227,11 @@ class Kernel(ABC):
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
+    # Whether this host alone reads the kernel's iopub, so that an episode's setup may ask it
+    # to send only what the host reads (kernel_side._publish_only_what_the_host_reads). Not
+    # for a gateway's kernel: the gateway reads its busy status too.
+    quiet_iopub = False
+
     # Whether the kernel refuses an input request to a stdin peer it has not seen and asks
     # again (kernel_side._insist_on_a_stdin_peer, an episode kernel's extension) rather than
     # losing the request: its readiness then needs no probe of stdin (_wait_connected).

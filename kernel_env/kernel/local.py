@@ -291,6 +291,7 @@ class LocalKernel(Kernel):
         self._forkserver = forkserver if argv is None else None
         # Its own command line loads kernel_env's extension, which makes stdin wait for us.
         self._stdin_waits_for_the_host = argv is None
+        self.quiet_iopub = argv is None  # an episode kernel: kernel_env's extension is loaded
         self.forked = False  # whether the running kernel came from the forkserver
         self.forked_pid: int | None = None  # the forked kernel's own process (a host pid)
         self.copied = False  # whether the running kernel is a live fork's copy of another
