@@ -142,7 +142,13 @@ def _clean_content(msg_type: str, content: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build_output(msg_type: str, content: dict[str, Any]) -> NotebookNode | None:
-    clean = {"header": {"msg_type": msg_type}, "content": _clean_content(msg_type, content)}
+    fields = _clean_content(msg_type, content)
+    if msg_type in ("stream", "error"):
+        # Cleaned, these are valid by construction (strings, a list of strings): the node is
+        # what output_from_msg makes, without its schema check (~1 ms an output, as much as
+        # the rest of a step's work on the host), which the rich outputs below still get.
+        return NotebookNode(output_type=msg_type, **fields)
+    clean = {"header": {"msg_type": msg_type}, "content": fields}
     try:
         out = output_from_msg(clean)
     except (ValueError, nbformat.ValidationError):

@@ -8,7 +8,7 @@ from typing import Any
 import nbformat
 import pytest
 
-from kernel_env.outputs import OutputCollector, strip_ansi, truncate
+from kernel_env.outputs import OutputCollector, _clean_content, strip_ansi, truncate
 
 PARENT = {"msg_id": "exec-1", "msg_type": "execute_request"}
 _ids = itertools.count()
@@ -267,6 +267,27 @@ def test_collector_does_not_alias_message_data() -> None:
     )
     assert original["content"]["data"] == {"text/plain": "v1"}
     assert c.outputs[0].data["text/plain"] == "v2"
+
+
+def test_stream_and_error_outputs_are_what_nbformat_builds() -> None:
+    """The collector builds stream and error outputs itself (nbformat validates each output it
+    builds, ~1 ms): the same nodes nbformat's output_from_msg makes, sloppy fields included."""
+    contents = [
+        ("stream", {"name": "stderr", "text": "x\n"}),
+        ("stream", {"name": None, "text": 5}),
+        ("stream", {}),
+        ("error", {"ename": "E", "evalue": "v", "traceback": ["a", 1, None]}),
+        ("error", {"ename": 3, "traceback": "not a list"}),
+        ("error", {}),
+    ]
+    for msg_type, content in contents:
+        built = collect(msg(msg_type, **content)).outputs[0]
+        fields = _clean_content(msg_type, content)
+        expected = nbformat.v4.output_from_msg(
+            {"header": {"msg_type": msg_type}, "content": fields}
+        )
+        assert built == expected and list(built) == list(expected)
+        assert isinstance(built, nbformat.NotebookNode)
 
 
 def test_all_output_types_validate_in_notebook() -> None:
