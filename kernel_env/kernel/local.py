@@ -40,6 +40,7 @@ from kernel_env.kernel import privilege
 from kernel_env.kernel.base import Kernel
 from kernel_env.kernel.cgroups import KernelCgroup
 from kernel_env.kernel.forkserver import ForkServer, ForkServerError
+from kernel_env.kernel.messages import HostSession
 from kernel_env.kernel.runtime import runtime_parent, write_file
 
 __all__ = [
@@ -628,7 +629,9 @@ class LocalKernel(Kernel):
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
         # A new session per client: a new socket identity and fresh msg ids. Reusing the
         # manager's session after a restart repeated both, and a reply was now and then lost.
-        self._session = Session(key=km.session.key, signature_scheme=km.session.signature_scheme)
+        self._session = HostSession(
+            key=km.session.key, signature_scheme=km.session.signature_scheme
+        )
         # One blocking socket per channel, on the manager's zmq context, read through the event
         # loop's own readers (see _drain). jupyter_client's asyncio client made channel objects
         # and asyncio sockets for every kernel, and its recv registered and dropped each
