@@ -45,12 +45,12 @@ class KernelTemplate:
         """Parse ``flags`` (ipykernel's command line, without ``-f``) and build the kernel
         object and its shell, in this (thread-free) process. ``ipython_dir`` is where IPython
         may make its profile while building; each kernel makes its own after the fork."""
-        from ipykernel.kernelapp import IPKernelApp
+        from ipykernel import kernelapp
         from IPython.core.application import BaseIPythonApplication
 
         os.environ["IPYTHONDIR"] = ipython_dir
         try:
-            app = IPKernelApp.instance()
+            app = kernelapp.IPKernelApp.instance()
             # IPKernelApp.initialize, up to its first socket: the command line, profile and
             # config files, then the parts of it that need no socket.
             BaseIPythonApplication.initialize(app, list(flags))
@@ -118,22 +118,17 @@ class KernelTemplate:
         app.session.session = str(uuid.uuid4())  # msg ids and headers of this kernel alone
         app.session.pid = os.getpid()  # a Session sends nothing from a process it was not made in
         kernel.ident = str(uuid.uuid4())
+        _without_shell_channel_thread()
         app.init_sockets()
-        self._without_shell_channel_thread()
         # No heartbeat (its own zmq context and three threads): the host watches the process
         # itself, and nothing here connects to the heartbeat socket.
-        app.write_connection_file()
+        if 0 in (app.shell_port, app.iopub_port, app.stdin_port, app.control_port):
+            # Addresses to be chosen: ipykernel's rewrite of the file records them. (The
+            # host's file names them all, and a rewrite only read it back: ~0.8 ms.)
+            app.write_connection_file()
         app.init_io()
         app.init_signal()
         self._connect_kernel()
-
-    def _without_shell_channel_thread(self) -> None:
-        """Shell messages go straight to the main thread. ipykernel 7 relays each one
-        through a thread of its own, for subshells (concurrent cells, which an episode does
-        not run): a thread hop and a second parse per message, and one more thread to start."""
-        thread, self.app.shell_channel_thread = self.app.shell_channel_thread, None
-        if thread is not None:
-            thread.io_loop.close(all_fds=True)
 
     def _connect_kernel(self) -> None:
         """What ``IPKernelApp.init_kernel`` passes to a new kernel, given to the built one."""
@@ -215,6 +210,18 @@ class KernelTemplate:
         app, kernel = self.app, self.app.kernel
         profile = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), app.profile)
         app.profile_dir = kernel.profile_dir = kernel.shell.profile_dir = profile
+
+
+def _without_shell_channel_thread() -> None:
+    """Shell messages go straight to the main thread. ipykernel 7 relays each one through a
+    thread of its own, for subshells (concurrent cells, which an episode does not run): a
+    thread hop and a second parse per message, and one more thread (and event loop) to make.
+    Here its app makes none (``init_control``): the kernel serves its shell channel itself,
+    as ipykernel 6 did."""
+    from ipykernel import kernelapp
+
+    if hasattr(kernelapp, "ShellChannelThread"):
+        kernelapp.ShellChannelThread = lambda *args, **kwargs: None  # type: ignore[misc,assignment]
 
 
 def _check_forkable() -> None:
