@@ -271,7 +271,7 @@ def test_collector_does_not_alias_message_data() -> None:
 
 def test_stream_and_error_outputs_are_what_nbformat_builds() -> None:
     """The collector builds stream and error outputs itself (nbformat validates each output it
-    builds, ~1 ms): the same nodes nbformat's output_from_msg makes, sloppy fields included."""
+    builds, 0.17 ms): the same nodes nbformat's output_from_msg makes, sloppy fields included."""
     contents = [
         ("stream", {"name": "stderr", "text": "x\n"}),
         ("stream", {"name": None, "text": 5}),

@@ -124,7 +124,7 @@ class KernelTemplate:
         # itself, and nothing here connects to the heartbeat socket.
         if 0 in (app.shell_port, app.iopub_port, app.stdin_port, app.control_port):
             # Addresses to be chosen: ipykernel's rewrite of the file records them. (The
-            # host's file names them all, and a rewrite only read it back: ~0.8 ms.)
+            # host's file names them all, and a rewrite only read it back.)
             app.write_connection_file()
         app.init_io()
         app.init_signal()
