@@ -195,10 +195,13 @@ async def test_an_episode_kernel_sends_only_what_the_host_reads() -> None:
     observer.connect(f"ipc://{info['ip']}-{info['iopub_port']}")
 
     def types(idle: bool = True) -> list[str]:
-        """What arrives until an idle status (or 0.5 s of silence, for ``idle=False``)."""
+        """What a cell sends until its idle status (or whatever arrives until 0.5 s of
+        silence, for ``idle=False``)."""
         seen: list[str] = []
         while observer.poll(10_000 if idle else 500):
             msg = session.deserialize(session.feed_identities(observer.recv_multipart())[1])
+            if idle and msg["parent_header"].get("msg_type") != "execute_request":
+                continue  # the start's own (a kernel_info request's status, say)
             kind = msg["msg_type"]
             if kind == "status":
                 kind += ":" + msg["content"]["execution_state"]
