@@ -36,6 +36,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kernel_env.kernel.spawner import Lines, send_line
+
 __all__ = ["ForkServer", "ForkServerError"]
 
 log = logging.getLogger(__name__)
@@ -174,9 +176,8 @@ class ForkServer:
                 raise ForkServerError(f"the forkserver is not running ({self._problem})")
             self._last_id += 1
             self._waiting[self._last_id] = answer
-            try:
-                line = json.dumps({**request, "id": self._last_id}) + "\n"
-                self._control.sendall(line.encode())  # a small write, with a timeout
+            try:  # a small write, with a timeout
+                send_line(self._control, {**request, "id": self._last_id})
             except OSError as exc:
                 return f"stopped ({exc})"
         return None
@@ -184,7 +185,7 @@ class ForkServer:
     def _read_answers(self, control: socket.socket) -> None:
         """The reader thread: hands each answer to the request with its id, until the
         zygote stops (end of file, or an error that answers no request)."""
-        pending = b""
+        lines = Lines()
         why = None
         while why is None:
             try:
@@ -197,8 +198,7 @@ class ForkServer:
             if not data:
                 why = "it exited"
                 break
-            *lines, pending = (pending + data).split(b"\n")
-            for line in lines:
+            for line in lines.feed(data):
                 why = why or self._hand_out(line)
         self._failed(f"stopped ({why})")
 

@@ -44,6 +44,23 @@ _IN_CLOEXEC = os.O_CLOEXEC
 libc = ctypes.CDLL(None, use_errno=True)
 
 
+class Lines:
+    """What one end of a socket receives, cut into lines (a line may come in pieces, or
+    several in one read): the forkserver's messages, one JSON line each, every way."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        return lines
+
+
+def send_line(sock: socket.socket, message: dict[str, Any]) -> None:
+    """Send ``message`` as one JSON line."""
+    sock.sendall((json.dumps(message) + "\n").encode())
+
+
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -68,7 +85,7 @@ class _Spawner:
         self.watch: _ExecWatch | None = None
 
     def serve(self) -> None:
-        pending = b""
+        lines = Lines()
         woken = False
         while True:
             events = self.selector.select(self._patience(woken))
@@ -78,9 +95,7 @@ class _Spawner:
                     data = self.control.recv(65536)
                     if not data:
                         return  # the zygote closed its end: done
-                    pending += data
-                    while b"\n" in pending:
-                        line, pending = pending.split(b"\n", 1)
+                    for line in lines.feed(data):
                         self._begin(json.loads(line))
                 elif isinstance(key.data, _ExecWatch):
                     woken = key.data.taken()
@@ -133,7 +148,7 @@ class _Spawner:
                 self._reply(launch.id, found)
 
     def _reply(self, rid: Any, reply: dict[str, Any]) -> None:
-        self.control.sendall((json.dumps({"id": rid, **reply}) + "\n").encode())
+        send_line(self.control, {"id": rid, **reply})
 
 
 class _Launch:

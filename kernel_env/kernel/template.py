@@ -45,12 +45,12 @@ class KernelTemplate:
         """Parse ``flags`` (ipykernel's command line, without ``-f``) and build the kernel
         object and its shell, in this (thread-free) process. ``ipython_dir`` is where IPython
         may make its profile while building; each kernel makes its own after the fork."""
-        from ipykernel import kernelapp
+        from ipykernel.kernelapp import IPKernelApp
         from IPython.core.application import BaseIPythonApplication
 
         os.environ["IPYTHONDIR"] = ipython_dir
         try:
-            app = kernelapp.IPKernelApp.instance()
+            app = IPKernelApp.instance()
             # IPKernelApp.initialize, up to its first socket: the command line, profile and
             # config files, then the parts of it that need no socket.
             BaseIPythonApplication.initialize(app, list(flags))

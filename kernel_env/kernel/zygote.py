@@ -124,7 +124,7 @@ def main() -> None:
     # What importing and building set in the environment (ipykernel's debugger, the shell's
     # TERM and PAGER): a kernel started cold sets the same in its own.
     imported = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
-    control.sendall((json.dumps({"ready": problem is None, "problem": problem}) + "\n").encode())
+    spawning.send_line(control, {"ready": problem is None, "problem": problem})
     if template is None or spawner is None:
         return
     # A kernel forked through a short-lived child (see _fork_kernel) becomes the zygote's.
@@ -159,11 +159,11 @@ class _Spawner:
 
     def __init__(self, process: subprocess.Popen[bytes], control: socket.socket) -> None:
         self.process, self.control = process, control
-        self._pending = b""
+        self._lines = spawning.Lines()
 
     def launch(self, request: dict[str, Any]) -> None:
         """Ask for ``request``'s launch (OSError when the spawner is gone)."""
-        self.control.sendall((json.dumps(request) + "\n").encode())
+        spawning.send_line(self.control, request)
 
     def answers(self) -> list[dict[str, Any]]:
         """The answers the spawner has sent (call when its socket is readable): each the
@@ -171,9 +171,7 @@ class _Spawner:
         data = self.control.recv(65536)
         if not data:
             raise OSError("it exited")
-        self._pending += data
-        *lines, self._pending = self._pending.split(b"\n")
-        return [json.loads(line) for line in lines]
+        return [json.loads(line) for line in self._lines.feed(data)]
 
 
 class _Stopped(Exception):
@@ -219,7 +217,7 @@ class _Zygote:
     def serve(self) -> None:
         self.selector.register(self.control, selectors.EVENT_READ)
         self.selector.register(self.spawner.control, selectors.EVENT_READ)
-        pending = b""
+        lines = spawning.Lines()
         try:
             while True:
                 for key, _ in self.selector.select(timeout=_REAP_EVERY):
@@ -233,9 +231,7 @@ class _Zygote:
                         data = self.control.recv(65536)
                         if not data:
                             return  # the host closed its end: done
-                        pending += data
-                        *lines, pending = pending.split(b"\n")
-                        for line in lines:
+                        for line in lines.feed(data):
                             self._launch(json.loads(line))
                 _reap()
         except _Stopped as exc:  # said without an id: the host starts kernels cold
@@ -283,7 +279,7 @@ class _Zygote:
         return {"pid": kernel, **launched}
 
     def _answer(self, reply: dict[str, Any]) -> None:
-        self.control.sendall((json.dumps(reply) + "\n").encode())
+        spawning.send_line(self.control, reply)
 
     def _fork_kernel(self, request: dict[str, Any], sandbox: _Sandbox | None) -> int:
         """Fork the kernel (into ``sandbox``); its pid."""
