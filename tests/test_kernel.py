@@ -135,6 +135,31 @@ async def test_a_forged_message_fails_the_step_instead_of_hanging() -> None:
             await asyncio.wait_for(kernel.execute("1", timeout=30), 10)
 
 
+async def test_a_well_formed_message_with_a_wrong_signature_is_refused() -> None:
+    """What reaches the host without this kernel's key (here a cell plays the keyless sender:
+    a stream output for its own request, well formed, signed with another key) is refused:
+    the channel fails and the output is never taken for the cell's."""
+    forge = (
+        "import hashlib, hmac, json, uuid\n"
+        "k = get_ipython().kernel\n"
+        "parent = k.get_parent()['header']\n"
+        "header = {'msg_id': uuid.uuid4().hex, 'msg_type': 'stream', 'username': 'x',\n"
+        "          'session': k.session.session, 'date': '2026-01-01T00:00:00Z',\n"
+        "          'version': '5.3'}\n"
+        "parts = [json.dumps(p, default=str).encode() for p in\n"
+        "         (header, parent, {}, {'name': 'stdout', 'text': 'FORGED'})]\n"
+        "mac = hmac.new(b'not the key', digestmod=hashlib.sha256)\n"
+        "for p in parts: mac.update(p)\n"
+        "sig = mac.hexdigest().encode()\n"
+        "k.iopub_socket.send_multipart([b'stream', b'<IDS|MSG>', sig, *parts])\n"
+        "import time; time.sleep(1)"
+    )
+    async with LocalKernel() as kernel:
+        with pytest.raises(KernelError, match="channel"):
+            result = await asyncio.wait_for(kernel.execute(forge, timeout=30), 10)
+            assert "FORGED" not in result.stdout  # reached only when the forgery was taken
+
+
 async def test_a_cell_flooding_its_channels_does_not_stall_the_host() -> None:
     """A cell that sends the host signed messages as fast as it can (on its iopub socket, for
     4 s): the host reads them in turns with everything else on its event loop, so a tick
