@@ -601,8 +601,89 @@ def install(shell: Any) -> None:
     )
     shell.events.register("pre_run_cell", _pre_run_cell)
     shell.events.register("post_execute", _finish_streams)
+    _ask_once_per_cell(shell)
     # A user's own notebook may name an endpoint; episode kernels never see these variables.
     episode.local_llm = _llm_from_environ()
+
+
+def _ask_once_per_cell(shell: Any) -> None:
+    """What ipykernel and IPython work out twice for every cell, worked out once.
+
+    For each ``execute_request``, ipykernel's ``do_execute`` transforms the cell (IPython's
+    input transformers, which tokenize it twice) to ask whether it needs the asyncio runner,
+    then calls ``shell.run_cell``, which transforms the same string again and asks the same
+    question again (a ``compile`` of the whole cell each time); and it reads
+    ``run_cell_async``'s signature with ``inspect`` to learn which arguments it takes. That
+    is ~0.3 ms of the kernel's CPU for a short cell, and grows with the cell's length.
+
+    The shell keeps the answer of its last transform and of its last question, for the very
+    same string object (``is``, not ``==``), until the call that asks again or the end of
+    the cell (``post_execute``); the signature's answer is kept for each function. Nothing
+    is kept from one cell to the next, so a cell that changes the transformers or the
+    shell's methods changes the next cell's answers, as before (idempotent)."""
+    if getattr(shell, "_kernel_env_cell_path", False):
+        return
+    shell._kernel_env_cell_path = True
+    _remember_within_the_cell(shell, "transform_cell", key=0)
+    _remember_within_the_cell(shell, "should_run_async", key=1)
+    _remember_signatures()
+
+
+def _remember_within_the_cell(shell: Any, name: str, *, key: int) -> None:
+    """Wrap ``shell.<name>`` so that a second call with the same positional argument object
+    (``key``: 0, the raw cell; 1, ``transformed_cell``) in the same cell returns the first
+    call's result. The call that hits forgets it; so does the end of the cell."""
+    compute = getattr(shell, name)
+    last: list[Any] = []  # [argument, result] of this cell's last call, or empty
+
+    def remembered(*args: Any, **kwargs: Any) -> Any:
+        argument = _argument(key, args, kwargs)
+        if last and last[0] is argument and argument is not None:
+            result = last[1]
+            last.clear()
+            return result
+        result = compute(*args, **kwargs)
+        last[:] = [argument, result]
+        return result
+
+    setattr(shell, name, remembered)
+    shell.events.register("post_execute", last.clear)
+
+
+def _argument(key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if key == 0:
+        return args[0] if args else kwargs.get("raw_cell", kwargs.get("cell"))
+    if kwargs.get("preprocessing_exc_tuple") is not None:
+        return None  # the answer is "no" then, and is not kept
+    return kwargs.get("transformed_cell")
+
+
+def _remember_signatures() -> None:
+    """ipykernel's ``_accepts_parameters(method, names)``, answered once per function."""
+    try:
+        from ipykernel import ipkernel
+    except ImportError:  # not an ipykernel (a test's InteractiveShell)
+        return
+    accepts = getattr(ipkernel, "_accepts_parameters", None)
+    if accepts is None or getattr(accepts, "_kernel_env", False):
+        return
+
+    @functools.lru_cache(maxsize=64)
+    def answer(function: Any, names: tuple[str, ...]) -> dict[str, bool]:
+        return accepts(function, list(names))
+
+    def accepts_parameters(method: Any, names: list[str]) -> dict[str, bool]:
+        # A bound method is a new object each time: its function is what the signature is of.
+        function = getattr(method, "__func__", method)
+        if getattr(method, "__self__", None) is None or not callable(function):
+            return accepts(method, names)
+        try:
+            return dict(answer(function, tuple(names)))
+        except TypeError:  # an unhashable callable
+            return accepts(method, names)
+
+    accepts_parameters._kernel_env = True  # type: ignore[attr-defined]
+    ipkernel._accepts_parameters = accepts_parameters
 
 
 def after_fork() -> None:

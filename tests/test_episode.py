@@ -159,3 +159,34 @@ def test_helpers_hidden_from_namespace_listing(env: KernelEnv) -> None:
 def test_conformance_local() -> None:
     """The local client passes the reusable conformance check."""
     check_env(KernelEnv(step_timeout=10))
+
+
+def test_a_cell_is_transformed_once_and_a_new_transformer_applies_to_the_next(
+    env: KernelEnv,
+) -> None:
+    """ipykernel transforms each cell, then IPython's run_cell transforms it again: the
+    episode kernel does it once. What a cell changes still changes the next cell: a
+    transformer it adds applies there, and top-level ``await`` still runs."""
+    env.reset()
+    counted = env.execute(
+        "_ip = get_ipython()\n"
+        "_transforms = []\n"
+        "_manager = _ip.input_transformer_manager\n"
+        "_plain = _manager.transform_cell\n"
+        "_manager.transform_cell = lambda cell: (_transforms.append(cell), _plain(cell))[1]"
+    )
+    assert counted.observation.result.success, counted.observation.result.stderr
+    env.execute("x = 1")
+    seen = env.execute("print(_transforms)").observation.result.stdout
+    assert seen == "['x = 1', 'print(_transforms)']\n"  # once each, not twice
+
+    env.execute(
+        "_ip.input_transformers_post.append("
+        "lambda lines: [line.replace('MAGIC_WORD', '42') for line in lines])"
+    )
+    assert env.execute("print(MAGIC_WORD)").observation.result.stdout == "42\n"
+    waited = env.execute("import asyncio\nawait asyncio.sleep(0)\nprint('awaited')")
+    assert waited.observation.result.stdout == "awaited\n"
+    broken = env.execute("x = (")
+    assert not broken.observation.result.success
+    assert "SyntaxError" in broken.observation.result.exception
