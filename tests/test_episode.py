@@ -190,3 +190,38 @@ def test_a_cell_is_transformed_once_and_a_new_transformer_applies_to_the_next(
     broken = env.execute("x = (")
     assert not broken.observation.result.success
     assert "SyntaxError" in broken.observation.result.exception
+
+
+def test_output_from_threads_and_a_forked_child_arrives_whole_and_in_order(
+    env: KernelEnv,
+) -> None:
+    """Everything a cell prints reaches its output through ipykernel's iopub thread: lines
+    from several threads each in their order, and a forked child's line (the child has no
+    iopub thread: its output goes to the parent's through ipykernel's pipe)."""
+    env.reset()
+    threads = env.execute(
+        "import sys, threading\n"
+        "def _lines(n):\n"
+        "    for i in range(200):\n"
+        "        sys.stdout.write(f'{n}:{i}\\n')  # one write (print makes two)\n"
+        "_ts = [threading.Thread(target=_lines, args=(n,)) for n in range(4)]\n"
+        "[t.start() for t in _ts]\n"
+        "_lines(4)\n"
+        "[t.join() for t in _ts]"
+    ).observation.result
+    lines = threads.stdout.split()
+    for n in range(5):
+        assert [line for line in lines if line.startswith(f"{n}:")] == [
+            f"{n}:{i}" for i in range(200)
+        ]
+    forked = env.execute(
+        "import os, sys, time\n"
+        "_pid = os.fork()\n"
+        "if _pid == 0:\n"
+        "    print('from the child'); sys.stdout.flush(); os._exit(0)\n"
+        "os.waitpid(_pid, 0)\n"
+        "time.sleep(0.5)\n"
+        "print('from the parent')"
+    ).observation.result
+    assert forked.success, forked.stderr
+    assert sorted(forked.stdout.splitlines()) == ["from the child", "from the parent"]
