@@ -57,7 +57,6 @@ _STDIN_PROBE = {
 # tick answers it soon after the connection is up. Spare answers are cheap and harmless.
 _STDIN_TICK = 0.01
 _READY_RECHECK = 0.05  # is the starting kernel alive; send kernel_info until iopub shows
-_READY_TICK = 0.01  # how often readiness looks at the shell channel between iopub messages
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
 
@@ -255,7 +254,9 @@ class Kernel(ABC):
         recheck = loop.time() + _READY_RECHECK
         subscribed = False
         while True:
-            msg = await _get(self._queues["iopub"], _READY_TICK)
+            # Until the next recheck: what a kernel_info request brings on shell comes with
+            # its status messages on iopub, which end this wait.
+            msg = await _get(self._queues["iopub"], max(recheck - loop.time(), 0.001))
             if msg is not None:
                 subscribed = True
                 if _msg_type(msg) == "iopub_welcome" or (

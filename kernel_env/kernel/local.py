@@ -405,6 +405,7 @@ class LocalKernel(Kernel):
             ip=self._ipc_prefix(),
             connection_file=str(self._dir / "kernel.json"),
             context=_host_context(),
+            session=HostSession(),  # the first client's too (see _start_client)
         )
         self._km.write_connection_file()
         if gid is not None:
@@ -627,11 +628,14 @@ class LocalKernel(Kernel):
         km = self._km
         if km is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
-        # A new session per client: a new socket identity and fresh msg ids. Reusing the
-        # manager's session after a restart repeated both, and a reply was now and then lost.
-        self._session = HostSession(
-            key=km.session.key, signature_scheme=km.session.signature_scheme
-        )
+        # The manager's session (it wrote the key) serves the first client; every later one
+        # (after a restart) gets a new session: a new socket identity and fresh msg ids.
+        # Reusing one client's session for the next repeated both, and a reply was now and
+        # then lost.
+        session = km.session
+        if session is getattr(self, "_session", None) or not isinstance(session, HostSession):
+            session = HostSession(key=session.key, signature_scheme=session.signature_scheme)
+        self._session = session
         # One blocking socket per channel, on the manager's zmq context, read through the event
         # loop's own readers (see _drain). jupyter_client's asyncio client made channel objects
         # and asyncio sockets for every kernel, and its recv registered and dropped each
