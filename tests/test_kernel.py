@@ -251,3 +251,33 @@ async def test_an_episode_kernel_sends_only_what_the_host_reads() -> None:
     finally:
         observer.close()
         await kernel.shutdown()
+
+
+class _CountingKernel(LocalKernel):
+    """A cold-started LocalKernel (its start takes hundreds of ms) that notes what it sends."""
+
+    def __init__(self, *, welcomes: bool) -> None:
+        super().__init__(forkserver=None)
+        self.sent: list[str] = []
+        if not welcomes:
+            self._welcomes_subscribers = False
+
+    def _send(self, channel: str, msg_type: str, content: dict, parent: dict | None = None) -> str:
+        self.sent.append(msg_type)
+        return super()._send(channel, msg_type, content, parent)
+
+
+async def test_a_kernel_that_welcomes_its_subscribers_is_not_asked_for_kernel_info() -> None:
+    """ipykernel 7 welcomes each iopub subscriber: the host waits for that, and does not ask
+    a starting kernel for kernel_info every 50 ms (each request costs the kernel ~3 ms of CPU
+    once it serves its shell). A kernel not known to welcome is still asked, and is ready."""
+    welcoming = _CountingKernel(welcomes=True)
+    assert welcoming._welcomes_subscribers  # this environment's ipykernel is 7 or later
+    async with welcoming:
+        assert (await welcoming.execute("1 + 1")).stdout == "2\n"
+    assert "kernel_info_request" not in welcoming.sent, welcoming.sent
+
+    asking = _CountingKernel(welcomes=False)
+    async with asking:
+        assert (await asking.execute("1 + 1")).stdout == "2\n"
+    assert "kernel_info_request" in asking.sent  # a cold start outlasts the first 50 ms

@@ -57,6 +57,7 @@ _STDIN_PROBE = {
 # tick answers it soon after the connection is up. Spare answers are cheap and harmless.
 _STDIN_TICK = 0.01
 _READY_RECHECK = 0.05  # is the starting kernel alive; send kernel_info until iopub shows
+_WELCOME_OVERDUE = 2.0  # when a kernel that welcomes its subscribers is asked for kernel_info
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
 
@@ -236,6 +237,10 @@ class Kernel(ABC):
     # losing the request: its readiness then needs no probe of stdin (_wait_connected).
     _stdin_waits_for_the_host = False
 
+    # Whether the kernel's iopub welcomes each subscriber (ipykernel 7 and later): readiness
+    # then waits for the welcome without asking for kernel_info (_wait_connected).
+    _welcomes_subscribers = False
+
     async def _wait_ready(self) -> None:
         if self._stdin_waits_for_the_host:
             await self._wait_connected()
@@ -246,12 +251,19 @@ class Kernel(ABC):
         """Wait until iopub shows our subscription: ipykernel's welcome to it (its iopub
         thread sends one as our subscription arrives, early in the kernel's start), else its
         ``starting`` status, else, for a kernel that sends neither, a ``kernel_info`` reply
-        (requested every 50 ms; answered on shell and on iopub). A cell's iopub messages then
+        (requested every 50 ms, from the start, or once a welcome is 2 s overdue from a
+        kernel that sends them; answered on shell and on iopub). A cell's iopub messages then
         reach us; the execute request waits in zmq until the kernel serves its shell, and
         the kernel asks again on stdin until the host's stdin socket is there."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ready_timeout
         recheck = loop.time() + _READY_RECHECK
+        # A kernel that welcomes every subscriber needs no kernel_info request, which costs it
+        # ~3 ms of CPU once it serves its shell, one for every 50 ms its start took (under
+        # load, three a kernel): only a welcome long overdue asks.
+        ask_from = loop.time() + (
+            _WELCOME_OVERDUE if self._welcomes_subscribers else _READY_RECHECK
+        )
         subscribed = False
         while True:
             # Until the next recheck: what a kernel_info request brings on shell comes with
@@ -276,7 +288,8 @@ class Kernel(ABC):
                     )
                 if not await self.is_alive():
                     raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
-                self._send("shell", "kernel_info_request", {})
+                if now >= ask_from:
+                    self._send("shell", "kernel_info_request", {})
                 recheck = now + _READY_RECHECK
         self._drop_noise()
 

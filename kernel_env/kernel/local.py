@@ -16,6 +16,7 @@ import ast
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import json
 import logging
 import os
@@ -88,6 +89,15 @@ def placeholder_argv() -> list[str]:
     """The process a forked kernel's launch runs in its place: it holds the launch's uid,
     cgroups and sandbox until the kernel joins them, and lives exactly as long as the kernel."""
     return [_program("sleep"), "infinity"]
+
+
+@functools.cache
+def _ipykernel_welcomes() -> bool:
+    """Whether this environment's ipykernel welcomes each iopub subscriber (7 and later)."""
+    try:
+        return int(importlib.metadata.version("ipykernel").split(".")[0]) >= 7
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
 
 
 @functools.cache
@@ -292,6 +302,10 @@ class LocalKernel(Kernel):
         self._forkserver = forkserver if argv is None else None
         # Its own command line loads kernel_env's extension, which makes stdin wait for us.
         self._stdin_waits_for_the_host = argv is None
+        # Its ipykernel is this environment's (forked, or started with this interpreter).
+        self._welcomes_subscribers = (
+            argv is None and python == sys.executable and _ipykernel_welcomes()
+        )
         self.quiet_iopub = argv is None  # an episode kernel: kernel_env's extension is loaded
         self.forked = False  # whether the running kernel came from the forkserver
         self.forked_pid: int | None = None  # the forked kernel's own process (a host pid)
