@@ -148,6 +148,17 @@ def test_a_live_copy_has_channels_of_its_own() -> None:
             assert len(workdirs) == 2
 
 
+def test_a_live_copy_runs_a_cell_with_top_level_await() -> None:
+    """A copy serves shell on its main thread: a cell with top-level ``await`` replies."""
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        (child,) = parent.fork(method="live")
+        with child:
+            code = "import asyncio\nawait asyncio.sleep(0.01)\nprint('awaited')"
+            assert _out(child, code) == "awaited"
+            assert _out(parent, code) == "awaited"
+
+
 def test_a_live_copy_grows_its_descriptor_table_before_it_has_threads() -> None:
     """A copy inherits a table its parent's ~60 descriptors fill; grown on the copy's first
     new descriptor, with its threads running, the growth would wait ~8 ms for RCU."""

@@ -209,6 +209,20 @@ async def test_a_forked_kernel_looks_like_a_cold_one(forkserver: ForkServer) -> 
         assert set((await _run(a, code)).split()).isdisjoint((await _run(b, code)).split())
 
 
+async def test_a_forked_kernel_runs_a_cell_with_top_level_await(forkserver: ForkServer) -> None:
+    """A forked kernel serves shell on its main thread (no shell channel thread): a cell with
+    top-level ``await``, which ipykernel runs as a task of that thread, replies as in a cold
+    kernel (it used to get no reply), and the kernel offers no subshells."""
+    kernel = SandboxedKernel(forkserver=forkserver)
+    async with kernel:
+        assert kernel.forked
+        code = "import asyncio\nawait asyncio.sleep(0.01)\nprint('awaited')"
+        result = await kernel.execute(code, timeout=20)
+        assert (result.status, result.stdout) == ("ok", "awaited\n"), result.stderr
+        subshells = "print(get_ipython().kernel._supports_kernel_subshells)"
+        assert (await kernel.execute(subshells)).stdout == "False\n"
+
+
 async def test_an_aggressive_reset_drops_only_what_cells_imported(forkserver: ForkServer) -> None:
     """``%reset -f --aggressive`` drops the modules imported since the kernel started, as in a
     kernel started cold: a cell's import goes; the preloads, IPython and kernel_env stay."""

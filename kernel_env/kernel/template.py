@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import functools
 import gc
 import os
 import random
@@ -152,6 +153,8 @@ class KernelTemplate:
         kernel.shell_stream = shell_stream
         kernel.control_thread = app.control_thread
         kernel.shell_channel_thread = app.shell_channel_thread
+        if app.shell_channel_thread is None:
+            _serve_shell_on_the_main_thread(kernel)
         kernel.iopub_thread = app.iopub_thread
         kernel.iopub_socket = app.iopub_socket
         kernel.stdin_socket = app.stdin_socket
@@ -222,6 +225,40 @@ def _without_shell_channel_thread() -> None:
 
     if hasattr(kernelapp, "ShellChannelThread"):
         kernelapp.ShellChannelThread = lambda *args, **kwargs: None  # type: ignore[misc,assignment]
+
+
+class _MainThreadServesShell:
+    """Stands for ipykernel's shell channel thread in a kernel that has none: false (no
+    thread to start, stop or relay through), and its ``parent_thread``, which ipykernel reads
+    for a cell with top-level ``await`` (SIGINT may cancel such a cell on that thread), is
+    the main thread, which serves shell here."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    @property
+    def parent_thread(self) -> threading.Thread:
+        return threading.main_thread()
+
+
+def _serve_shell_on_the_main_thread(kernel: Any) -> None:
+    """ipykernel 7 takes any shell channel thread that is not ``None`` as subshell support,
+    and reads ``shell_channel_thread.parent_thread`` for a cell with top-level ``await``,
+    which with ``None`` failed (the request got no reply). The kernel gets the stand-in, and
+    a class that says it has no subshells, as it has none."""
+    if not hasattr(type(kernel), "_supports_kernel_subshells"):
+        return  # ipykernel 6: no subshells, no shell channel thread
+    kernel.__class__ = _without_subshells(type(kernel))
+    kernel.shell_channel_thread = _MainThreadServesShell()
+
+
+@functools.cache
+def _without_subshells(kernel_class: type) -> type:
+    return type(
+        kernel_class.__name__,
+        (kernel_class,),
+        {"_supports_kernel_subshells": False, "__module__": kernel_class.__module__},
+    )
 
 
 def _check_forkable() -> None:
