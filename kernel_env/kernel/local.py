@@ -646,7 +646,7 @@ class LocalKernel(Kernel):
         # (after a restart) gets a new session: a new socket identity and fresh msg ids.
         # Reusing one client's session for the next repeated both, and a reply was now and
         # then lost.
-        session = km.session
+        session: Session = km.session
         if session is getattr(self, "_session", None) or not isinstance(session, HostSession):
             session = HostSession(key=session.key, signature_scheme=session.signature_scheme)
         self._session = session

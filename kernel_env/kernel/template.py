@@ -253,7 +253,7 @@ def _serve_shell_on_the_main_thread(kernel: Any) -> None:
 
 
 @functools.cache
-def _without_subshells(kernel_class: type) -> type:
+def _without_subshells(kernel_class: Any) -> type:
     return type(
         kernel_class.__name__,
         (kernel_class,),
