@@ -246,9 +246,10 @@ def _serve_shell_on_the_main_thread(kernel: Any) -> None:
     and reads ``shell_channel_thread.parent_thread`` for a cell with top-level ``await``,
     which with ``None`` failed (the request got no reply). The kernel gets the stand-in, and
     a class that says it has no subshells, as it has none."""
-    if not hasattr(type(kernel), "_supports_kernel_subshells"):
+    kernel_class: Any = type(kernel)
+    if not hasattr(kernel_class, "_supports_kernel_subshells"):
         return  # ipykernel 6: no subshells, no shell channel thread
-    kernel.__class__ = _without_subshells(type(kernel))
+    kernel.__class__ = _without_subshells(kernel_class)
     kernel.shell_channel_thread = _MainThreadServesShell()
 
 
