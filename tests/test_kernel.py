@@ -267,10 +267,15 @@ class _CountingKernel(LocalKernel):
         return super()._send(channel, msg_type, content, parent)
 
 
-async def test_a_kernel_that_welcomes_its_subscribers_is_not_asked_for_kernel_info() -> None:
+async def test_a_kernel_that_welcomes_its_subscribers_is_not_asked_for_kernel_info(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """ipykernel 7 welcomes each iopub subscriber: the host waits for that, and does not ask
     a starting kernel for kernel_info every 50 ms (each request costs the kernel ~3 ms of CPU
     once it serves its shell). A kernel not known to welcome is still asked, and is ready."""
+    from kernel_env.kernel import base
+
+    monkeypatch.setattr(base, "_WELCOME_OVERDUE", 60.0)  # a loaded machine's slow start too
     welcoming = _CountingKernel(welcomes=True)
     assert welcoming._welcomes_subscribers  # this environment's ipykernel is 7 or later
     async with welcoming:
