@@ -625,20 +625,22 @@ def _ask_once_per_cell(shell: Any) -> None:
     if getattr(shell, "_kernel_env_asks_once", False):
         return
     shell._kernel_env_asks_once = True
-    _remember_within_the_cell(shell, "transform_cell", key=0)
-    _remember_within_the_cell(shell, "should_run_async", key=1)
+    _remember_within_the_cell(shell, "transform_cell", _raw_cell)
+    _remember_within_the_cell(shell, "should_run_async", _transformed_cell)
     _remember_signatures()
 
 
-def _remember_within_the_cell(shell: Any, name: str, *, key: int) -> None:
-    """Wrap ``shell.<name>`` so that a second call with the same positional argument object
-    (``key``: 0, the raw cell; 1, ``transformed_cell``) in the same cell returns the first
-    call's result. The call that hits forgets it; so does the end of the cell."""
+def _remember_within_the_cell(
+    shell: Any, name: str, argument_of: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+) -> None:
+    """Wrap ``shell.<name>`` so that a second call with the same argument object (the one
+    ``argument_of`` picks; ``None`` is never kept) in the same cell returns the first call's
+    result. The call that hits forgets it; so does the end of the cell."""
     compute = getattr(shell, name)
     last: list[Any] = []  # [argument, result] of this cell's last call, or empty
 
     def remembered(*args: Any, **kwargs: Any) -> Any:
-        argument = _argument(key, args, kwargs)
+        argument = argument_of(args, kwargs)
         if last and last[0] is argument and argument is not None:
             result = last[1]
             last.clear()
@@ -651,9 +653,11 @@ def _remember_within_the_cell(shell: Any, name: str, *, key: int) -> None:
     shell.events.register("post_execute", last.clear)
 
 
-def _argument(key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if key == 0:
-        return args[0] if args else kwargs.get("raw_cell", kwargs.get("cell"))
+def _raw_cell(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("raw_cell", kwargs.get("cell"))
+
+
+def _transformed_cell(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if kwargs.get("preprocessing_exc_tuple") is not None:
         return None  # the answer is "no" then, and is not kept
     return kwargs.get("transformed_cell")

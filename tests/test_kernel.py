@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 from pathlib import Path
@@ -119,6 +120,17 @@ async def test_shutdown_kills_the_process_when_jupyter_client_cannot() -> None:
     assert kernel.runtime_dir is None
 
 
+async def test_each_kernel_signs_with_a_key_of_its_own() -> None:
+    """A kernel's connection file holds a fresh signing key (one kernel's key opens no
+    other's), and the host checks its messages with that key."""
+    async with LocalKernel() as a, LocalKernel() as b:
+        keys = [json.loads(Path(k._km.connection_file).read_text())["key"] for k in (a, b)]
+        assert all(len(key) >= 32 for key in keys) and keys[0] != keys[1]
+        assert [k._session.key.decode() for k in (a, b)] == keys
+        assert all(k._session.auth is not None for k in (a, b))
+        assert (await a.execute("1 + 1")).stdout == "2\n"
+
+
 async def test_a_forged_message_fails_the_step_instead_of_hanging() -> None:
     """A cell that sends the host a message it cannot verify (a forged signature, on its own
     iopub socket) loses the kernel's channels: that step and the next fail at once with a
@@ -199,7 +211,6 @@ async def test_an_episode_kernel_sends_only_what_the_host_reads() -> None:
     """Once an episode's setup runs, a cell's iopub messages are its outputs and its idle
     status: no busy status, no execute_input broadcast (read by no one). Seen from a second
     iopub subscriber, which sees both from the same kernel before the setup."""
-    import json
 
     import zmq
     from jupyter_client.session import Session
