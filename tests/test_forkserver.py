@@ -223,6 +223,35 @@ async def test_a_forked_kernel_runs_a_cell_with_top_level_await(forkserver: Fork
         assert (await kernel.execute(subshells)).stdout == "False\n"
 
 
+def _cpus_of_threads(pid: int) -> list[str]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [
+        next(line.split()[1] for line in (task / "status").read_text().splitlines()
+             if line.startswith("Cpus_allowed_list:"))
+        for task in tasks.iterdir()
+    ]  # fmt: skip
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to keep to")
+async def test_a_forked_kernel_starts_on_one_cpu_and_runs_cells_on_all(
+    forkserver: ForkServer,
+) -> None:
+    """A forked kernel starts on one CPU (its threads hand work to each other there), and
+    every one of its threads may use every CPU the server may from its first cell on, a
+    silent one included."""
+    kernel = SandboxedKernel(forkserver=forkserver)
+    async with kernel:
+        pid = _kernel_pid(kernel)
+        started = _cpus_of_threads(pid)
+        assert len(started) > 1 and len(set(started)) == 1, started
+        assert "," not in started[0] and "-" not in started[0]  # one CPU
+        assert (await kernel.execute("pass", silent=True)).status == "ok"
+        server = Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+        assert set(_cpus_of_threads(pid)) == {server}
+        code = "import os\nprint(sorted(os.sched_getaffinity(0)))"
+        assert (await kernel.execute(code)).stdout == f"{sorted(os.sched_getaffinity(0))}\n"
+
+
 async def test_an_aggressive_reset_drops_only_what_cells_imported(forkserver: ForkServer) -> None:
     """``%reset -f --aggressive`` drops the modules imported since the kernel started, as in a
     kernel started cold: a cell's import goes; the preloads, IPython and kernel_env stay."""
