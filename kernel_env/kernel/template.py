@@ -69,6 +69,8 @@ class KernelTemplate:
                 profile_dir=app.profile_dir,
                 user_ns=app.user_ns,
             )
+            if hasattr(kernel_class, "_supports_kernel_subshells"):
+                _without_subshells(kernel_class)  # the class every forked kernel takes
             app.init_path()
             app.init_shell()
             app.init_gui_pylab()
@@ -295,6 +297,11 @@ def _serve_shell_on_the_main_thread(kernel: Any) -> None:
 
 @functools.cache
 def _without_subshells(kernel_class: Any) -> type:
+    """``kernel_class``, saying it has no subshells: a subclass, made once in the zygote
+    (making a class with traits costs a kernel ~2 ms), or the class itself when it says so
+    already (a live fork's copy of a forked kernel)."""
+    if kernel_class.__dict__.get("_supports_kernel_subshells", None) is False:
+        return kernel_class
     return type(
         kernel_class.__name__,
         (kernel_class,),
