@@ -120,6 +120,20 @@ async def test_shutdown_kills_the_process_when_jupyter_client_cannot() -> None:
     assert kernel.runtime_dir is None
 
 
+async def test_the_hosts_channels_retry_every_few_ms_and_have_room_for_many_kernels() -> None:
+    """A host channel that connects before its kernel binds (a forked kernel binds tens of
+    ms after its launch) tries again within 5 ms, not zmq's 100 ms, and without backing off;
+    and the host's zmq context holds more than zmq's default of 1023 sockets (3 a kernel)."""
+    import zmq
+
+    async with LocalKernel() as kernel:
+        for name, sock in kernel._sockets.items():
+            retry = (sock.getsockopt(zmq.RECONNECT_IVL), sock.getsockopt(zmq.RECONNECT_IVL_MAX))
+            assert retry == (5, 0), name
+        context = kernel._km.context
+        assert context.get(zmq.MAX_SOCKETS) == context.get(zmq.SOCKET_LIMIT) > 1023
+
+
 async def test_each_kernel_signs_with_a_key_of_its_own() -> None:
     """A kernel's connection file holds a fresh signing key (one kernel's key opens no
     other's), and the host checks its messages with that key."""

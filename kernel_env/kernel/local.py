@@ -136,16 +136,20 @@ def _host_context() -> zmq.asyncio.Context:
     global _shared_context
     if _shared_context is None or _shared_context[0] != os.getpid():
         context = zmq.asyncio.Context()
-        context.setsockopt(zmq.MAX_SOCKETS, context.get(zmq.SOCKET_LIMIT))  # not 1023
-        # The host's sockets may connect before the kernel binds its own; zmq then retries
-        # every 100 ms by default, which a forked kernel (ready in tens of ms) would wait out.
-        # No backing off either: a kernel that binds late under load was reached only at the
-        # next doubled interval. (Trying a unix socket path costs one failed connect(2); a
-        # dead kernel's sockets are closed by its restart or shutdown.)
-        context.setsockopt(zmq.RECONNECT_IVL, 5)
-        context.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
+        context.set(zmq.MAX_SOCKETS, context.get(zmq.SOCKET_LIMIT))  # not 1023
+        for option, value in _HOST_SOCKET_OPTIONS.items():  # for the sockets it makes
+            context.setsockopt(option, value)
         _shared_context = (os.getpid(), context)
     return _shared_context[1]
+
+
+# The host's sockets may connect before the kernel binds its own; zmq then retries every
+# 100 ms by default, which a forked kernel (ready in tens of ms) would wait out. No backing
+# off either: a kernel that binds late under load was reached only at the next doubled
+# interval. (Trying a unix socket path costs one failed connect(2); a dead kernel's sockets
+# are closed by its restart or shutdown.) Set on each socket: a context's defaults reach only
+# the sockets made through that very context object, not through a shadow of it.
+_HOST_SOCKET_OPTIONS = {zmq.RECONNECT_IVL: 5, zmq.RECONNECT_IVL_MAX: 0}
 
 
 class _KernelManager(AsyncKernelManager):
@@ -660,6 +664,8 @@ class LocalKernel(Kernel):
         for name, kind in _CHANNELS.items():
             sock = context.socket(kind)
             sock.linger = 0
+            for option, value in _HOST_SOCKET_OPTIONS.items():
+                sock.setsockopt(option, value)
             sock.identity = self._session.bsession
             if kind == zmq.SUB:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
