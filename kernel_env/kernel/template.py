@@ -8,7 +8,8 @@ that needs a socket, a thread or anything of one kernel's own, so the zygote doe
 After the fork, :meth:`KernelTemplate.run` does only what is the kernel's own, in the order
 ``IPKernelApp.initialize`` does it: connection info and session id, the zmq context, sockets
 and threads, its streams and signal handling, its profile directory, the kernel_env
-extension, then the event loop.
+extension, then the event loop. It starts on one CPU, and its threads get every CPU back as
+its first cell begins.
 
 What the zygote builds holds no socket, thread, event loop or open file (``build`` checks),
 so a fork of it is sound; every identity a kernel shows (session id, iopub topic, msg ids)
