@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import zmq
 from procs import alive
 
 from kernel_env.errors import KernelError, KernelStartError
@@ -124,8 +125,6 @@ async def test_the_hosts_channels_retry_every_few_ms_and_have_room_for_many_kern
     """A host channel that connects before its kernel binds (a forked kernel binds tens of
     ms after its launch) tries again within 5 ms, not zmq's 100 ms, and without backing off;
     and the host's zmq context holds more than zmq's default of 1023 sockets (3 a kernel)."""
-    import zmq
-
     async with LocalKernel() as kernel:
         for name, sock in kernel._sockets.items():
             retry = (sock.getsockopt(zmq.RECONNECT_IVL), sock.getsockopt(zmq.RECONNECT_IVL_MAX))

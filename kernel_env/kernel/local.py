@@ -123,6 +123,14 @@ def minimal_environ(home: str, python: str = sys.executable) -> dict[str, str]:
 
 _EXIT_POLL = 0.005  # seconds between checks that a killed kernel has exited
 
+# The host's sockets may connect before the kernel binds its own; zmq then retries every
+# 100 ms by default, which a forked kernel (ready in tens of ms) would wait out. No backing
+# off either: a kernel that binds late under load was reached only at the next doubled
+# interval. (Trying a unix socket path costs one failed connect(2); a dead kernel's sockets
+# are closed by its restart or shutdown.) Set on each socket: a context's defaults reach only
+# the sockets made through that very context object, not through a shadow of it.
+_HOST_SOCKET_OPTIONS = {zmq.RECONNECT_IVL: 5, zmq.RECONNECT_IVL_MAX: 0}
+
 _shared_context: tuple[int, zmq.asyncio.Context] | None = None  # (the pid that made it, it)
 
 
@@ -141,15 +149,6 @@ def _host_context() -> zmq.asyncio.Context:
             context.setsockopt(option, value)
         _shared_context = (os.getpid(), context)
     return _shared_context[1]
-
-
-# The host's sockets may connect before the kernel binds its own; zmq then retries every
-# 100 ms by default, which a forked kernel (ready in tens of ms) would wait out. No backing
-# off either: a kernel that binds late under load was reached only at the next doubled
-# interval. (Trying a unix socket path costs one failed connect(2); a dead kernel's sockets
-# are closed by its restart or shutdown.) Set on each socket: a context's defaults reach only
-# the sockets made through that very context object, not through a shadow of it.
-_HOST_SOCKET_OPTIONS = {zmq.RECONNECT_IVL: 5, zmq.RECONNECT_IVL_MAX: 0}
 
 
 class _KernelManager(AsyncKernelManager):
