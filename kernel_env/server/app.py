@@ -120,9 +120,6 @@ class Runtime:
             kernel_factory,
             size=settings.pool_size,
             max_kernels=settings.kernel_limit,
-            # A forked start mostly waits (the sandbox's launch, the readiness handshake):
-            # several at once refill the pool faster; cold starts are CPU-bound.
-            start_concurrency=4 if forkserver is not None else None,
         )
         self.llm = llm_backend_from(settings)
         config = EnvConfig(
