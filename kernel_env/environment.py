@@ -38,6 +38,7 @@ from kernel_env.kernel_side import (
     DEFAULT_DISPLAY_COUNT,
     DEFAULT_OUTPUT_CAP,
     MODULE_NAME,
+    SETUP_METADATA,
     STATE_EXPRESSION,
 )
 from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
@@ -162,6 +163,8 @@ class KernelEnvironment:
         self.stats = Counters()
         self._stepping = 0  # steps in flight (fork refuses to copy a running one)
         self._link: ParentLink | None = None  # the episode's accounting, shared with its forks
+        # The episode's setup, until a request has carried it into the kernel (_setup_kernel).
+        self._setup: dict[str, Any] | None = None
 
     def _new_output_budget(self) -> OutputBudget:
         return OutputBudget(
@@ -268,8 +271,12 @@ class KernelEnvironment:
             await backend.aclose()
 
     async def _setup_kernel(self) -> None:
+        """Make the episode's setup (staging a long context in the kernel's runtime dir),
+        which the episode's next request to the kernel carries (``_carried_setup``): a cell of
+        its own would cost each reset a round trip to the kernel and ~5 ms of CPU."""
         record, kernel = self._require()
         params: dict[str, Any] = {
+            "token": uuid.uuid4().hex,
             "seed": record.seed,
             "output_cap": self.config.kernel_output_cap,
             "display_count": self.config.display_count,
@@ -290,15 +297,51 @@ class KernelEnvironment:
                     kernel_id=kernel.kernel_id,
                     episode_id=record.episode_id,
                 ) from None
-        code = f"{_KERNEL}.setup({json.dumps(json.dumps(params))})"
-        # Well below the 60 s an OpenEnv client waits for the reset's reply.
+        self._setup = params
+
+    def _carried_setup(self) -> dict[str, Any] | None:
+        """The metadata of a request that carries the episode's setup, while it is pending."""
+        return {SETUP_METADATA: json.dumps(self._setup)} if self._setup is not None else None
+
+    async def _check_setup(self, state: dict[str, Any]) -> None:
+        """The setup is done once the kernel's state names its token; else why not.
+
+        A kernel whose state names no token and no error does not take a setup from a
+        request (an older kernel_env's extension, in a gateway's kernel image): it gets the
+        setup as a cell of its own. With no state to tell (a cell broke the state's helper),
+        the setup stays pending: the next request carries it again, and the kernel applies a
+        token once."""
+        if self._setup is None:
+            return
+        if state.get("setup") == self._setup["token"]:
+            self._setup = None
+            return
+        why = state.get("setup_error") or state.get("error")
+        if why is None and "names" not in state:
+            return
+        if why is None:
+            why = await self._setup_as_a_cell()
+            if why is None:
+                self._setup = None
+                return
+        record, kernel = self._require()
+        raise KernelError(
+            f"episode setup failed in the kernel: {shorten(str(why), 500)}",
+            kernel_id=kernel.kernel_id,
+            episode_id=record.episode_id,
+        )
+
+    async def _setup_as_a_cell(self) -> str | None:
+        """Run the pending setup as a silent cell; None, or why it failed."""
+        _, kernel = self._require()
+        code = f"{_KERNEL}.setup({json.dumps(json.dumps(self._setup))})"
         result = await kernel.execute(code, silent=True, timeout=15.0)
-        if not result.success:
-            raise KernelError(
-                f"episode setup failed in the kernel: {result.stderr.strip()[-500:]}",
-                kernel_id=kernel.kernel_id,
-                episode_id=record.episode_id,
-            )
+        return None if result.success else result.stderr.strip()[-500:] or result.status
+
+    async def _settle_setup(self) -> None:
+        """Carry a pending setup into the kernel now (before the kernel is copied)."""
+        if self._setup is not None:
+            await self._check_setup(await self._query_state())
 
     # -- step -------------------------------------------------------------------------------
 
@@ -338,11 +381,13 @@ class KernelEnvironment:
             stdin=self._calls.handle,
             user_expressions={"state": STATE_EXPRESSION},
             on_output=on_output,
+            metadata=self._carried_setup(),
         )
         if execution.restarted:
             self.stats.restarts += 1  # counted before the setup, which may fail
             await self._setup_kernel()
         state = _state_from(execution) or await self._query_state()
+        await self._check_setup(state)
         self._names = list(state.get("names") or [])
         result = self._code_block_result(execution, state)
         final = await self._detect_final(state, execution)
@@ -352,7 +397,11 @@ class KernelEnvironment:
     async def _query_state(self) -> dict[str, Any]:
         _, kernel = self._require()
         execution = await kernel.execute(
-            "", silent=True, timeout=10.0, user_expressions={"state": STATE_EXPRESSION}
+            "",
+            silent=True,
+            timeout=15.0,  # a setup it carries may read a long context
+            user_expressions={"state": STATE_EXPRESSION},
+            metadata=self._carried_setup(),
         )
         return _state_from(execution) or {}
 
@@ -515,6 +564,7 @@ class KernelEnvironment:
     async def _fork_live(self, children: list[KernelEnvironment], required: bool) -> str | None:
         """Copy this episode's kernel live into ``children``; None, or why it could not."""
         record, kernel = self._require()
+        await self._settle_setup()  # the copies take the episode as it is set up
         self._stepping += 1  # no step may start while the kernel forks
         try:
             kernels = await kernel.live_fork(len(children), reseed=record.seed is None)

@@ -42,6 +42,9 @@ _STDIN_RETRY = 0.002  # seconds
 _STDIN_WAIT = 10.0
 # Evaluated by the kernel after every cell (in the execute_request's user_expressions).
 STATE_EXPRESSION = f"__import__('sys').modules[{MODULE_NAME!r}].state()"
+# An execute_request's metadata key for the episode's setup (JSON, see ``setup``), applied
+# before the request's code runs (see _take_setup_from_requests).
+SETUP_METADATA = "kernel_env.setup"
 
 HELPER_NAMES = (
     "FINAL",
@@ -97,6 +100,9 @@ class _Episode:
         self.local_llm: Callable[[str], str] | None = None
         self.replay: list[list[str]] | None = None
         self.setup_params: dict[str, Any] = {}
+        # The token of the last setup a request carried, and why it failed (see state()).
+        self.setup_token: str | None = None
+        self.setup_error: str | None = None
         # True once a kernel_env host set up an episode here: only then does llm_query ask over
         # stdin (in a user's notebook that would pop an input box in the frontend).
         self.hosted = False
@@ -184,7 +190,10 @@ class _Episode:
             "names": names,
             "snapshot": _snapshot(ns, names),
             "restored": self.restored,
+            "setup": self.setup_token,
         }
+        if self.setup_error is not None:
+            state["setup_error"] = self.setup_error
         self.final = None
         self.restored = []
         return state
@@ -580,6 +589,7 @@ def load_ipython_extension(shell: Any) -> None:
     if not already and kernel is not None:
         _insist_on_a_stdin_peer(kernel)
         _wake_iopub_through_its_loop(kernel)
+        _take_setup_from_requests(kernel)
 
 
 def install(shell: Any) -> None:
@@ -689,6 +699,47 @@ def _remember_signatures() -> None:
 
     accepts_parameters._kernel_env = True  # type: ignore[attr-defined]
     ipkernel._accepts_parameters = accepts_parameters
+
+
+def _take_setup_from_requests(kernel: Any) -> None:
+    """Apply the episode's setup an ``execute_request`` carries in its metadata
+    (``SETUP_METADATA``), before its code runs, whatever the code (an empty cell included).
+
+    A host that resets an episode sends its setup with the episode's first request rather
+    than as a cell of its own: a cell is a round trip and ~5 ms of CPU, the kernel's and the
+    host's, in an episode of a few steps. Each setup carries a token, applied once: a
+    request that carries it again (the host asking for the state after a failed cell) does
+    not set the episode up a second time. ``state()`` names the last token applied, or why
+    it failed."""
+    do_execute = getattr(kernel, "do_execute", None)
+    if do_execute is None or getattr(do_execute, "_kernel_env_setup", False):
+        return
+
+    @functools.wraps(do_execute)  # ipykernel reads its signature for optional arguments
+    def do_execute_after_setup(*args: Any, **kwargs: Any) -> Any:
+        parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else None
+        carried = (parent or {}).get("metadata", {}).get(SETUP_METADATA)
+        if isinstance(carried, str):
+            _setup_once(carried)
+        return do_execute(*args, **kwargs)
+
+    do_execute_after_setup._kernel_env_setup = True  # type: ignore[attr-defined]
+    kernel.do_execute = do_execute_after_setup
+
+
+def _setup_once(params_json: str) -> None:
+    episode = _episode
+    if episode is None:
+        return  # state() says the extension is not loaded
+    try:
+        token = json.loads(params_json).get("token")
+        if token is not None and token == episode.setup_token:
+            return
+        setup(params_json)
+    except Exception as exc:
+        episode.setup_error = f"{type(exc).__name__}: {exc}"
+    else:
+        episode.setup_token, episode.setup_error = token, None
 
 
 def _wake_iopub_through_its_loop(kernel: Any) -> None:
@@ -813,7 +864,8 @@ def state() -> _JSONState:
 
 
 def setup(params_json: str) -> None:
-    """Start an episode in this kernel: called by the host at reset, with JSON parameters.
+    """Start an episode in this kernel, with JSON parameters: what a kernel_env host's first
+    request of an episode carries (see ``_take_setup_from_requests``; ``token`` names it).
 
     ``context_path``: a file to read ``context`` from, or ``context``: the text; ``seed``;
     ``output_cap``; ``replay``: recorded ``[prompt, response]`` pairs that answer ``llm_query``
@@ -821,6 +873,7 @@ def setup(params_json: str) -> None:
     messages a kernel_env host reads (see ``_publish_only_what_the_host_reads``).
     """
     params = json.loads(params_json)
+    params.pop("token", None)
     quiet = bool(params.pop("quiet", False))
     _apply_setup(params)
     if _episode is not None:

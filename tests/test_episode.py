@@ -7,6 +7,7 @@ import base64
 import pytest
 
 from kernel_env import EpisodeFinished, KernelEnv, REPLAction, ResetNeeded, check_env
+from kernel_env.errors import KernelError
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
@@ -126,6 +127,50 @@ def test_large_context_is_loaded_without_pasting(env: KernelEnv) -> None:
     assert obs.observation.context_length == len(context)
     result = env.execute("(len(context), context.count('needle'), context[-11:])")
     assert result.observation.result.stdout.strip() == f"({len(context)}, 300000, 'tail-marker')"
+
+
+def test_the_setup_rides_on_the_first_request_and_is_applied_once(env: KernelEnv) -> None:
+    """A reset sends the kernel nothing: the episode's setup (context, seed) rides on its
+    first request, applied before that request's code, and once: after a first cell that
+    fails, the host asks for the state carrying the same setup, which must not set the
+    episode up again over what the cell did."""
+    env.reset(context="abc", seed=7)
+    first = env.execute("import random\ndrawn = random.random()\ncontext = context * 2\n1/0")
+    assert first.observation.result.exception == "ZeroDivisionError: division by zero"
+    after = env.execute("print(context, drawn == random.Random(7).random())")
+    assert after.observation.result.stdout == "abcabc True\n"
+
+
+def test_an_empty_first_step_carries_the_setup(env: KernelEnv) -> None:
+    """IPython runs no cell hook for an empty cell; the request carries the setup all the
+    same (not the setup cell a kernel that ignores the request's metadata gets instead)."""
+    env.reset(context="xyz")
+    assert env.execute("").observation.result.success
+    carried = "import kernel_env.kernel_side as k\nprint(context, k._episode.setup_token != None)"
+    assert env.execute(carried).observation.result.stdout == "xyz True\n"
+
+
+def test_a_kernel_that_ignores_the_carried_setup_gets_it_as_a_cell(env: KernelEnv) -> None:
+    """A kernel whose extension does not read a request's metadata (an older kernel_env in a
+    gateway's kernel image): the setup follows as a cell of its own, after the first step."""
+    env.reset(context="late")
+    kernel = env.environment.kernel
+    assert kernel is not None
+    unwrap = "k = get_ipython().kernel\nk.do_execute = k.do_execute.__wrapped__"
+    assert env._run(kernel.execute(unwrap, silent=True)).success
+    assert env.execute("print(context)").observation.result.stdout == "\n"
+    assert env.execute("print(context)").observation.result.stdout == "late\n"
+
+
+def test_a_setup_that_fails_in_the_kernel_fails_the_first_step(env: KernelEnv) -> None:
+    """The staged context is gone when the first step carries the setup (taken away on the
+    host: a cell cannot reach it): that step fails, saying why, and runs no code."""
+    env.reset(context="c" * 100_000)  # long enough to travel as a file
+    kernel = env.environment.kernel
+    assert kernel is not None and kernel.runtime_dir is not None
+    (kernel.runtime_dir / ".kernel_env_context.txt").unlink()
+    with pytest.raises(KernelError, match="episode setup failed in the kernel: FileNotFoundError"):
+        env.execute("print('ran')")
 
 
 def test_fuzzy_and_custom_rubrics() -> None:

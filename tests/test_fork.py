@@ -56,6 +56,19 @@ def _out(env: KernelEnv, code: str) -> str:
     return result.stdout.strip()
 
 
+def test_a_fork_before_the_first_step_copies_the_set_up_episode() -> None:
+    """The setup a reset leaves for the first request is carried in before the kernel is
+    copied: a live copy made right after the reset has the context and the seed's draws."""
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset(context="ctx", seed=3)
+        (child,) = parent.fork(1)
+        with child:
+            assert child._async.environment.record.forked_from["method"] == "live"  # type: ignore[union-attr]
+            probe = "import random\nprint(context, random.random() == random.Random(3).random())"
+            assert _out(child, probe) == "ctx True"
+            assert _out(parent, probe) == "ctx True"
+
+
 @pytest.mark.parametrize("sandbox", ["none", "bwrap"])
 def test_children_hold_the_state_then_change_only_their_own(sandbox: str) -> None:
     """Also in the sandbox (each copy its own kernel, uid, /tmp and workspace), as root."""

@@ -149,7 +149,12 @@ class Kernel(ABC):
 
     @abstractmethod
     def _send(
-        self, channel: str, msg_type: str, content: dict[str, Any], parent: dict | None = None
+        self,
+        channel: str,
+        msg_type: str,
+        content: dict[str, Any],
+        parent: dict | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> str:
         """Send a message on ``channel`` ("shell" or "stdin"); return its msg_id."""
 
@@ -379,8 +384,10 @@ class Kernel(ABC):
         silent: bool = False,
         store_history: bool = True,
         on_output: Callable[[dict[str, Any]], None] | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> ExecutionResult:
         """Run ``code``; never raises for errors in the code itself (they are in the result).
+        ``metadata``: the request's (kernel_env's extension reads an episode's setup there).
 
         ``on_output`` gets each output event (:mod:`kernel_env.streaming`) as it arrives; it
         must not block (``OutputStream.push`` doesn't). Raises :class:`KernelError` only when
@@ -399,6 +406,7 @@ class Kernel(ABC):
                     "allow_stdin": True,
                     "stop_on_error": False,
                 },
+                metadata=metadata,
             )
             run = _Run(msg_id, on_output=on_output)
             log.debug("kernel %s: execute %s sent", self.kernel_id, msg_id)

@@ -369,13 +369,20 @@ class GatewayKernel(Kernel):
             await http.aclose()
 
     def _send(
-        self, channel: str, msg_type: str, content: dict[str, Any], parent: dict | None = None
+        self,
+        channel: str,
+        msg_type: str,
+        content: dict[str, Any],
+        parent: dict | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> str:
         if self._session is None or self._outbox is None:
             raise KernelError("not connected to the gateway", kernel_id=self.kernel_id)
         attached = _ATTACHED.get() if msg_type == "execute_request" else None
-        metadata, buffers = attached or ({}, [])
-        msg = self._session.msg(msg_type, content, parent=parent, metadata=metadata)
+        carried, buffers = attached or ({}, [])
+        msg = self._session.msg(
+            msg_type, content, parent=parent, metadata={**carried, **(metadata or {})}
+        )
         msg["channel"] = channel
         self._outbox.put_nowait(encode_message(msg, buffers))
         return str(msg["header"]["msg_id"])

@@ -613,12 +613,17 @@ class LocalKernel(Kernel):
             self._dir = None
 
     def _send(
-        self, channel: str, msg_type: str, content: dict[str, Any], parent: dict | None = None
+        self,
+        channel: str,
+        msg_type: str,
+        content: dict[str, Any],
+        parent: dict | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> str:
         sock = self._sockets.get(channel)
         if sock is None:  # the channels failed (see _drain) or were closed
             raise KernelError(f"the kernel's {channel} channel is closed", kernel_id=self.kernel_id)
-        msg = self._session.msg(msg_type, content, parent=parent)
+        msg = self._session.msg(msg_type, content, parent=parent, metadata=metadata)
         self._session.send(sock, msg)
         self._drain(channel)  # what arrived before the send, whose signal the send may take
         return str(msg["header"]["msg_id"])
