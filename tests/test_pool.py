@@ -168,6 +168,34 @@ async def test_background_starts_respect_the_concurrency_limit() -> None:
         await pool.close()
 
 
+async def test_acquires_and_refills_start_at_most_max_starts_kernels_at_once() -> None:
+    """Acquires that find the pool empty wait for a start to end past max_starts (starts
+    piling up on a loaded machine made each one dearer), then take a kernel a refill placed
+    or start their own; each gets a kernel of its own."""
+    in_flight = most = 0
+
+    async def counted() -> Kernel:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            return await start_kernel()
+        finally:
+            in_flight -= 1
+
+    pool = KernelPool(counted, size=1, start_concurrency=1, max_starts=2)
+    await pool.start()
+    kernels: list[Kernel] = []
+    try:
+        kernels = list(await asyncio.gather(*(pool.acquire() for _ in range(5))))
+        assert most == 2
+        assert len(set(map(id, kernels))) == 5
+        assert all([await k.is_alive() for k in kernels])
+    finally:
+        await shut(*kernels)
+        await pool.close()
+
+
 async def test_failing_starts_back_off_and_surface_on_acquire() -> None:
     """A factory that cannot start kernels is retried with backoff, and acquire raises."""
 
