@@ -268,10 +268,12 @@ async def test_an_episode_kernel_sends_only_what_the_host_reads() -> None:
         ]  # fmt: skip
         async with AsyncKernelEnv(kernel_source=source) as env:
             await env.reset()
-            await asyncio.to_thread(types)  # the setup cell's (its busy went before it ran)
-            await env.execute("print(2)")
-            assert await asyncio.to_thread(types) == ["stream", "status:idle"]
+            await env.execute("print(2)")  # carries the setup: its busy and input went first
+            assert await asyncio.to_thread(types) == [
+                "status:busy", "execute_input", "stream", "status:idle"
+            ]  # fmt: skip
             assert (await env.execute("print(3)")).observation.result.stdout == "3\n"
+            assert await asyncio.to_thread(types) == ["stream", "status:idle"]
     finally:
         observer.close()
         await kernel.shutdown()
@@ -286,9 +288,16 @@ class _CountingKernel(LocalKernel):
         if not welcomes:
             self._welcomes_subscribers = False
 
-    def _send(self, channel: str, msg_type: str, content: dict, parent: dict | None = None) -> str:
+    def _send(
+        self,
+        channel: str,
+        msg_type: str,
+        content: dict,
+        parent: dict | None = None,
+        metadata: dict | None = None,
+    ) -> str:
         self.sent.append(msg_type)
-        return super()._send(channel, msg_type, content, parent)
+        return super()._send(channel, msg_type, content, parent, metadata)
 
 
 async def test_a_kernel_that_welcomes_its_subscribers_is_not_asked_for_kernel_info(
