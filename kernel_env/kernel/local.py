@@ -71,10 +71,6 @@ _KERNEL_FLAGS = (
     "--ext=kernel_env.kernel_side",
     "--colors=nocolor",
     "--HistoryManager.enabled=False",
-    # No 0.5 ms sleep before each execute_reply: ipykernel's guard for frontends that stop
-    # reading outputs at the reply. A kernel_env host reads them up to the idle status, which
-    # follows every output on iopub.
-    "--Kernel._execute_sleep=0",
 )
 
 
