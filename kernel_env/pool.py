@@ -68,14 +68,15 @@ class KernelPool:
         # core free for the server and the episodes, at nearly the same refill throughput.
         # Forked kernels too: four refills at once on 2 cores made back-to-back resets ~1.4x
         # slower than one (p50 19-28 ms against 15-20), for no more episodes/s under load (an
-        # acquire that finds the pool empty starts its own kernel, outside this limit).
+        # acquire that finds the pool empty starts its own kernel, within max_starts).
         self.start_concurrency = start_concurrency or max(1, (os.cpu_count() or 2) // 2)
         # Kernel starts in flight at most, refills and acquires that found the pool empty
         # together; an acquire past it waits for a start to end, and takes the kernel a
         # refill placed, if one did. Under sustained load (8 sessions resetting back to back
-        # on 2 cores) the acquires' own starts piled up: every start then took more of the
-        # machine's CPU (80 against 62 ms an episode, alternated runs), and fewer episodes
-        # ran (27/s against 31/s; one at a time left the CPUs idle: 25/s).
+        # on 2 cores) the acquires' own starts piled up and every start took more of the
+        # machine's CPU: alternated runs, 58-87 ms an episode and 23-34 episodes/s (29 on
+        # average) unbounded, 59-68 ms and 29-33/s (31.5) with at most 3 starts (one at a
+        # time left the CPUs idle). See benchmarks/README.md.
         self.max_starts = max_starts or max((os.cpu_count() or 2) + 1, self.start_concurrency)
         if self.max_starts < self.start_concurrency:
             raise ValueError(
