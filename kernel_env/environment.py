@@ -163,7 +163,7 @@ class KernelEnvironment:
         self.stats = Counters()
         self._stepping = 0  # steps in flight (fork refuses to copy a running one)
         self._link: ParentLink | None = None  # the episode's accounting, shared with its forks
-        # The episode's setup, until a request has carried it into the kernel (_setup_kernel).
+        # The episode's setup, until a request has carried it into the kernel (_prepare_setup).
         self._setup: dict[str, Any] | None = None
 
     def _new_output_budget(self) -> OutputBudget:
@@ -209,7 +209,7 @@ class KernelEnvironment:
         self._cut = {}
         _give_expected(self._step_rubric, opts.expected_answer)
         self._kernel = await self._kernel_source()
-        await self._setup_kernel()
+        await self._prepare_setup()
         self._names = ["answer", "context"]
         ready = CodeBlockResult(stdout=_ready_message(opts.context, opts.task_prompt))
         observation = self._observation(ready, reward=None, done=False)
@@ -270,7 +270,7 @@ class KernelEnvironment:
         if backend is not None:
             await backend.aclose()
 
-    async def _setup_kernel(self) -> None:
+    async def _prepare_setup(self) -> None:
         """Make the episode's setup (staging a long context in the kernel's runtime dir),
         which the episode's next request to the kernel carries (``_carried_setup``): a cell of
         its own would cost each reset a round trip to the kernel and ~5 ms of CPU."""
@@ -385,7 +385,7 @@ class KernelEnvironment:
         )
         if execution.restarted:
             self.stats.restarts += 1  # counted before the setup, which may fail
-            await self._setup_kernel()
+            await self._prepare_setup()
         state = _state_from(execution) or await self._query_state()
         await self._check_setup(state)
         self._names = list(state.get("names") or [])

@@ -712,13 +712,13 @@ def _take_setup_from_requests(kernel: Any) -> None:
     not set the episode up a second time. ``state()`` names the last token applied, or why
     it failed."""
     do_execute = getattr(kernel, "do_execute", None)
-    if do_execute is None or getattr(do_execute, "_kernel_env_setup", False):
-        return
+    get_parent = getattr(kernel, "get_parent", None)  # ipykernel 6 and later
+    if do_execute is None or get_parent is None or getattr(do_execute, "_kernel_env_setup", False):
+        return  # the host then sends the setup as a cell
 
     @functools.wraps(do_execute)  # ipykernel reads its signature for optional arguments
     def do_execute_after_setup(*args: Any, **kwargs: Any) -> Any:
-        parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else None
-        carried = (parent or {}).get("metadata", {}).get(SETUP_METADATA)
+        carried = (get_parent("shell") or {}).get("metadata", {}).get(SETUP_METADATA)
         if isinstance(carried, str):
             _setup_once(carried)
         return do_execute(*args, **kwargs)

@@ -148,12 +148,12 @@ class KernelPool:
                 # Died while waiting (OOM killer, a stray signal): never hand out a dead one.
                 log.warning("warm kernel %s died in the pool; discarding it", kernel.kernel_id)
                 await kernel.shutdown()
-            if len(self._starts) + self._acquiring < self.max_starts or self._closed:
+            if self._closed:
+                raise KernelError("the kernel pool is closed")
+            if len(self._starts) + self._acquiring < self.max_starts:
                 break
             self._start_ended.clear()
             await self._start_ended.wait()  # then a warm kernel, or room for a start
-        if self._closed:
-            raise KernelError("the kernel pool is closed")
         self._need.set()
         if self._room() <= 0:
             await self._wait_for_room()

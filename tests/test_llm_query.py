@@ -79,14 +79,19 @@ def test_no_llm_configured_is_a_clear_error_in_the_cell() -> None:
 
 
 def test_token_never_reaches_the_kernel(monkeypatch) -> None:
-    """Neither an hf_token given at reset nor the host's secret variables appear in the kernel."""
+    """Neither an hf_token given at reset nor the host's secret variables appear in the kernel:
+    not in its environment, nor in the episode's setup, which the first step's request carries
+    in its metadata (the cell reads that request and what the setup left)."""
     monkeypatch.setenv("HF_TOKEN", "hf_host_secret_value")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-host-secret")
     with KernelEnv(llm_query_fn=str) as env:
         env.reset(hf_token="hf_reset_secret_value")
         res = env.execute(
-            "import os, glob\n"
-            "blob = repr(dict(os.environ))\n"
+            "import os, glob, kernel_env.kernel_side as ks\n"
+            "request = get_ipython().kernel.get_parent('shell')\n"
+            "assert 'kernel_env.setup' in request['metadata']\n"
+            "blob = repr(request) + repr(ks._episode.setup_params)\n"
+            "blob += repr(dict(os.environ))\n"
             "for p in glob.glob('/proc/self/environ'):\n"
             "    blob += open(p, 'rb').read().decode(errors='replace')\n"
             "print(blob)"

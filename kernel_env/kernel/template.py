@@ -249,7 +249,8 @@ def _start_on_one_cpu() -> Callable[[], None]:
 
 
 def _before_the_first_cell(shell: Any, action: Callable[[], None]) -> None:
-    """Run ``action`` once, as the kernel's first cell begins (silent cells included)."""
+    """Run ``action`` once, as the kernel's first cell begins (silent cells included; an
+    empty one runs no code and no hook)."""
 
     def once() -> None:
         shell.events.unregister("pre_execute", once)
