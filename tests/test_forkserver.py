@@ -339,6 +339,38 @@ async def test_a_launch_that_fails_starts_that_kernel_cold(forkserver: ForkServe
     assert forkserver.ready
 
 
+class _NoPlaceholderKernel(SandboxedKernel):
+    """A kernel whose forked launch fails at its end: bubblewrap makes the whole sandbox,
+    then has no placeholder program to run."""
+
+    def _launch_spec(self) -> dict[str, object]:
+        spec = super()._launch_spec()
+        launch = list(spec["launch"])  # type: ignore[call-overload]
+        return {**spec, "launch": [*launch[: launch.index("--") + 1], "/nonexistent/kernel-env"]}
+
+
+async def test_a_sandbox_that_fails_leaves_the_zygote_as_it_was(
+    forkserver: ForkServer,
+) -> None:
+    """The zygote forks a sandboxed kernel as soon as its sandbox's PID namespace exists, and
+    tells it once the sandbox runs its placeholder. When the sandbox fails before that, the
+    kernel ends and the zygote keeps nothing of it (no descriptor, no child); each such kernel
+    starts cold, and the next one is forked."""
+    zygote = forkserver._pid()
+    opened = lambda: len(os.listdir(f"/proc/{zygote}/fd"))  # noqa: E731
+    assert await _forked_two_in_turn(forkserver, LocalKernel) == (True, True)  # warm
+    before = opened()
+    for _ in range(4):
+        assert await _forked_two_in_turn(forkserver, _NoPlaceholderKernel) == (False, True)
+    for _ in range(50):
+        if opened() == before and [comm(p) for p in child_pids(zygote)] == [SPAWNER_NAME]:
+            break
+        await asyncio.sleep(0.1)
+    assert opened() == before
+    assert [comm(p) for p in child_pids(zygote)] == [SPAWNER_NAME]
+    assert forkserver.ready
+
+
 async def _forked_two_in_turn(forkserver: ForkServer, kind: type[LocalKernel]) -> tuple[bool, bool]:
     """Whether the next kernel (of ``kind``, which must work) and the one after were forked."""
     forked = []

@@ -617,6 +617,25 @@ def test_uid_leases_are_exclusive_and_released() -> None:
     second.release()
 
 
+def test_a_uid_released_clean_is_leased_again_first() -> None:
+    """The uid a kernel just released (its lock file made already) is the next one leased,
+    not one drawn at random from the range, which would need a lock file of its own; one
+    that is taken is passed over."""
+    if not ROOT:
+        pytest.skip("kernel uids are leased only by root")
+    uids = (1_900_110_000, 1_900_119_999)
+    lease = privilege.lease_uid(uids)
+    lease.release(emptied=True)
+    again = privilege.lease_uid(uids)
+    other = privilege.lease_uid(uids)
+    try:
+        assert again.uid == lease.uid
+        assert other.uid != again.uid
+    finally:
+        again.release(emptied=True)
+        other.release(emptied=True)
+
+
 @contextlib.contextmanager
 def _running_as(uid: int) -> Iterator[subprocess.Popen[bytes]]:
     """A ``sleep`` running as ``uid``, killed at the end if it is still running."""

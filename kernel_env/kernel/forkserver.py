@@ -8,9 +8,10 @@ threads and connection info after the fork.
 Isolation is unchanged. The zygote's *spawner* (:mod:`kernel_env.kernel.spawner`, a small
 process) launches what a cold kernel's launch command starts: in the kernel's cgroups, as its
 own uid, with its rlimits and, when sandboxed, the same bubblewrap sandbox; only the process
-inside is a placeholder (``sleep``). The zygote then forks the kernel into the placeholder's
-PID namespace; the kernel joins its cgroups, drops to its uid, joins the sandbox's other
-namespaces and drops every capability. A kernel and its placeholder live and die together,
+inside is a placeholder (``sleep``). The zygote forks the kernel into the sandbox's PID
+namespace as soon as it exists; the kernel joins its cgroups, waits for the placeholder (the
+sandbox's mounts are made by then), drops to its uid, joins the sandbox's other namespaces and
+drops every capability. A kernel and its placeholder live and die together,
 and the host holds the launch (a pidfd, :class:`kernel_env.kernel.local.LocalKernel`), so
 jupyter_client's process tracking, the liveness watcher, restarts and shutdown work as for a
 cold kernel.

@@ -8,7 +8,9 @@ the zygote would copy the zygote's page tables (tens of megabytes of imported mo
 process that execs at once, and unmap them again: ~5 ms of CPU per kernel. The zygote instead
 runs this file once, as a fresh interpreter that imports only the standard library, and asks it
 for each launch over a socket pair, one JSON line each way, tagged with the request's id: a
-launch is answered once it runs, and launches overlap (a sandbox's setup is mostly waiting).
+launch is answered once it runs, and launches overlap (a sandbox's setup is mostly waiting). A
+sandboxed launch also says which process is its sandbox's init as soon as bubblewrap names it,
+before the sandbox's mounts are made: the zygote forks the kernel into its PID namespace then.
 
 Run by path, as ``python -I -S spawner.py FD ZYGOTE_PID`` (importing the kernel_env package
 would make it as large as the zygote). It ends with the zygote, and every launch it started
@@ -99,6 +101,8 @@ class _Spawner:
                         self._begin(json.loads(line))
                 elif isinstance(key.data, _ExecWatch):
                     woken = key.data.taken()
+                elif isinstance(key.data, _InitInfo):
+                    self._init_known(key.data)
                 else:
                     self._execed(key.data)
             self._look_for_commands()
@@ -120,6 +124,19 @@ class _Spawner:
             self._reply(request.get("id"), {"error": f"{type(exc).__name__}: {exc}"})
             return
         self.selector.register(launch.failed, selectors.EVENT_READ, launch)
+        if launch.info is not None:
+            self.selector.register(launch.info.fd, selectors.EVENT_READ, launch.info)
+
+    def _init_known(self, info: _InitInfo) -> None:
+        """bubblewrap said which process is its sandbox's init (its PID namespace exists; its
+        mounts are still being made): the zygote may fork the kernel into it now."""
+        init = info.read()
+        if init is None:
+            return  # more to come
+        self.selector.unregister(info.fd)
+        os.close(info.fd)
+        if init > 0 and not info.launch.answered:
+            self._reply(info.launch.id, {"sandbox_init": init})
 
     def _execed(self, launch: _Launch) -> None:
         """The launch exec'd (its close-on-exec pipe ended) or said why it could not."""
@@ -127,9 +144,9 @@ class _Spawner:
         with os.fdopen(launch.failed, "rb") as pipe:
             why = pipe.read().decode(errors="replace")
         if why:
-            self._reply(launch.id, {"error": f"OSError: the launch could not run: {why}"})
+            self._answer(launch, {"error": f"OSError: the launch could not run: {why}"})
         elif not launch.request.get("sandboxed"):
-            self._reply(launch.id, launch.pids(None, launch.launcher))
+            self._answer(launch, launch.pids(None, launch.launcher))
         else:
             self.setting_up.append(launch)
             if self.watch is None:
@@ -145,7 +162,12 @@ class _Spawner:
                 found = {"error": f"OSError: {exc}"}
             if found is not None:
                 self.setting_up.remove(launch)
-                self._reply(launch.id, found)
+                self._answer(launch, found)
+
+    def _answer(self, launch: _Launch, reply: dict[str, Any]) -> None:
+        """A launch's answer: its pids, or why it failed."""
+        launch.answered = True
+        self._reply(launch.id, reply)
 
     def _reply(self, rid: Any, reply: dict[str, Any]) -> None:
         send_line(self.control, {"id": rid, **reply})
@@ -163,17 +185,22 @@ class _Launch:
         self.request, self.id = request, request.get("id")
         me = os.getpid()
         failed, failing = os.pipe()  # close-on-exec: end of file once the exec succeeded
+        info, telling = os.pipe() if request.get("sandboxed") else (-1, -1)
         try:
             launcher = os.fork()
         except OSError:
-            os.close(failed)
-            os.close(failing)
+            for fd in (failed, failing, info, telling):
+                if fd >= 0:
+                    os.close(fd)
             raise
         if launcher == 0:
             os.close(failed)
             try:
                 _prepare(request, me)
                 argv = request["launch"]
+                if telling >= 0:  # bubblewrap writes its init's pid there once it exists
+                    os.set_inheritable(telling, True)
+                    argv = [argv[0], "--info-fd", str(telling), *argv[1:]]
                 os.execve(argv[0], argv, request["env"])
             except BaseException as exc:
                 with contextlib.suppress(OSError):
@@ -181,9 +208,13 @@ class _Launch:
             finally:
                 os._exit(127)
         os.close(failing)
+        if telling >= 0:
+            os.close(telling)
         self.launcher, self.failed = launcher, failed
+        self.info = _InitInfo(self, info) if info >= 0 else None
         self.deadline = time.monotonic() + self._TIMEOUT
         self.init: int | None = None
+        self.answered = False
 
     def pids(self, init: int | None, placeholder: int) -> dict[str, Any]:
         """What the zygote is told: ``launcher`` (the process the host holds: ending it ends
@@ -265,6 +296,28 @@ def _mount(source: str | None, target: str, flags: int) -> None:
     if libc.mount(encoded, target.encode(), None, flags, None) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"mount {source} on {target}: {os.strerror(error)}")
+
+
+class _InitInfo:
+    """What bubblewrap writes to its ``--info-fd`` (JSON, then end of file) as soon as its
+    sandbox's init runs, before it makes the sandbox's mounts: the init's ``child-pid``."""
+
+    def __init__(self, launch: _Launch, fd: int) -> None:
+        self.launch, self.fd = launch, fd
+        self._data = b""
+
+    def read(self) -> int | None:
+        """The init's pid once everything was read (0 when bubblewrap wrote none: it failed
+        first); None while more may come."""
+        with contextlib.suppress(OSError):
+            chunk = os.read(self.fd, 4096)
+            if chunk:
+                self._data += chunk
+                return None
+        try:
+            return int(json.loads(self._data)["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            return 0
 
 
 class _ExecWatch:

@@ -16,12 +16,15 @@ line each, answered by id as each kernel is forked (requests overlap). For each 
    through bubblewrap;
 2. the zygote forks the kernel. For a sandboxed kernel the fork lands in the sandbox's PID
    namespace (the zygote points ``pid_for_children`` at it with ``setns(2)`` for that one fork,
-   then back at its own), and the kernel, before anything else, joins the kernel's cgroups,
-   drops to the kernel's uid and joins the sandbox's other namespaces (user first, then mount,
-   network, IPC and UTS), so it gets exactly the sandbox's filesystem view, no network, its own
-   ``/proc`` and private ``/tmp``. A zygote without ``CAP_SYS_ADMIN`` (a server that is not
-   root) cannot point its own forks into another PID namespace: a short-lived child of it
-   joins the sandbox and forks the kernel there instead;
+   then back at its own), as soon as that namespace exists (the spawner relays bubblewrap's
+   ``--info-fd``), while bubblewrap still makes the sandbox's mounts. The kernel, before
+   anything else, joins the kernel's cgroups, waits until the placeholder runs (the zygote
+   tells it), drops to the kernel's uid and joins the sandbox's other namespaces (user first,
+   then mount, network, IPC and UTS), so it gets exactly the sandbox's filesystem view, no
+   network, its own ``/proc`` and private ``/tmp``. A zygote without ``CAP_SYS_ADMIN`` (a server
+   that is not root) cannot point its own forks into another PID namespace: once the
+   placeholder runs, a short-lived child of it joins the sandbox and forks the kernel there
+   instead;
 3. the zygote watches the kernel and the placeholder (pidfds): when one ends it kills the
    other, so the host, which holds the launch, sees the kernel end, and ending the launch
    ends the kernel.
@@ -213,6 +216,7 @@ class _Zygote:
         self.own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.can_point_forks = True  # whether setns(CLONE_NEWPID) works here (see _fork_kernel)
         self.launching: dict[Any, dict[str, Any]] = {}  # requests by id, until launched
+        self.waiting: dict[Any, _Waiting] = {}  # kernels forked early (see _fork_early), by id
 
     def serve(self) -> None:
         self.selector.register(self.control, selectors.EVENT_READ)
@@ -251,19 +255,65 @@ class _Zygote:
         except (OSError, ValueError) as exc:
             raise _Stopped(f"its spawner is gone ({exc})") from exc
         for launched in answers:
-            request = self.launching.pop(launched.pop("id", None), None)
+            rid = launched.pop("id", None)
+            if "sandbox_init" in launched:
+                if rid in self.launching:
+                    self._fork_early(rid, self.launching[rid], launched["sandbox_init"])
+                continue
+            request = self.launching.pop(rid, None)
             if request is not None:
-                self._answer({"id": request.get("id"), **self._fork_into(request, launched)})
+                self._answer({"id": rid, **self._fork_into(request, launched)})
+
+    def _fork_early(self, rid: Any, request: dict[str, Any], init: int) -> None:
+        """Fork ``request``'s kernel into its sandbox's PID namespace as soon as that exists,
+        while bubblewrap still makes the sandbox's mounts (a few milliseconds): the fork, and
+        the kernel's joining its cgroups, then overlap with them. The kernel waits for its
+        placeholder's pid (see _kernel_in_waiting). Without it, the kernel is forked once the
+        placeholder runs."""
+        if not self.can_point_forks:
+            return  # a short-lived child joins the whole sandbox instead (see _fork_kernel)
+        try:
+            namespace = os.open(f"/proc/{init}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # the sandbox ended already: its launch's answer says why
+        try:
+            _set_namespace(namespace, _CLONE_NEWPID)
+        except PermissionError:
+            self.can_point_forks = False
+            return
+        finally:
+            os.close(namespace)
+        told, tell = os.pipe()
+        try:
+            kernel = _fork(lambda: _kernel_in_waiting(request, self.template, told))
+            self.waiting[rid] = _Waiting(kernel, tell)
+        except OSError:  # no fork, or the kernel was gone at once (its sandbox failed)
+            os.close(tell)
+        finally:
+            self._own_pid_namespace_again()
+            os.close(told)
 
     def _fork_into(self, request: dict[str, Any], launched: dict[str, Any]) -> dict[str, Any]:
-        """Fork ``request``'s kernel into its launch: its pid and the launch's pids, or why
-        not."""
+        """Fork ``request``'s kernel into its launch (or tell the kernel forked early that its
+        sandbox is whole): its pid and the launch's pids, or why not."""
+        waiting = self.waiting.pop(request.get("id"), None)
         if "error" in launched:
+            if waiting is not None:
+                waiting.cancel()
             return {"pid": None, "error": launched["error"]}
         try:
             placeholder = os.pidfd_open(launched["placeholder"])
         except OSError as exc:
+            if waiting is not None:
+                waiting.cancel()
             return {"pid": None, "error": f"the launch ended at once ({exc})"}
+        if waiting is not None:
+            if not waiting.go(launched["placeholder"]):
+                _kill(placeholder)
+                os.close(placeholder)
+                return {"pid": None, "error": "the kernel forked into the sandbox ended"}
+            self._watch(waiting.pidfd, placeholder)
+            return {"pid": waiting.pid, **launched}
         try:
             sandbox = _Sandbox(launched["placeholder"]) if launched["init"] else None
             try:
@@ -328,6 +378,31 @@ class _Zygote:
     def _forget(self, pidfd: int) -> None:
         self.selector.unregister(pidfd)
         os.close(pidfd)
+
+
+class _Waiting:
+    """A kernel forked into its sandbox's PID namespace before the sandbox was whole, waiting
+    to be told its placeholder's pid (on the pipe the zygote writes to with ``tell``)."""
+
+    def __init__(self, pid: int, tell: int) -> None:
+        self.pid, self.tell = pid, tell
+        self.pidfd = os.pidfd_open(pid)
+
+    def go(self, placeholder: int) -> bool:
+        """Tell the kernel its placeholder runs; False when the kernel has ended."""
+        try:
+            os.write(self.tell, str(placeholder).encode())
+        except OSError:
+            self.cancel()
+            return False
+        os.close(self.tell)
+        return True
+
+    def cancel(self) -> None:
+        """The launch failed: end the kernel (it would also see its pipe close)."""
+        _kill(self.pidfd)
+        os.close(self.pidfd)
+        os.close(self.tell)
 
 
 class _Pair:
@@ -400,17 +475,26 @@ class _Sandbox:
 
     def __init__(self, placeholder: int) -> None:
         flags = os.O_RDONLY | os.O_CLOEXEC
+        # Everything from one process: a pid reused meanwhile fails the lookups instead.
+        process = os.open(f"/proc/{placeholder}", flags | os.O_DIRECTORY)
         opened: list[int] = []  # closed again if the placeholder is gone half-way
         try:
             for name in (*_NAMESPACES, "pid"):
-                opened.append(os.open(f"/proc/{placeholder}/ns/{name}", flags))
-            opened.append(os.open(f"/proc/{placeholder}/root", flags | os.O_DIRECTORY))
+                opened.append(os.open(f"ns/{name}", flags, dir_fd=process))
+            opened.append(os.open("root", flags | os.O_DIRECTORY, dir_fd=process))
             self.outer = _outer_user_namespaces(opened[0])
         except BaseException:
             for fd in opened:
                 os.close(fd)
             raise
+        finally:
+            os.close(process)
         self.inner, *self.others, self.pid, self.root = opened
+
+    def holds_this_process(self) -> bool:
+        """Whether this process is in the sandbox's PID namespace (a kernel forked into it)."""
+        theirs, ours = os.fstat(self.pid), os.stat("/proc/self/ns/pid")
+        return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
     def join(self, *, pid: bool) -> None:
         """Join the namespaces (the PID namespace too, for this process's children, when
@@ -470,6 +554,30 @@ def _kernel(
     _become_kernel(request, template)
 
 
+def _kernel_in_waiting(request: dict[str, Any], template: KernelTemplate, told: int) -> NoReturn:
+    """A kernel forked into its sandbox's PID namespace while bubblewrap still makes the
+    sandbox's mounts (see ``_Zygote._fork_early``). It joins its cgroups and takes its own
+    process, then waits on ``told`` for the placeholder's pid: the sandbox is whole once the
+    placeholder runs (an end of file means the launch failed). It then opens the sandbox's
+    namespaces as root from the placeholder's /proc entry, takes its uid and joins them, as
+    ``_kernel`` does."""
+    try:
+        spawning.join_cgroups(request.get("cgroup_join", []))
+        _take_own_process(request)
+        said = os.read(told, 64)
+        if not said:
+            os._exit(1)
+        sandbox = _Sandbox(int(said))
+        if not sandbox.holds_this_process():  # that pid is another process's now
+            raise OSError("the placeholder is not in this kernel's sandbox")
+        spawning.set_ids(request)
+        sandbox.join(pid=False)
+    except BaseException as exc:
+        _say(f"kernel_env: a forked kernel could not join its sandbox: {type(exc).__name__}: {exc}")
+        os._exit(1)
+    _become_kernel(request, template, own=True)
+
+
 def _enter(request: dict[str, Any], sandbox: _Sandbox | None, *, pid: bool) -> None:
     """Join the kernel's cgroups, take its uid, join ``sandbox`` (see ``_Sandbox.join``),
     while this process has one thread."""
@@ -479,26 +587,36 @@ def _enter(request: dict[str, Any], sandbox: _Sandbox | None, *, pid: bool) -> N
         sandbox.join(pid=pid)
 
 
-def _become_kernel(request: dict[str, Any], template: KernelTemplate) -> NoReturn:
+def _become_kernel(
+    request: dict[str, Any], template: KernelTemplate, *, own: bool = False
+) -> NoReturn:
+    """The kernel's last steps before it runs (``own``: ``_take_own_process`` is done)."""
     try:
-        os.setsid()  # its own process group: ipykernel's interrupt signals the kernel's group
-        spawning.set_name(KERNEL_NAME)
+        if not own:
+            _take_own_process(request)
         _drop_capabilities()
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
         _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self, as a started kernel has
         spawning.set_rlimits(request)
         os.chdir(request["cwd"])
         _fresh_descriptors()
-        grow_descriptor_table()
-        os.environ.clear()
-        os.environ.update(request["env"], PWD=request["cwd"])  # as the launch's shell exports
-        reseed(request.get("seed"))
-        sys.argv = ["ipykernel_launcher", "-f", request["connection_file"]]
         template.run(request["connection_file"])
     except BaseException as exc:  # whatever it was, this process must not return
         _say(f"kernel_env: a forked kernel failed: {type(exc).__name__}: {exc}")
         os._exit(1)
     os._exit(0)
+
+
+def _take_own_process(request: dict[str, Any]) -> None:
+    """What makes the kernel's process its own and needs nothing of its sandbox: its session
+    and name, room for descriptors, its environment, random state and command line."""
+    os.setsid()  # its own process group: ipykernel's interrupt signals the kernel's group
+    spawning.set_name(KERNEL_NAME)
+    grow_descriptor_table()
+    os.environ.clear()
+    os.environ.update(request["env"], PWD=request["cwd"])  # as the launch's shell exports
+    reseed(request.get("seed"))
+    sys.argv = ["ipykernel_launcher", "-f", request["connection_file"]]
 
 
 def _say(message: str) -> None:
