@@ -166,7 +166,8 @@ def _become_copy(app: Any, request: dict[str, Any]) -> None:
         os.environ.update(request["env"], PWD=request["cwd"])
         _end_with(request["server_pid"])
         template = KernelTemplate(app)
-        template.connect(request["connection_file"])
+        template.identify(request["connection_file"])
+        template.connect()
         template.own_directory()
         kernel_side.after_fork()
         if request["reseed"]:

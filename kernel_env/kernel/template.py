@@ -5,11 +5,12 @@ A kernel's start after the fork used to be ipykernel's whole ``IPKernelApp.initi
 kernel object and its ``InteractiveShell`` (magics, aliases, formatters, completer). None of
 that needs a socket, a thread or anything of one kernel's own, so the zygote does it once
 (:meth:`KernelTemplate.build`) and every forked kernel inherits the result, copy-on-write.
-After the fork, :meth:`KernelTemplate.run` does only what is the kernel's own, in the order
-``IPKernelApp.initialize`` does it: connection info and session id, the zmq context, sockets
-and threads, its streams and signal handling, its profile directory, the kernel_env
-extension, then the event loop. It starts on one CPU, and its threads get every CPU back as
-its first cell begins.
+After the fork, the kernel does only what is its own, in the order ``IPKernelApp.initialize``
+does it: :meth:`KernelTemplate.identify` (connection info and session id, which a sandboxed
+kernel reads while its sandbox is still being made), then :meth:`KernelTemplate.run` (the zmq
+context, sockets and threads, its streams and signal handling, its profile directory, the
+kernel_env extension, then the event loop). It runs on one CPU, and its threads get every CPU
+back as its first cell begins.
 
 What the zygote builds holds no socket, thread, event loop or open file (``build`` checks),
 so a fork of it is sound; every identity a kernel shows (session id, iopub topic, msg ids)
@@ -104,12 +105,12 @@ class KernelTemplate:
         gc.freeze()  # the collector leaves what every kernel shares untouched (copy-on-write)
         return template
 
-    def run(self, connection_file: str) -> None:
-        """In a forked kernel: connect the template to ``connection_file`` and serve until
+    def run(self) -> None:
+        """In a forked kernel, once :meth:`identify` ran: connect the template and serve until
         shutdown. The environment, working directory and descriptors are the kernel's own
         already (what imports set in the environment included)."""
         every_cpu = _start_on_one_cpu()
-        self.connect(connection_file)
+        self.connect()
         self._own_profile()
         self.own_directory()
         self.app.init_extensions()
@@ -117,17 +118,23 @@ class KernelTemplate:
         _before_the_first_cell(self.app.kernel.shell, every_cpu)
         self.app.start()
 
-    def connect(self, connection_file: str) -> None:
-        """Give the kernel the sockets, threads, streams and identities of
-        ``connection_file`` (made in this process, none inherited)."""
+    def identify(self, connection_file: str) -> None:
+        """Give the kernel the identities of ``connection_file`` (its key, transport and
+        socket addresses) and its own session: nothing that opens a socket or starts a
+        thread, so a forked kernel may do it before it joins its sandbox."""
         app, kernel = self.app, self.app.kernel
         app.connection_file = connection_file
         # What init_connection_file does with an absolute path that exists, without looking
-        # up Jupyter's runtime directory first: the key, transport and socket addresses.
+        # up Jupyter's runtime directory first.
         app.load_connection_file()
         app.session.session = str(uuid.uuid4())  # msg ids and headers of this kernel alone
         app.session.pid = os.getpid()  # a Session sends nothing from a process it was not made in
         kernel.ident = str(uuid.uuid4())
+
+    def connect(self) -> None:
+        """Give the identified kernel its sockets, threads and streams (made in this process,
+        none inherited)."""
+        app = self.app
         _without_shell_channel_thread()
         app.init_sockets()
         # No heartbeat (its own zmq context and three threads): the host watches the process

@@ -563,7 +563,7 @@ def _kernel_in_waiting(request: dict[str, Any], template: KernelTemplate, told: 
     ``_kernel`` does."""
     try:
         spawning.join_cgroups(request.get("cgroup_join", []))
-        _take_own_process(request)
+        _take_own_process(request, template)
         said = os.read(told, 64)
         if not said:
             os._exit(1)
@@ -593,23 +593,24 @@ def _become_kernel(
     """The kernel's last steps before it runs (``own``: ``_take_own_process`` is done)."""
     try:
         if not own:
-            _take_own_process(request)
+            _take_own_process(request, template)
         _drop_capabilities()
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
         _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self, as a started kernel has
         spawning.set_rlimits(request)
         os.chdir(request["cwd"])
         _fresh_descriptors()
-        template.run(request["connection_file"])
+        template.run()
     except BaseException as exc:  # whatever it was, this process must not return
         _say(f"kernel_env: a forked kernel failed: {type(exc).__name__}: {exc}")
         os._exit(1)
     os._exit(0)
 
 
-def _take_own_process(request: dict[str, Any]) -> None:
+def _take_own_process(request: dict[str, Any], template: KernelTemplate) -> None:
     """What makes the kernel's process its own and needs nothing of its sandbox: its session
-    and name, room for descriptors, its environment, random state and command line."""
+    and name, room for descriptors, its environment, random state, command line and the
+    identities its connection file gives (``KernelTemplate.identify``)."""
     os.setsid()  # its own process group: ipykernel's interrupt signals the kernel's group
     spawning.set_name(KERNEL_NAME)
     grow_descriptor_table()
@@ -617,6 +618,7 @@ def _take_own_process(request: dict[str, Any]) -> None:
     os.environ.update(request["env"], PWD=request["cwd"])  # as the launch's shell exports
     reseed(request.get("seed"))
     sys.argv = ["ipykernel_launcher", "-f", request["connection_file"]]
+    template.identify(request["connection_file"])
 
 
 def _say(message: str) -> None:
