@@ -266,10 +266,10 @@ class _Zygote:
 
     def _fork_early(self, rid: Any, request: dict[str, Any], init: int) -> None:
         """Fork ``request``'s kernel into its sandbox's PID namespace as soon as that exists,
-        while bubblewrap still makes the sandbox's mounts (a few milliseconds): the fork, and
-        the kernel's joining its cgroups, then overlap with them. The kernel waits for its
-        placeholder's pid (see _kernel_in_waiting). Without it, the kernel is forked once the
-        placeholder runs."""
+        while bubblewrap still makes the sandbox's mounts (a few milliseconds): the fork and
+        the kernel's first steps (its cgroups, its own process, its connection file) overlap
+        them. The kernel then waits for its placeholder's pid (see _kernel_in_waiting). When
+        this cannot fork, the kernel is forked once the placeholder runs."""
         if not self.can_point_forks:
             return  # a short-lived child joins the whole sandbox instead (see _fork_kernel)
         try:
