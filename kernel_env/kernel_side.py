@@ -732,10 +732,11 @@ def _setup_once(params_json: str) -> None:
     if episode is None:
         return  # state() says the extension is not loaded
     try:
-        token = json.loads(params_json).get("token")
+        params = json.loads(params_json)
+        token = params.get("token")
         if token is not None and token == episode.setup_token:
             return
-        setup(params_json)
+        _set_up(params)
     except Exception as exc:
         episode.setup_error = f"{type(exc).__name__}: {exc}"
     else:
@@ -872,8 +873,12 @@ def setup(params_json: str) -> None:
     offline (an exported notebook re-run with no model); ``quiet``: send only the iopub
     messages a kernel_env host reads (see ``_publish_only_what_the_host_reads``).
     """
-    params = json.loads(params_json)
-    params.pop("token", None)
+    _set_up(json.loads(params_json))
+
+
+def _set_up(params: dict[str, Any]) -> None:
+    """``setup``, from the parsed parameters."""
+    params = {k: v for k, v in params.items() if k != "token"}
     quiet = bool(params.pop("quiet", False))
     _apply_setup(params)
     if _episode is not None:

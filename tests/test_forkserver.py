@@ -371,6 +371,42 @@ async def test_a_sandbox_that_fails_leaves_the_zygote_as_it_was(
     assert forkserver.ready
 
 
+async def test_a_kernel_forked_early_joins_only_its_own_sandbox(forkserver: ForkServer) -> None:
+    """A kernel forked into its sandbox's PID namespace before the sandbox is whole is told
+    its placeholder's pid, and joins the namespaces it opens through that pid only once it
+    has checked that they are its own sandbox's: handed another sandbox's placeholder (a pid
+    reused meanwhile), it refuses. Run here as the zygote runs it: a process forked into one
+    sandbox's PID namespace looks at that sandbox's placeholder and at a sibling's."""
+    if os.geteuid() != 0:
+        pytest.skip("pointing a fork into another PID namespace needs root")
+    from kernel_env.kernel.zygote import _CLONE_NEWPID, _Sandbox, _set_namespace
+
+    kernels = [SandboxedKernel(forkserver=forkserver) for _ in range(2)]
+    try:
+        await asyncio.gather(*(k.start() for k in kernels))
+        inits = [k._km.sandbox_init for k in kernels]  # type: ignore[union-attr]
+        own, sibling = (next(c for c in child_pids(i) if comm(c) == "sleep") for i in inits)
+        ours = os.open("/proc/self/ns/pid", os.O_RDONLY)
+        into = os.open(f"/proc/{inits[0]}/ns/pid", os.O_RDONLY)
+        told, tell = os.pipe()
+        _set_namespace(into, _CLONE_NEWPID)
+        try:
+            child = os.fork()
+            if child == 0:
+                seen = [_Sandbox(pid).holds_this_process() for pid in (own, sibling)]
+                os.write(tell, repr(seen).encode())
+                os._exit(0)
+        finally:
+            _set_namespace(ours, _CLONE_NEWPID)
+            for fd in (ours, into, tell):
+                os.close(fd)
+        os.waitpid(child, 0)
+        with os.fdopen(told, "rb") as pipe:
+            assert pipe.read() == b"[True, False]"
+    finally:
+        await asyncio.gather(*(k.shutdown() for k in kernels))
+
+
 async def _forked_two_in_turn(forkserver: ForkServer, kind: type[LocalKernel]) -> tuple[bool, bool]:
     """Whether the next kernel (of ``kind``, which must work) and the one after were forked."""
     forked = []
