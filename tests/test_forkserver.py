@@ -358,16 +358,23 @@ async def test_a_sandbox_that_fails_leaves_the_zygote_as_it_was(
     starts cold, and the next one is forked."""
     zygote = forkserver._pid()
     opened = lambda: len(os.listdir(f"/proc/{zygote}/fd"))  # noqa: E731
+    only_the_spawner = lambda: [comm(p) for p in child_pids(zygote)] == [SPAWNER_NAME]  # noqa: E731
+
+    async def settled() -> int:
+        """The zygote's descriptors once it watches no kernel (each ended one collected)."""
+        for _ in range(50):
+            if only_the_spawner():
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.6)  # past its next collection round (every 0.5 s)
+        return opened()
+
     assert await _forked_two_in_turn(forkserver, LocalKernel) == (True, True)  # warm
-    before = opened()
+    before = await settled()
     for _ in range(4):
         assert await _forked_two_in_turn(forkserver, _NoPlaceholderKernel) == (False, True)
-    for _ in range(50):
-        if opened() == before and [comm(p) for p in child_pids(zygote)] == [SPAWNER_NAME]:
-            break
-        await asyncio.sleep(0.1)
-    assert opened() == before
-    assert [comm(p) for p in child_pids(zygote)] == [SPAWNER_NAME]
+    assert await settled() == before
+    assert only_the_spawner()
     assert forkserver.ready
 
 
