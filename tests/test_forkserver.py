@@ -177,13 +177,18 @@ _WHAT_A_CELL_SEES = (
     "print(repr((os.getcwd(), list(map(str, _dh)), str(ip.profile_dir.location),\n"
     "            ip.starting_dir, env, [p for p in sys.path if not p.startswith(sys.prefix)],\n"
     "            ip.execution_count, type(sys.stdout).__name__, callable(llm_query),\n"
-    "            ip.kernel.shell is ip, sorted(ip.user_ns), len(In), len(Out))))"
+    "            ip.kernel.shell is ip, sorted(ip.user_ns), len(In), len(Out),\n"
+    "            sorted((os.path.relpath(d, ip.profile_dir.location), oct(os.stat(d).st_mode),\n"
+    "                    sorted(f)) for d, _, f in os.walk(ip.profile_dir.location)),\n"
+    "            [getattr(ip.profile_dir, n + '_dir') for n in ('security', 'log', 'startup',\n"
+    "                                                           'pid', 'static')])))"
 )
 
 
 async def test_a_forked_kernel_looks_like_a_cold_one(forkserver: ForkServer) -> None:
     """The zygote builds each kernel's shell before the fork (and runs a silent cell in it):
-    what a cell sees of its working directory, profile, environment, path, stdout, helpers,
+    what a cell sees of its working directory, profile (its directories, made as IPython makes
+    them), environment, path, stdout, helpers,
     namespace and history is still what a kernel started cold sees (its own directories, not
     the zygote's), and each forked kernel has its own session id (the msg ids it sends are its
     own)."""
@@ -221,6 +226,33 @@ async def test_a_forked_kernel_runs_a_cell_with_top_level_await(forkserver: Fork
         assert (result.status, result.stdout) == ("ok", "awaited\n"), result.stderr
         subshells = "print(get_ipython().kernel._supports_kernel_subshells)"
         assert (await kernel.execute(subshells)).stdout == "False\n"
+
+
+async def test_a_forked_kernel_has_no_debugger_and_answers_a_debug_request(
+    forkserver: ForkServer,
+) -> None:
+    """Forked kernels make no debugger (nothing but the host reaches their control channel,
+    and it sends no debug requests): their ``kernel_info`` offers none, as an ipykernel
+    without debugpy does, and a debug request on the control channel still gets its reply.
+    (Unsandboxed: a client of this process reaches the kernel's sockets by their paths.)"""
+    from jupyter_client.asynchronous import AsyncKernelClient
+
+    kernel = LocalKernel(forkserver=forkserver)
+    async with kernel:
+        assert kernel.forked
+        client = AsyncKernelClient(connection_file=kernel._km.connection_file)
+        client.load_connection_file()
+        client.start_channels()
+        try:
+            info = await client.kernel_info(reply=True, timeout=10)
+            assert "debugger" not in info["content"]["supported_features"], info["content"]
+            request = {"seq": 1, "type": "request", "command": "initialize", "arguments": {}}
+            client.control_channel.send(client.session.msg("debug_request", request))
+            reply = await client.control_channel.get_msg(timeout=10)
+            assert reply["msg_type"] == "debug_reply"
+        finally:
+            client.stop_channels()
+        assert (await kernel.execute("print('still')")).stdout == "still\n"
 
 
 def _cpus_of_threads(pid: int) -> list[str]:

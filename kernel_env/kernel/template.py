@@ -10,7 +10,8 @@ does it: :meth:`KernelTemplate.identify` (connection info and session id, which 
 kernel reads while its sandbox is still being made), then :meth:`KernelTemplate.run` (the zmq
 context, sockets and threads, its streams and signal handling, its profile directory, the
 kernel_env extension, then the event loop). It runs on one CPU, and its threads get every CPU
-back as its first cell begins.
+back as its first cell begins. It makes fewer sockets and threads than a cold kernel: no
+heartbeat, no shell channel thread and no debugger (see :func:`_init_control_alone`).
 
 What the zygote builds holds no socket, thread, event loop or open file (``build`` checks),
 so a fork of it is sound; every identity a kernel shows (session id, iopub topic, msg ids)
@@ -28,6 +29,7 @@ import gc
 import os
 import random
 import resource
+import shutil
 import sys
 import threading
 import uuid
@@ -57,6 +59,7 @@ class KernelTemplate:
 
         os.environ["IPYTHONDIR"] = ipython_dir
         try:
+            _without_debugger()  # before the kernel is built: it then makes no debugger
             app = IPKernelApp.instance()
             # IPKernelApp.initialize, up to its first socket: the command line, profile and
             # config files, then the parts of it that need no socket.
@@ -134,8 +137,10 @@ class KernelTemplate:
     def connect(self) -> None:
         """Give the identified kernel its sockets, threads and streams (made in this process,
         none inherited)."""
-        app = self.app
-        _without_shell_channel_thread()
+        app, kernel = self.app, self.app.kernel
+        _without_debugger()
+        kernel.debugpy_stream = kernel.debug_shell_socket = None  # a live fork's parent's
+        app.init_control = _init_control_alone.__get__(app)  # what init_sockets calls
         app.init_sockets()
         # No heartbeat (its own zmq context and three threads): the host watches the process
         # itself, and nothing here connects to the heartbeat socket.
@@ -152,40 +157,19 @@ class KernelTemplate:
         from zmq.eventloop.zmqstream import ZMQStream
 
         app, kernel = self.app, self.app.kernel
-        if app.shell_channel_thread:
-            shell_stream = ZMQStream(app.shell_socket, app.shell_channel_thread.io_loop)
-            app.shell_channel_thread.shell_stream = shell_stream
-        else:
-            shell_stream = ZMQStream(app.shell_socket)
+        shell_stream = ZMQStream(app.shell_socket)  # served on the main thread
         control_stream = ZMQStream(app.control_socket, app.control_thread.io_loop)
-        debugpy_stream = ZMQStream(app.debugpy_socket, app.control_thread.io_loop)
         app.control_thread.start()
-        if app.shell_channel_thread:
-            app.shell_channel_thread.start()
         kernel.session = app.session
         kernel.control_stream = control_stream
-        kernel.debugpy_stream = debugpy_stream
-        kernel.debug_shell_socket = app.debug_shell_socket
         kernel.shell_stream = shell_stream
         kernel.control_thread = app.control_thread
-        kernel.shell_channel_thread = app.shell_channel_thread
-        if app.shell_channel_thread is None:
-            _serve_shell_on_the_main_thread(kernel)
+        kernel.shell_channel_thread = None
+        _serve_shell_on_the_main_thread(kernel)
         kernel.iopub_thread = app.iopub_thread
         kernel.iopub_socket = app.iopub_socket
         kernel.stdin_socket = app.stdin_socket
         kernel._stdout, kernel._stderr = sys.stdout, sys.stderr
-        if getattr(kernel, "debugger", None) is not None:
-            kernel.debugger = kernel.debugger_class(
-                kernel.log,
-                debugpy_stream,
-                kernel._publish_debug_event,
-                kernel.debug_shell_socket,
-                kernel.session,
-                kernel._kernel_modules,
-                kernel.debug_just_my_code,
-                kernel.filter_internal_frames,
-            )
         shell = kernel.shell
         shell.displayhook.session = app.session
         shell.displayhook.pub_socket = kernel.iopub_socket
@@ -222,13 +206,82 @@ class KernelTemplate:
         shell.history_manager.dir_hist[:] = [Path.cwd()]  # _dh
 
     def _own_profile(self) -> None:
-        """The profile directory a kernel started cold makes (under its own HOME)."""
+        """The profile directory a kernel started cold makes (under its own HOME), made
+        with the system calls IPython's ``ProfileDir`` makes, without its trait observers
+        (which make each directory twice over, ~0.5 ms of a kernel's start)."""
         from IPython.core.profiledir import ProfileDir
-        from IPython.paths import get_ipython_dir
+        from IPython.paths import get_ipython_dir, get_ipython_package_dir
 
         app, kernel = self.app, self.app.kernel
-        profile = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), app.profile)
+        location = os.path.join(get_ipython_dir(), f"profile_{app.profile}")
+        dirs = {name: os.path.join(location, name) for name in ("security", "log", "pid")}
+        dirs["startup"] = os.path.join(location, "startup")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(location, 0o755)
+        for name, path in dirs.items():
+            made = _mkdir(path, 0o700 if name in ("security", "pid") else 0o777)
+            if made and name == "startup":
+                readme = Path(get_ipython_package_dir(), "core", "profile", "README_STARTUP")
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(readme, os.path.join(path, "README"))
+        profile = ProfileDir()
+        profile._trait_values.update(  # the values ProfileDir(location=...) sets
+            location=location,
+            _location_isset=True,
+            static_dir=os.path.join(location, "static"),
+            **{f"{name}_dir": path for name, path in dirs.items()},
+        )
         app.profile_dir = kernel.profile_dir = kernel.shell.profile_dir = profile
+
+
+def _mkdir(path: str, mode: int) -> bool:
+    """Whether ``path`` was made (with ``mode``); as IPython's profile makes its directories."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        if mode != 0o777 and os.stat(path).st_mode & 0o777 != mode:
+            os.chmod(path, mode)
+        return False
+    return True
+
+
+def _without_debugger() -> None:
+    """This process's kernel has no debugger. ipykernel's (debugpy's) serves a Jupyter
+    frontend's debug requests, and nothing reaches a forked kernel's control channel but its
+    host, which sends none. Without it a kernel makes two sockets, a connection to its own
+    shell socket, a debugger object and a task on its control thread fewer (~1 ms of its
+    CPU); its ``kernel_info`` offers no debugger, and a debug request gets an empty reply, as
+    in an ipykernel without debugpy."""
+    import importlib
+
+    for name in ("ipykernel.debugger", "ipykernel.ipkernel", "ipykernel.kernelbase"):
+        module = importlib.import_module(name)
+        if hasattr(module, "_is_debugpy_available"):  # ipykernel 6 imports it by name
+            module._is_debugpy_available = False  # type: ignore[attr-defined]
+
+
+def _init_control_alone(app: Any, context: Any) -> None:
+    """ipykernel's ``IPKernelApp.init_control``: the control socket and thread, without the
+    debugger's two sockets (see :func:`_without_debugger`) and without a shell channel thread.
+
+    Shell messages go straight to the main thread. ipykernel 7 relays each one through a
+    thread of its own, for subshells (concurrent cells, which an episode does not run): a
+    thread hop and a second parse per message, and one more thread (and event loop) to make.
+    The kernel serves its shell channel itself, as ipykernel 6 did."""
+    import zmq
+    from ipykernel.control import ControlThread
+
+    app.control_socket = context.socket(zmq.ROUTER)
+    app.control_socket.linger = 1000
+    curve = getattr(app, "_apply_curve_server_options", None)  # ipykernel 7
+    if curve is not None:
+        curve(app.control_socket)
+    app.control_port = app._bind_socket(app.control_socket, app.control_port)
+    if hasattr(zmq, "ROUTER_HANDOVER"):
+        app.control_socket.router_handover = 1  # as ipykernel does (ipykernel#270)
+    app.debugpy_socket = app.debug_shell_socket = None
+    app.control_thread = ControlThread(daemon=True)
+    app.shell_channel_thread = None
 
 
 def _start_on_one_cpu() -> Callable[[], None]:
@@ -264,18 +317,6 @@ def _before_the_first_cell(shell: Any, action: Callable[[], None]) -> None:
         action()
 
     shell.events.register("pre_execute", once)
-
-
-def _without_shell_channel_thread() -> None:
-    """Shell messages go straight to the main thread. ipykernel 7 relays each one through a
-    thread of its own, for subshells (concurrent cells, which an episode does not run): a
-    thread hop and a second parse per message, and one more thread (and event loop) to make.
-    Here its app makes none (``init_control``): the kernel serves its shell channel itself,
-    as ipykernel 6 did."""
-    from ipykernel import kernelapp
-
-    if hasattr(kernelapp, "ShellChannelThread"):
-        kernelapp.ShellChannelThread = lambda *args, **kwargs: None  # type: ignore[misc,assignment]
 
 
 class _MainThreadServesShell:
