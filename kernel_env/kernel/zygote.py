@@ -114,7 +114,7 @@ def main() -> None:
         del sys.path[0]  # what ``-m`` added, as ipykernel_launcher does: kernels add their own
     control = socket.socket(fileno=int(sys.argv[1]))
     config = json.loads(sys.argv[2])
-    problem = _preload([*KERNEL_MODULES, *config["preload"]])
+    problem = _preload_kernel_modules() or _preload(config["preload"])
     if problem is None and "numpy" in sys.modules:
         problem = _preload(["numpy.random"])  # what reseed() draws on in every kernel
     if problem is None and (threads := len(os.listdir("/proc/self/task"))) > 1:
@@ -133,6 +133,21 @@ def main() -> None:
     # A kernel forked through a short-lived child (see _fork_kernel) becomes the zygote's.
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     _Zygote(control, template, imported, spawner).serve()
+
+
+def _preload_kernel_modules() -> str | None:
+    """Import :data:`KERNEL_MODULES` without debugpy: forked kernels have no debugger
+    (``template._without_debugger``), and ipykernel's debugger module imports debugpy and
+    its pydevd when it can, ~8 MB that the zygote would hold and every fork would map. A
+    cell, or an operator's preload, may still import debugpy."""
+    blocked = "debugpy" not in sys.modules
+    if blocked:
+        sys.modules["debugpy"] = None  # type: ignore[assignment]  # importing it fails
+    try:
+        return _preload(list(KERNEL_MODULES))
+    finally:
+        if blocked:
+            del sys.modules["debugpy"]
 
 
 def _preload(modules: list[str]) -> str | None:
