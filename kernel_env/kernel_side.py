@@ -346,6 +346,7 @@ class _CappedStream:
             self._inner.write(tail)
             self._inner.flush()
         self.reset()
+        self._flushed = 0.0  # the next flush, the reply's, is the barrier: never skipped
 
     def flush(self) -> None:
         # ipykernel's flush hands the stream to its IO thread and waits for it (two thread
