@@ -240,7 +240,8 @@ class KernelTemplate:
 
 
 def _mkdir(path: str, mode: int) -> bool:
-    """Whether ``path`` was made (with ``mode``); as IPython's profile makes its directories."""
+    """Whether ``path`` was made, with ``mode``, as IPython's profile makes its directories: a
+    private one (a ``mode`` other than 0o777) that exists gets that mode too."""
     try:
         os.mkdir(path, mode)
     except FileExistsError:
