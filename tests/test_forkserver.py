@@ -192,10 +192,9 @@ _WHAT_A_CELL_SEES = (
 async def test_a_forked_kernel_looks_like_a_cold_one(forkserver: ForkServer) -> None:
     """The zygote builds each kernel's shell before the fork (and runs a silent cell in it):
     what a cell sees of its working directory, profile (its directories, made as IPython makes
-    them), environment, path, stdout, helpers,
-    namespace and history is still what a kernel started cold sees (its own directories, not
-    the zygote's), and each forked kernel has its own session id (the msg ids it sends are its
-    own)."""
+    them), environment, path, stdout, helpers, namespace and history is still what a kernel
+    started cold sees (its own directories, not the zygote's), and each forked kernel has its
+    own session id (the msg ids it sends are its own)."""
     snapshots = []
     for source in (_source(forkserver), _source(ForkServerStub())):
         async with AsyncKernelEnv(kernel_source=source) as env:

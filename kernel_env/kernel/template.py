@@ -218,8 +218,8 @@ class KernelTemplate:
 
         app, kernel = self.app, self.app.kernel
         location = os.path.join(get_ipython_dir(), f"profile_{app.profile}")
-        dirs = {name: os.path.join(location, name) for name in ("security", "log", "pid")}
-        dirs["startup"] = os.path.join(location, "startup")
+        names = ("security", "log", "pid", "startup")  # IPython's order (check_dirs)
+        dirs = {name: os.path.join(location, name) for name in names}
         with contextlib.suppress(FileExistsError):
             os.mkdir(location, 0o755)
         for name, path in dirs.items():
