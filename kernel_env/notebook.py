@@ -8,6 +8,7 @@ timing, a readable summary of the step's LLM calls, and a closing cell with the 
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import platform
@@ -402,16 +403,122 @@ def write_html(
 
 
 def notebook_html(nb: NotebookNode) -> str:
-    """``nb`` as a standalone HTML page (nbconvert's classic export; its title is the
-    notebook's ``metadata.title`` when set). Needs the ``html`` extra."""
+    """``nb`` as a standalone HTML page that shows the episode and runs nothing (nbconvert's
+    lab export; its title is the notebook's ``metadata.title`` when set). Cell output is
+    untrusted: only passive kinds of output are kept (text, HTML, Markdown, LaTeX, images), HTML
+    and Markdown are sanitised (no script, event handler or ``javascript:`` link), the page
+    loads nothing from anywhere (no require.js, MathJax or fonts) and its
+    ``<meta http-equiv="Content-Security-Policy">`` (``PAGE_CSP``) allows no script at all,
+    so the file is safe to open from disk. Needs the ``html`` extra."""
     try:
+        from jinja2 import DictLoader
         from nbconvert import HTMLExporter
     except ImportError as exc:
         raise RuntimeError(
             "HTML export needs nbconvert: .venv/bin/pip install -e '.[html]' in the clone"
         ) from exc
-    body, _ = HTMLExporter().from_notebook_node(nb)
+    exporter = HTMLExporter(
+        sanitize_html=True,  # HTML and Markdown through clean_html, JavaScript output dropped
+        filters={"clean_html": _clean_html},
+        extra_loaders=[DictLoader({"kernel_env_page.html.j2": _PAGE_TEMPLATE})],
+        template_file="kernel_env_page.html.j2",
+    )
+    body, _ = exporter.from_notebook_node(_passive(nb))
     return str(body)
+
+
+# The page's own policy: no script, nothing fetched; inline styles and data: images only.
+PAGE_CSP = (
+    "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; "
+    "form-action 'none'"
+)
+# nbconvert's lab page without its scripts (require.js, MathJax, Mermaid, widgets), with the
+# policy first in <head>.
+_PAGE_TEMPLATE = f"""{{%- extends 'index.html.j2' -%}}
+{{%- block html_head_js -%}}
+<meta http-equiv="Content-Security-Policy" content="{PAGE_CSP}">
+{{%- endblock html_head_js -%}}
+{{% block jupyter_widgets %}}{{% endblock jupyter_widgets %}}
+{{%- block html_head_js_mathjax -%}}{{%- endblock html_head_js_mathjax -%}}
+{{%- block html_head_js_mermaidjs -%}}{{%- endblock html_head_js_mermaidjs -%}}
+"""
+# Output kinds the page shows; the rest (JavaScript, widgets, Mermaid, ...) are left out.
+_PASSIVE_MIMES = frozenset(
+    {"text/plain", "text/html", "text/markdown", "text/latex"}
+    | {"image/png", "image/jpeg", "image/svg+xml"}
+)
+
+
+def _passive(nb: NotebookNode) -> NotebookNode:
+    """A copy of ``nb`` with only passive outputs (an output with none left is dropped), image
+    sizes only as numbers (nbconvert writes them unquoted into ``<img>``), no widget state."""
+    nb = copy.deepcopy(nb)
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        if "outputs" in cell:
+            cell.outputs = [out for out in map(_passive_output, cell.outputs) if out is not None]
+    return nb
+
+
+def _passive_output(output: NotebookNode) -> NotebookNode | None:
+    if "data" not in output:  # a stream or an error: text, escaped by the template
+        return output
+    output.data = NotebookNode({k: v for k, v in output.data.items() if k in _PASSIVE_MIMES})
+    meta = output.get("metadata", {})
+    output.metadata = NotebookNode({k: _image_size(v) for k, v in meta.items() if k in output.data})
+    return output if output.data else None
+
+
+def _image_size(meta: Any) -> NotebookNode:
+    sizes = meta.items() if isinstance(meta, dict) else ()
+    return NotebookNode({k: v for k, v in sizes if k in ("width", "height") and type(v) is int})
+
+
+# What HTML from a cell (or Markdown rendered to HTML) may keep: structure, tables, text
+# formatting and embedded images; no script, style sheet, frame, form or event handler.
+_TAGS = frozenset(
+    {"div", "p", "pre", "blockquote", "hr", "br", "details", "summary", "ul", "ol", "li"}
+    | {"dl", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "table", "caption", "colgroup"}
+    | {"col", "thead", "tbody", "tfoot", "tr", "th", "td", "a", "abbr", "b", "code", "del"}
+    | {"em", "i", "img", "ins", "kbd", "q", "s", "samp", "small", "span", "strong", "sub"}
+    | {"sup", "u", "var"}
+)
+_ATTRIBUTES = {
+    "*": {"class", "id", "title", "style", "align"},
+    "img": {"alt", "width", "height"},
+    "td": {"colspan", "rowspan"},
+    "th": {"colspan", "rowspan", "scope"},
+    "col": {"span"},
+    "colgroup": {"span"},
+    "ol": {"start"},
+}
+# A script or style element's text would show once its tags are stripped: drop it whole.
+# (Cosmetic: bleach below is what keeps scripts out.)
+_SCRIPT_OR_STYLE = re.compile(r"<(script|style)\b.*?</\1\s*>", re.IGNORECASE | re.DOTALL)
+
+
+def _allowed_attribute(tag: str, name: str, value: str) -> bool:
+    if name == "src":  # images embedded in the page only: it fetches nothing
+        return tag == "img" and value.startswith("data:image/")
+    if name == "href":  # links a reader may follow; bleach checks the scheme again
+        return tag == "a" and value.startswith(("https://", "http://", "mailto:", "#"))
+    return name in _ATTRIBUTES["*"] or name in _ATTRIBUTES.get(tag, ())
+
+
+def _clean_html(html: str | bytes) -> str:
+    """nbconvert's ``clean_html`` filter, with tables and text formatting kept."""
+    import bleach
+    from bleach.css_sanitizer import CSSSanitizer
+
+    text = html.decode() if isinstance(html, bytes) else str(html)
+    return bleach.clean(
+        _SCRIPT_OR_STYLE.sub("", text),
+        tags=_TAGS,
+        attributes=_allowed_attribute,
+        protocols={"http", "https", "mailto", "data"},  # data: only where _allowed_attribute lets
+        strip=True,
+        css_sanitizer=CSSSanitizer(),
+    )
 
 
 # -- comparing a re-run with the record ------------------------------------------------------

@@ -88,8 +88,91 @@ def test_clients_without_origin_and_same_origin_pages_work(open_server: str) -> 
         ws.send(json.dumps({"type": "step", "data": {"code": "print(6 * 7)"}}))
         reply = json.loads(ws.recv(timeout=30))
         assert reply["data"]["observation"]["result"]["stdout"] == "42\n"
-    own = open_server.replace("127.0.0.1", "localhost")
-    assert httpx.get(f"{open_server}/health", headers={"Origin": own}, timeout=10).is_success
+    # The server's own origin is exactly the URL the request was sent to (Host and scheme).
+    assert httpx.get(
+        f"{open_server}/health", headers={"Origin": open_server}, timeout=10
+    ).is_success
+    with connect(_ws(open_server), origin=open_server, open_timeout=10) as ws:  # type: ignore[arg-type]
+        ws.send(json.dumps({"type": "reset", "data": {"context": "abc"}}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "observation"
+
+
+def _local_origins(url: str) -> list[str]:
+    """Pages on this machine that are not the server's: other ports, another scheme, the
+    server's port under another name (which another process may serve on [::1])."""
+    port = url.rsplit(":", 1)[1]
+    return [
+        "http://localhost:3000",
+        "http://127.0.0.1:9999",
+        "https://localhost",
+        "http://[::1]:1234",
+        f"http://localhost:{port}",
+        f"https://127.0.0.1:{port}",
+    ]
+
+
+def _reset_status(url: str, origin: str) -> int:
+    """The status of a POST /reset sent with ``origin``; a session it opened is closed."""
+    response = httpx.post(
+        f"{url}/reset", json={"context": "x"}, headers={"Origin": origin}, timeout=60
+    )
+    if "X-Session-Id" in response.headers:
+        httpx.delete(f"{url}/sessions/{response.headers['X-Session-Id']}", timeout=30)
+    return response.status_code
+
+
+def _handshake_status(url: str, origin: str) -> int:
+    """The HTTP status of a /ws handshake sent with ``origin`` (101: the socket opened)."""
+    try:
+        with connect(_ws(url), origin=origin, open_timeout=10):  # type: ignore[arg-type]
+            return 101
+    except InvalidStatus as refused:
+        return refused.response.status_code
+
+
+@pytest.mark.integration  # its server starts a kernel
+def test_another_local_origin_cannot_reset(open_server: str) -> None:
+    """A page served from another local port, scheme or name is another origin: its POST
+    /reset gets 403 (and so opens no session)."""
+    origins = _local_origins(open_server)
+    assert {o: _reset_status(open_server, o) for o in origins} == dict.fromkeys(origins, 403)
+
+
+@pytest.mark.integration  # its server starts a kernel
+def test_another_local_origin_cannot_open_the_websocket(open_server: str) -> None:
+    """The same pages cannot open /ws: the handshake is refused with 403."""
+    origins = _local_origins(open_server)
+    assert {o: _handshake_status(open_server, o) for o in origins} == dict.fromkeys(origins, 403)
+
+
+@pytest.mark.integration  # its accepted reset starts a kernel
+def test_bound_to_all_interfaces_only_the_requests_own_origin_passes() -> None:
+    """Bound to 0.0.0.0, any IP address is a Host the server answers to, but an IP-literal
+    Origin passes only when it is the very address and port the request went to."""
+    with thread_server(small_settings(host="0.0.0.0", pool_size=0)) as bound:
+        url = bound.replace("0.0.0.0", "127.0.0.1")
+        port = url.rsplit(":", 1)[1]
+        others = ["http://10.1.2.3:8000", f"http://127.0.0.2:{port}", f"http://10.1.2.3:{port}"]
+        assert {o: _reset_status(url, o) for o in others} == dict.fromkeys(others, 403)
+        assert {o: _handshake_status(url, o) for o in others} == dict.fromkeys(others, 403)
+        assert (_reset_status(url, url), _handshake_status(url, url)) == (200, 101)
+
+
+def test_own_origin_follows_the_scheme_served_and_default_ports(open_server: str) -> None:
+    """Behind a TLS proxy on loopback (X-Forwarded-Proto: https, which uvicorn trusts from
+    there) the own origin is https://<Host>, and http://<Host> is another; a Host without a
+    port is the scheme's default port, written or not."""
+    host = open_server.removeprefix("http://")
+
+    def status(origin: str, **headers: str) -> int:
+        headers["Origin"] = origin
+        return httpx.get(f"{open_server}/health", headers=headers, timeout=10).status_code
+
+    assert status(f"https://{host}", **{"X-Forwarded-Proto": "https"}) == 200
+    assert status(f"http://{host}", **{"X-Forwarded-Proto": "https"}) == 403
+    assert status("http://localhost:80", Host="localhost") == 200
+    assert status("HTTP://LOCALHOST/", Host="localhost") == 200
+    assert status("https://localhost", Host="localhost") == 403
 
 
 def test_configured_origins_get_cors_and_hosts_can_be_widened() -> None:

@@ -7,7 +7,9 @@ name. Both carry tell-tale headers: a browser always sends ``Origin`` on a WebSo
 and on cross-site requests, and a rebound request carries the attacker's ``Host``. So:
 
 - a ``Host`` that is not an allowed host gets 403 (the WebSocket handshake too);
-- an ``Origin`` whose host is not an allowed host, nor one of the configured origins, gets 403;
+- an ``Origin`` that is neither the request's own origin (its scheme and the allowed ``Host``
+  it came with: scheme, name and port all equal) nor one of the configured origins gets 403.
+  A page on another local port, scheme or name is another origin, even on this machine;
 - a request without ``Origin`` (curl, httpx, OpenEnv's clients) passes as before.
 
 CORS stays closed (no ``Access-Control-Allow-*`` header) unless origins are configured.
@@ -25,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 __all__ = ["BrowserGuard", "host_name"]
 
 _WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def host_name(value: str) -> str:
@@ -50,7 +53,7 @@ class HostPolicy:
 
     def __init__(self, hosts: Iterable[str], origins: Iterable[str], *, any_ip: bool) -> None:
         self.hosts = frozenset(host_name(h) for h in hosts)
-        self.origins = frozenset(o.strip().rstrip("/").lower() for o in origins)
+        self.origins = frozenset(normal_origin(o) or o.strip().lower() for o in origins)
         self.any_host = "*" in self.hosts
         # Bound to 0.0.0.0 / :: : the server's own address is any of the machine's.
         self.any_ip = any_ip
@@ -67,14 +70,41 @@ class HostPolicy:
         name = host_name(host)
         return name in self.hosts or (self.any_ip and _is_ip(name))
 
-    def origin_allowed(self, origin: str) -> bool:
-        origin = origin.strip().rstrip("/").lower()
-        if origin in self.origins or "*" in self.origins:
+    def origin_allowed(self, origin: str, own: str | None) -> bool:
+        """``origin`` is one of the configured origins, or ``own``: the origin the request was
+        sent to (``normal_origin`` of its scheme and allowed Host). With any Host allowed, the
+        Host proves nothing, so only configured origins pass."""
+        origin = normal_origin(origin) or origin.strip().lower()
+        if "*" in self.origins or origin in self.origins:
             return True
-        parts = urlsplit(origin)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            return False  # "null" (sandboxed iframes, file://) and anything odd
-        return self.host_allowed(parts.netloc) and not self.any_host
+        return not self.any_host and own is not None and origin == own
+
+
+def normal_origin(value: str) -> str | None:
+    """``scheme://host[:port]`` in lower case, without the scheme's default port; None for
+    anything that is not an http(s) origin ("null", a path, user info, a bad port)."""
+    try:
+        parts = urlsplit(value.strip().lower())
+        port = parts.port
+    except ValueError:
+        return None
+    scheme, host = parts.scheme, parts.hostname
+    if scheme not in _DEFAULT_PORTS or not host or parts.username is not None:
+        return None
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return None
+    host = f"[{host}]" if ":" in host else host
+    port_part = "" if port in (None, _DEFAULT_PORTS[scheme]) else f":{port}"
+    return f"{scheme}://{host}{port_part}"
+
+
+def own_origin(scope: Scope, host: str | None) -> str | None:
+    """The origin a request was sent to: the scheme the server serves it with (``https`` behind
+    a TLS proxy whose ``X-Forwarded-Proto`` uvicorn trusts) and its ``Host`` header."""
+    if not host:
+        return None
+    scheme = "https" if scope.get("scheme") in ("https", "wss") else "http"
+    return normal_origin(f"{scheme}://{host}")
 
 
 class BrowserGuard:
@@ -93,10 +123,11 @@ class BrowserGuard:
             for k, v in scope.get("headers", [])
             if k in (b"host", b"origin")
         }
+        host, origin = headers.get("host"), headers.get("origin")
         problem = None
-        if not self.policy.host_allowed(headers.get("host")):
+        if not self.policy.host_allowed(host):
             problem = "Host header not allowed (set --allowed-hosts to serve this name)"
-        elif "origin" in headers and not self.policy.origin_allowed(headers["origin"]):
+        elif origin is not None and not self.policy.origin_allowed(origin, own_origin(scope, host)):
             problem = "Origin not allowed (set --allowed-origins to let a web page call)"
         if problem is None:
             await self.app(scope, receive, send)

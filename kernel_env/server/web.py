@@ -21,7 +21,7 @@ import nbformat
 from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse
 
-from kernel_env.notebook import named_notebook, notebook_html
+from kernel_env.notebook import PAGE_CSP, named_notebook, notebook_html
 from kernel_env.record import EpisodeRecord
 from kernel_env.server.sessions import UnknownSession
 
@@ -38,6 +38,13 @@ _HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
+}
+# An episode's HTML page: the policy in its own <meta>, and a sandbox (no script, an opaque
+# origin), which only a header can set.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": f"{PAGE_CSP}; frame-ancestors 'none'; sandbox",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
 }
 _STATIC = {"/web": "index.html", "/web/app.js": "app.js", "/web/app.css": "app.css"}
 WEB_PUBLIC = tuple(_STATIC)  # the page and its files hold no data: no token needed
@@ -75,7 +82,7 @@ def add_web_routes(app: FastAPI) -> None:
     async def notebook_page(request: Request, session_id: str) -> Response:
         session = request.app.state.runtime.sessions.get(session_id)
         name, page = await session.export(_page)
-        headers = {"Content-Disposition": f'attachment; filename="{name}"'}
+        headers = {**_PAGE_HEADERS, "Content-Disposition": f'attachment; filename="{name}"'}
         return Response(page, media_type="text/html", headers=headers)
 
 
