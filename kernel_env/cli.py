@@ -102,7 +102,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="run the OpenEnv-compatible HTTP + WebSocket server",
         description="Serve episodes over OpenEnv's protocol (HTTP and WS /ws). Each flag "
         "defaults to its KERNEL_ENV_<NAME> variable, then to the built-in default. "
-        "Set KERNEL_ENV_TOKEN to require a bearer token.",
+        "Set KERNEL_ENV_TOKEN to require a bearer token (an operator's), or give each client "
+        "a token of its own with --tokens-file.",
     )
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
@@ -172,7 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.0005)
     _guard_secrets()
     print(_status_line(settings), file=sys.stderr, flush=True)
-    if not settings.token and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    open_to_all = not settings.token and not settings.tokens_file
+    if open_to_all and settings.host not in ("127.0.0.1", "localhost", "::1"):
         print(
             f"kernel-env: WARNING: {settings.host} is reachable from other hosts and no "
             "KERNEL_ENV_TOKEN is set: anyone who can connect can run code",
@@ -203,6 +205,10 @@ def _status_line(settings: ServerSettings) -> str:
     from kernel_env.kernel.factory import describe_backend, describe_limits
 
     auth = "bearer token required" if settings.token else "no auth"
+    if settings.tokens_file:
+        auth = f"per-tenant tokens from {settings.tokens_file}" + (
+            " and KERNEL_ENV_TOKEN (operator default)" if settings.token else ""
+        )
     if settings.llm_base_url:
         llm = f"llm_query -> {settings.llm_model} at {settings.llm_base_url}"
     else:

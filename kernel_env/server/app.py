@@ -14,6 +14,7 @@ Unlike OpenEnv's stateless HTTP, ``/reset`` opens a *session*: its id comes back
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -47,7 +48,12 @@ from kernel_env.pool import KernelPool
 from kernel_env.record import EpisodeRecord
 from kernel_env.recursion import BackendForToken
 from kernel_env.server import protocol
-from kernel_env.server.auth import AuthGate, BearerAuth
+from kernel_env.server.auth import (
+    AuthGate,
+    load_tenants,
+    redact_client_secrets_in_logs,
+    tenant_of,
+)
 from kernel_env.server.guard import BrowserGuard, HostPolicy
 from kernel_env.server.limits import BodyLimit
 from kernel_env.server.operator import add_operator_routes
@@ -70,6 +76,8 @@ __all__ = [
 ]
 
 SESSION_HEADER = "X-Session-Id"
+
+log = logging.getLogger(__name__)
 
 _SESSIONS_DOC = f"""
 **Sessions over HTTP.** Unlike OpenEnv's stateless HTTP routes, kernel_env keeps a session
@@ -146,6 +154,7 @@ class Runtime:
             max_sessions=settings.max_sessions,
             idle_ttl=settings.idle_ttl,
             claim_ttl=settings.claim_ttl,
+            max_sessions_per_tenant=settings.max_sessions_per_tenant,
         )
         self.started = time.monotonic()
 
@@ -214,11 +223,16 @@ def create_app(
     """The app. ``kernel_factory`` starts the kernels (default: from the settings: local
     kernels, sandboxed per ``settings.sandbox``, or a gateway's when ``gateway_url`` is set)."""
     settings = settings or ServerSettings()
+    # First: a tokens file that cannot be used stops the server before anything starts.
+    tenants = load_tenants(settings.token, settings.tokens_file)
+    redact_client_secrets_in_logs()
     forkserver = _forkserver_for(settings) if kernel_factory is None else None
     factory = kernel_factory or kernel_source_from(settings, forkserver=forkserver)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for warning in tenants.warnings:
+            log.warning(warning)
         runtime = Runtime(settings, factory, forkserver)
         app.state.runtime = runtime
         await runtime.start()
@@ -234,7 +248,7 @@ def create_app(
         + _SESSIONS_DOC,
         lifespan=lifespan,
     )
-    app.state.auth = BearerAuth(settings.token)
+    app.state.tenants = tenants
     app.state.settings = settings
     app.state.isolation = {"backend": "kernels from a custom factory"} if kernel_factory else None
     _add_middleware(app, settings)
@@ -276,7 +290,7 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     )
     app.add_middleware(
         AuthGate,
-        auth=app.state.auth,
+        tenants=app.state.tenants,
         public=(*PUBLIC_PATHS, *WEB_PUBLIC),
         public_prefixes=(DOCS_ASSETS,),
     )
@@ -391,9 +405,10 @@ def _add_episode_routes(app: FastAPI) -> None:
             else {}
         )
         _require_text(kwargs)
-        session = runtime.sessions.get(session_id) if session_id else None
+        tenant = tenant_of(request)
+        session = runtime.sessions.get(session_id, tenant) if session_id else None
         new = session is None
-        session = session or runtime.sessions.open("http")
+        session = session or runtime.sessions.open("http", tenant)
         try:
             async with runtime.sessions.request(session):
                 obs = await session.reset(kwargs)
@@ -416,7 +431,7 @@ def _add_episode_routes(app: FastAPI) -> None:
         request: Request, body: StepRequest, session_id: SessionHeader = None
     ) -> Response:
         runtime = _runtime(request)
-        session = _require_session(runtime, session_id)
+        session = _require_session(request, session_id)
         async with runtime.sessions.request(session):
             obs = await session.step(body.action)
         return _observation_response(obs, session)
@@ -429,7 +444,7 @@ def _add_episode_routes(app: FastAPI) -> None:
         description="Requires the `X-Session-Id` header from `POST /reset`.",
     )
     async def state(request: Request, session_id: SessionHeader = None) -> Response:
-        session = _require_session(_runtime(request), session_id)
+        session = _require_session(request, session_id)
         current = session.state()
         big = len(current.context or "") > 1 << 20
         body = (
@@ -446,7 +461,7 @@ def _add_episode_routes(app: FastAPI) -> None:
     async def close_session(request: Request, session_id: str) -> Response:
         runtime = _runtime(request)
         try:
-            session = runtime.sessions.get(session_id)
+            session = runtime.sessions.get(session_id, tenant_of(request))
         except SessionError:
             return Response(status_code=status.HTTP_204_NO_CONTENT)
         await runtime.sessions.close_session(session)
@@ -466,7 +481,7 @@ def _add_episode_routes(app: FastAPI) -> None:
     ) -> dict[str, Any]:
         runtime = _runtime(request)
         wanted = body or ForkRequest()
-        session = runtime.sessions.get(session_id)
+        session = runtime.sessions.get(session_id, tenant_of(request))
         children = await runtime.sessions.fork(session, wanted.n, own_budget=wanted.own_budget)
         return protocol.fork_payload(children)
 
@@ -481,7 +496,7 @@ def _add_episode_routes(app: FastAPI) -> None:
         responses={200: {"content": {NOTEBOOK_MEDIA_TYPE: {}}}},
     )
     async def notebook(request: Request, session_id: str) -> Response:
-        session = _runtime(request).sessions.get(session_id)
+        session = _session(request, session_id)
         name, body = await session.export(named_notebook)
         return Response(body, media_type=NOTEBOOK_MEDIA_TYPE, headers=_attachment(name))
 
@@ -494,7 +509,7 @@ def _add_episode_routes(app: FastAPI) -> None:
     )
     async def export(request: Request, session_id: str, name: str | None = None) -> Response:
         """``name``: the notebook's file name in the archive (default: the episode id)."""
-        session = _runtime(request).sessions.get(session_id)
+        session = _session(request, session_id)
         if name is not None and (
             not name
             or Path(name).name != name
@@ -535,14 +550,19 @@ def _attachment(filename: str) -> dict[str, str]:
     return {"Content-Disposition": f'attachment; filename="{filename}"'}
 
 
-def _require_session(runtime: Runtime, session_id: str | None) -> Session:
+def _require_session(request: Request, session_id: str | None) -> Session:
     if not session_id:
         raise HTTPException(
             status.HTTP_400_BAD_REQUEST,
             f"missing {SESSION_HEADER} header: call POST /reset first; it returns the session "
             f"id in its {SESSION_HEADER} response header",
         )
-    return runtime.sessions.get(session_id)
+    return _session(request, session_id)
+
+
+def _session(request: Request, session_id: str) -> Session:
+    """The session with this id, if the request's tenant may use it (else: unknown)."""
+    return _runtime(request).sessions.get(session_id, tenant_of(request))
 
 
 def _observation_response(obs: REPLObservation, session: Session) -> JSONResponse:

@@ -3,7 +3,9 @@ the list of running episodes.
 
 ``/health`` stays liveness (the process answers); ``/ready`` is readiness: 503 while kernels
 cannot start (an unreachable gateway, say) and no warm kernel is left, so a load balancer sends
-no new episode to a server that would fail it.
+no new episode to a server that would fail it. The metrics are an operator's
+(:mod:`kernel_env.server.auth`); ``/sessions`` lists a client's own sessions, and every one for
+an operator.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from kernel_env import __version__
 from kernel_env.server import metrics
+from kernel_env.server.auth import require_operator, tenant_of
 
 __all__ = ["add_operator_routes"]
 
@@ -24,9 +27,9 @@ _LINKS = (
     ("/docs", "API docs (Swagger UI; works offline)"),
     ("/health", "liveness"),
     ("/ready", "readiness: can kernels start?"),
-    ("/metrics", "counters (JSON; Prometheus text with Accept: text/plain)"),
-    ("/metrics/prometheus", "counters in Prometheus' text format"),
-    ("/sessions", "running episodes (token required when one is set)"),
+    ("/metrics", "counters (JSON; Prometheus text with Accept: text/plain; operators)"),
+    ("/metrics/prometheus", "counters in Prometheus' text format (operators)"),
+    ("/sessions", "running episodes: a client's own, every one for an operator"),
 )
 
 
@@ -57,6 +60,7 @@ def add_operator_routes(app: FastAPI) -> None:
 
     @app.get("/metrics", tags=["Operations"], summary="Server counters (JSON or Prometheus)")
     async def get_metrics(request: Request) -> Any:
+        require_operator(request)
         snapshot = _snapshot(request)
         accept = request.headers.get("accept", "")
         if "text/plain" in accept and "application/json" not in accept:
@@ -65,12 +69,17 @@ def add_operator_routes(app: FastAPI) -> None:
 
     @app.get("/metrics/prometheus", tags=["Operations"], summary="Counters, Prometheus' format")
     async def get_prometheus(request: Request) -> Response:
+        require_operator(request)
         return _prometheus(_snapshot(request))
 
-    @app.get("/sessions", tags=["Operations"], summary="Running sessions and their episodes")
+    @app.get(
+        "/sessions",
+        tags=["Operations"],
+        summary="Running sessions and their episodes (a client's own; all for an operator)",
+    )
     async def list_sessions(request: Request) -> dict[str, Any]:
         sessions = request.app.state.runtime.sessions
-        return {"sessions": [s.summary() for s in sessions.sessions()]}
+        return {"sessions": [s.summary() for s in sessions.visible_to(tenant_of(request))]}
 
 
 def _snapshot(request: Request) -> dict[str, Any]:

@@ -11,13 +11,20 @@ WebSocket. OpenEnv's HTTP clients are stateless and never send the id back, so e
 ``claim_ttl`` idle seconds, and when the server is full the oldest idle unclaimed session is
 closed to make room instead of refusing the reset.
 
+Every session has an owner, the tenant that opened it (:mod:`kernel_env.server.auth`; a fork's
+copies belong to the forked session's owner). A lookup names the tenant asking: a client finds
+only its own sessions, and another's id, open or closed, is answered as an id no session ever
+had (``UnknownSession``), so ids cannot be probed. ``max_sessions_per_tenant`` caps what one
+client tenant holds; its own unclaimed sessions make room first, as at ``max_sessions``.
+
 Session exceptions (all ``KernelEnvError``)::
 
     SessionError        the session cannot serve requests any more  -> SESSION_ERROR / HTTP 410
     ├── SessionExpired  reaped after its idle TTL
     └── SessionClosed   closed by its owner, or the server is shutting down
-    UnknownSession      no session has this id                      -> HTTP 404
+    UnknownSession      no session has this id (that the caller may see) -> HTTP 404
     CapacityReached     max_sessions are open                       -> CAPACITY_REACHED / 503
+    └── TenantAtCapacity  a client tenant holds max_sessions_per_tenant
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from kernel_env.environment import Counters, KernelEnvironment
 from kernel_env.errors import (
     CapacityReached,
     ForkRefused,
+    KernelEnvError,
     ResetNeeded,
     SessionClosed,
     SessionError,
@@ -45,6 +53,7 @@ from kernel_env.errors import (
 from kernel_env.kernel import Kernel
 from kernel_env.models import REPLAction, REPLObservation, REPLState
 from kernel_env.record import EpisodeRecord
+from kernel_env.server.auth import Tenant
 from kernel_env.server.feed import EpisodeFeed
 from kernel_env.text import shorten
 
@@ -55,6 +64,7 @@ __all__ = [
     "SessionError",
     "SessionExpired",
     "SessionManager",
+    "TenantAtCapacity",
     "UnknownSession",
 ]
 
@@ -67,6 +77,20 @@ _SHUTTING_DOWN = "the server is shutting down; the session was closed"
 _REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rather than "unknown"
 _CLOSE_TIMEOUT = 5.0  # a kernel shutdown takes ~0.1 s
 _UNCLAIMED = "session expired: it was never claimed (no request carried its id) and was "
+
+
+class TenantAtCapacity(CapacityReached):
+    """A client tenant holds ``max_sessions_per_tenant`` sessions (its frame's
+    ``active_sessions`` and ``max_sessions`` count that tenant's)."""
+
+    def __init__(self, tenant: str, held: int, limit: int) -> None:
+        KernelEnvError.__init__(
+            self,
+            f"tenant {tenant} holds {held} session(s), its limit "
+            f"(--max-sessions-per-tenant {limit}); close one first",
+        )
+        self.active_sessions = held
+        self.max_sessions = limit
 
 
 def _kernel_counters(kernel: Kernel) -> Counters:
@@ -82,11 +106,17 @@ class Session:
     """One client's episodes, served one request at a time."""
 
     def __init__(
-        self, manager: SessionManager, session_id: str, kind: Kind, env: KernelEnvironment
+        self,
+        manager: SessionManager,
+        session_id: str,
+        kind: Kind,
+        env: KernelEnvironment,
+        owner: Tenant,
     ) -> None:
         self.id = session_id
         self.kind = kind
         self.env = env
+        self.owner = owner  # the tenant that opened it (a name and a role, never a token)
         self._manager = manager
         self._lock = asyncio.Lock()  # the environment takes one call at a time
         self._ops: set[asyncio.Task[Any]] = set()
@@ -183,6 +213,7 @@ class Session:
         busy = "busy" if self.busy else None
         return {
             "session_id": self.id,
+            "tenant": self.owner.name,
             "kind": self.kind,
             "claimed": self.claimed,
             "state": busy or ("done" if episode and episode["done"] else "idle"),
@@ -248,13 +279,15 @@ class SessionManager:
         max_sessions: int,
         idle_ttl: float = 0.0,
         claim_ttl: float = 0.0,
+        max_sessions_per_tenant: int | None = None,
     ) -> None:
         self._env_factory = env_factory
         self.max_sessions = max_sessions
+        self.max_sessions_per_tenant = max_sessions_per_tenant  # client tenants only
         self.idle_ttl = idle_ttl
         self.claim_ttl = claim_ttl
         self._sessions: dict[str, Session] = {}
-        self._gone: OrderedDict[str, SessionError] = OrderedDict()
+        self._gone: OrderedDict[str, tuple[str, SessionError]] = OrderedDict()  # owner, why
         self.ops: set[asyncio.Task[Any]] = set()
         self._busy = 0
         self._idle = asyncio.Event()
@@ -275,18 +308,21 @@ class SessionManager:
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
 
+    def visible_to(self, tenant: Tenant) -> list[Session]:
+        """The open sessions ``tenant`` may see: a client's own, every one for an operator."""
+        return [s for s in self._sessions.values() if tenant.may_use(s.owner.name)]
+
     async def start(self) -> None:
         if (self.idle_ttl > 0 or self.claim_ttl > 0) and self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_forever(), name="session-reaper")
 
-    def open(self, kind: Kind, env: KernelEnvironment | None = None) -> Session:
-        """A new session (around ``env``, else a new environment), or
+    def open(self, kind: Kind, owner: Tenant, env: KernelEnvironment | None = None) -> Session:
+        """A new session of ``owner`` (around ``env``, else a new environment), or
         :class:`CapacityReached` (when no unclaimed session can go)."""
         if self.draining:
             raise SessionClosed(_SHUTTING_DOWN)
-        if len(self._sessions) >= self.max_sessions and not self._evict_unclaimed():
-            raise CapacityReached(len(self._sessions), self.max_sessions)
-        session = Session(self, secrets.token_hex(16), kind, env or self._env_factory())
+        self._make_room(owner, 1)
+        session = Session(self, secrets.token_hex(16), kind, env or self._env_factory(), owner)
         self._sessions[session.id] = session
         self.opened_total += 1
         return session
@@ -296,16 +332,12 @@ class SessionManager:
         ``max_sessions`` like any session (checked before the fork's kernels start)."""
         if session.env.stepping:
             raise ForkRefused("a step is running: fork between steps")
-        free = self.max_sessions - len(self._sessions)
-        while free < n and self._evict_unclaimed():
-            free += 1
-        if free < n:
-            raise CapacityReached(len(self._sessions), self.max_sessions)
+        self._make_room(session.owner, n)
         envs = await session.run_exclusive(lambda: session.env.fork(n, own_budget=own_budget))
         children: list[Session] = []
         try:
             for env in envs:
-                child = self.open("http", env)
+                child = self.open("http", session.owner, env)
                 child.claimed = True  # asked for by name: not an unclaimed reset to evict
                 record = env.record
                 if record is not None:
@@ -318,28 +350,48 @@ class SessionManager:
             raise
         return children
 
-    def take(self, session_id: str) -> Session:
+    def _make_room(self, owner: Tenant, n: int) -> None:
+        """Room for ``n`` more sessions of ``owner``: unclaimed sessions are closed to make
+        it (the owner's own, at its cap), or :class:`CapacityReached` is raised."""
+        cap = None if owner.is_operator else self.max_sessions_per_tenant
+        if cap is not None:
+            while self._held_by(owner) + n > cap and self._evict_unclaimed(owner):
+                pass
+            if (held := self._held_by(owner)) + n > cap:
+                log.info("tenant %s: refused a session at its limit of %d", owner.name, cap)
+                raise TenantAtCapacity(owner.name, held, cap)
+        while len(self._sessions) + n > self.max_sessions and self._evict_unclaimed():
+            pass
+        if len(self._sessions) + n > self.max_sessions:
+            raise CapacityReached(len(self._sessions), self.max_sessions)
+
+    def _held_by(self, owner: Tenant) -> int:
+        return sum(s.owner.name == owner.name for s in self._sessions.values())
+
+    def take(self, session_id: str, tenant: Tenant) -> Session:
         """An open session for a WebSocket to own (``/ws?session=``): one socket at a time."""
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         if session.attached:
             raise SessionClosed("another WebSocket already holds this session")
         session.attached = True
         session.kind = "ws"
         return session
 
-    def peek(self, session_id: str) -> Session | None:
-        """The open session with this id, if any, without claiming it (the web view watches
-        sessions it does not own)."""
-        return self._sessions.get(session_id)
-
-    def get(self, session_id: str) -> Session:
-        """The open session with this id; raises if it expired, was closed, or never existed."""
+    def peek(self, session_id: str, tenant: Tenant) -> Session | None:
+        """The open session with this id that ``tenant`` may see, if any, without claiming
+        it (the web view watches sessions it does not use)."""
         session = self._sessions.get(session_id)
+        return session if session is not None and tenant.may_use(session.owner.name) else None
+
+    def get(self, session_id: str, tenant: Tenant) -> Session:
+        """The open session with this id; raises if it expired, was closed, or never existed.
+        Another tenant's session (a client asking) is one that never existed, open or not."""
+        session = self.peek(session_id, tenant)
         if session is not None:
             session.claimed = True
             return session
-        gone = self._gone.get(session_id)
-        if gone is not None:
+        owner, gone = self._gone.get(session_id, (None, None))
+        if owner is not None and gone is not None and tenant.may_use(owner):
             raise type(gone)(str(gone))
         raise UnknownSession("unknown session id: call POST /reset to open a session")
 
@@ -368,11 +420,16 @@ class SessionManager:
         task.add_done_callback(self._closing.discard)
         return task
 
-    def _evict_unclaimed(self) -> bool:
-        """Close the oldest idle unclaimed session to make room; False if there is none.
+    def _evict_unclaimed(self, owner: Tenant | None = None) -> bool:
+        """Close the oldest idle unclaimed session (of ``owner``, if given) to make room;
+        False if there is none.
 
         It leaves the count at once; its kernel shuts down in the background."""
-        unclaimed = [s for s in self._sessions.values() if not s.claimed and s.busy == 0]
+        unclaimed = [
+            s
+            for s in self._sessions.values()
+            if not s.claimed and s.busy == 0 and (owner is None or s.owner.name == owner.name)
+        ]
         if not unclaimed:
             return False
         victim = min(unclaimed, key=lambda s: s.last_active)
@@ -393,7 +450,7 @@ class SessionManager:
         if self._sessions.pop(session.id, None) is None:
             return False
         self._shutting.add(session)  # counted in counters() until its own are added by _shut
-        self._gone[session.id] = session.closed
+        self._gone[session.id] = (session.owner.name, session.closed)
         while len(self._gone) > _REMEMBER_GONE:
             self._gone.popitem(last=False)
         return True

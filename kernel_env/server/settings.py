@@ -18,7 +18,7 @@ __all__ = ["ENV_PREFIX", "LOG_LEVELS", "ServerSettings"]
 ENV_PREFIX = "KERNEL_ENV_"
 
 _MiB = 1024 * 1024
-_SECRETS = frozenset({"token"})  # blank = a start-up error, never "no auth"
+_SECRETS = frozenset({"token", "tokens_file"})  # blank = a start-up error, never "no auth"
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -68,6 +68,18 @@ class ServerSettings:
     )
     drain_timeout: float = _flag(8.0, "on shutdown, seconds in-flight steps may finish")
     token: str | None = field(default=None, repr=False)  # bearer token; None = no auth
+    # Per-tenant tokens: a line "name role token" each (docs/security.md#server-auth).
+    tokens_file: str | None = _flag(
+        None,
+        "a file of per-tenant tokens, one line 'name role token' each (role: client, who "
+        "sees only its own sessions, or operator)",
+        metavar="PATH",
+    )
+    max_sessions_per_tenant: int | None = _flag(
+        None,
+        "open sessions one client tenant may hold (none: only --max-sessions)",
+        metavar="N",
+    )
     max_message_bytes: int = _flag(192 * _MiB, "largest WebSocket frame / HTTP body, bytes")
     max_context_chars: int = _flag(128 * _MiB, "largest reset context, chars")
     max_code_chars: int = _flag(1 * _MiB, "largest code of one step, chars")
@@ -175,6 +187,12 @@ class ServerSettings:
             )
         if self.max_prompt_chars <= 0:
             raise ValueError(f"max_prompt_chars must be > 0, got {self.max_prompt_chars}")
+        if self.max_sessions_per_tenant is not None and self.max_sessions_per_tenant < 1:
+            raise ValueError(
+                f"max_sessions_per_tenant must be >= 1, got {self.max_sessions_per_tenant}"
+            )
+        if self.tokens_file is not None and not self.tokens_file.strip():
+            raise ValueError("tokens_file must not be empty (leave it unset for none)")
         if self.max_kernels is not None and self.max_kernels < 1:
             raise ValueError(f"max_kernels must be >= 1, got {self.max_kernels}")
         if self.sandbox not in SANDBOX_MODES:

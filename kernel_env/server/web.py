@@ -7,7 +7,8 @@ Why not Gradio (OpenEnv's ``/web``): a heavy dependency for one page; nor nbconv
 finished notebooks, not running ones.
 
 The page itself holds no data and is public; everything it shows comes from routes behind the
-token (the page asks for it, keeps it in ``sessionStorage`` and sends it as a header). Kernel
+token (the page asks for it, keeps it in ``sessionStorage`` and sends it as a header), so a
+client tenant's token shows its own sessions, an operator's every one. Kernel
 output is untrusted: the page's Content-Security-Policy allows only its own script, and HTML or
 SVG from a cell is shown in ``<iframe sandbox>`` (no scripts, an opaque origin).
 """
@@ -23,6 +24,7 @@ from fastapi.responses import FileResponse
 
 from kernel_env.notebook import PAGE_CSP, named_notebook, notebook_html
 from kernel_env.record import EpisodeRecord
+from kernel_env.server.auth import tenant_of
 from kernel_env.server.sessions import UnknownSession
 
 __all__ = ["WEB_PUBLIC", "add_web_routes"]
@@ -65,7 +67,8 @@ def add_web_routes(app: FastAPI) -> None:
         after: int = Query(0, ge=0),
         wait: float = Query(0.0, ge=0, le=30),
     ) -> dict[str, Any]:
-        session = request.app.state.runtime.sessions.peek(session_id)  # watching is no claim
+        sessions = request.app.state.runtime.sessions
+        session = sessions.peek(session_id, tenant_of(request))  # watching is no claim
         if session is None:
             raise UnknownSession(f"no open session {session_id[:40]!r}")
         events = await session.feed.wait(after, wait) if wait else session.feed.since(after)
@@ -80,7 +83,7 @@ def add_web_routes(app: FastAPI) -> None:
         responses={200: {"content": {"text/html": {}}}},
     )
     async def notebook_page(request: Request, session_id: str) -> Response:
-        session = request.app.state.runtime.sessions.get(session_id)
+        session = request.app.state.runtime.sessions.get(session_id, tenant_of(request))
         name, page = await session.export(_page)
         headers = {**_PAGE_HEADERS, "Content-Disposition": f'attachment; filename="{name}"'}
         return Response(page, media_type="text/html", headers=headers)

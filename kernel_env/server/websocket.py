@@ -19,6 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kernel_env.errors import KernelEnvError
 from kernel_env.outputs import output_size
+from kernel_env.server.auth import tenant_of
 from kernel_env.server.protocol import (
     ErrorCode,
     Frame,
@@ -66,12 +67,14 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
 
 async def _session_for(websocket: WebSocket, runtime: Runtime) -> Session | None:
     """A new session, or with ``?session=<id>`` an existing one (a fork's, an HTTP one) that
-    this socket then owns; None when refused (the socket was told why and closed)."""
+    this socket then owns; None when refused (the socket was told why and closed). A client
+    tenant attaches only to its own sessions: another's id is refused as an unknown one."""
     attach = websocket.query_params.get("session")
+    tenant = tenant_of(websocket)
     try:
         if attach is not None:
-            return runtime.sessions.take(attach)
-        return runtime.sessions.open("ws")
+            return runtime.sessions.take(attach, tenant)
+        return runtime.sessions.open("ws", tenant)
     except CapacityReached as exc:
         frame = error_frame(
             ErrorCode.CAPACITY_REACHED,
