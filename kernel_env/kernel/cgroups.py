@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -110,6 +111,7 @@ class KernelCgroup:
         if not controllers:
             return
         _sweep_once()
+        _remove_left_behind()
         if cgroup_version() == 1:
             for c in controllers:
                 self.paths.append(_make(_ROOT / c / _TREE / str(os.getpid()) / kernel_id))
@@ -164,10 +166,30 @@ class KernelCgroup:
     def remove(self) -> bool:
         """Kill whatever is still inside (a process that escaped the namespace teardown),
         then remove the directories; whether every process of the kernel is gone (False
-        without a cgroup: nothing was counted)."""
+        without a cgroup: nothing was counted). A directory that a process still holds stays
+        in ``paths`` for a later call (after its uid's processes were killed, say), and is
+        retried whenever a kernel cgroup is made or removed, until it goes."""
         emptied = [_empty_and_remove(path) for path in self.paths]
-        self.paths = []
+        self.paths = [path for path in self.paths if path.exists()]
+        with _left_lock:
+            _left.update(self.paths)
+        _remove_left_behind()
         return bool(emptied) and all(emptied)
+
+
+# Kernel cgroups whose removal failed (a process outlived the kill loop): retried later.
+_left: set[Path] = set()
+_left_lock = threading.Lock()
+
+
+def _remove_left_behind() -> None:
+    """One more try at each kernel cgroup left behind (without waiting for its processes)."""
+    with _left_lock:
+        left = list(_left)
+    for path in left:
+        if _empty_and_remove(path, attempts=1) and not path.exists():
+            with _left_lock:
+                _left.discard(path)
 
 
 def _make(path: Path) -> Path:
@@ -228,12 +250,14 @@ def _kill_all(cgroup: Path, attempts: int = 50) -> bool:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
-    log.error("processes survive in %s after teardown", cgroup)
+    if attempts > 1:
+        log.error("processes survive in %s after teardown", cgroup)
     return False
 
 
-def _empty_and_remove(cgroup: Path) -> bool:
-    if not _kill_all(cgroup):
+def _empty_and_remove(cgroup: Path, attempts: int = 50) -> bool:
+    """Kill the cgroup's processes and remove it; whether no process was left in it."""
+    if not _kill_all(cgroup, attempts):
         return False
     with contextlib.suppress(OSError):
         cgroup.rmdir()

@@ -23,6 +23,7 @@ import os
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -166,6 +167,12 @@ class _KernelManager(AsyncKernelManager):
         super()._connect_control_socket()
         if self._control_socket is not None:
             self._control_socket.linger = 0
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+        # Nothing of the server's: jupyter_client's kernel inherits its stdout and stderr (the
+        # server's log), which a cell could write to, or take from the sandbox's init.
+        null = subprocess.DEVNULL
+        await super()._async_launch_kernel(kernel_cmd, **kw, stdin=null, stdout=null, stderr=null)
 
     async def _async_post_start_kernel(self, **kw: Any) -> None:
         # jupyter_client's, without connecting the control socket: an interrupt or a
@@ -608,6 +615,8 @@ class LocalKernel(Kernel):
             # Every process of a kernel runs in its cgroup, and only a kernel runs as its uid:
             # with the cgroup empty, nothing does; otherwise the uid's processes are killed.
             await asyncio.to_thread(lease.release, emptied=emptied)
+        if cgroup is not None and cgroup.paths:  # what held it may be gone with the uid's
+            await asyncio.to_thread(cgroup.remove)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -1,10 +1,11 @@
 """Where local kernels' runtime directories live, and how the host writes into them.
 
 Every process that starts local kernels gets one *runtime parent*,
-``<runtime root>/kernel-env-<pid>-<random>/``, holding a lock file that the process keeps
-locked for its whole life. Each kernel's runtime directory (connection file, staged files)
-lives inside it. A parent whose lock can be taken belongs to a process that died, SIGKILL
-included: :func:`sweep_dead_parents` removes it, so no runtime directory outlives its server.
+``<runtime root>/kernel-env-<random>/``, holding a lock file that the process keeps locked for
+its whole life (no pid in the name: a kernel sees its runtime dir's path). Each kernel's
+runtime directory (connection file, staged files) lives inside it. A parent whose lock can be
+taken belongs to a process that died, SIGKILL included: :func:`sweep_dead_parents` removes it,
+so no runtime directory outlives its server.
 
 The host writes a kernel's files with :func:`write_file`: into a fresh temporary name
 (``O_EXCL | O_NOFOLLOW``), then renamed over the target. A link or file the kernel planted at
@@ -35,7 +36,7 @@ class RuntimeParent:
 
     def __init__(self, root: str | None = None) -> None:
         self.root = Path(root or tempfile.gettempdir())
-        self.path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=self.root))
+        self.path = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=self.root))
         # Kernels running as their own uid must traverse it to reach their own dir (0750,
         # group = the kernel's), and nothing more: no listing, no writing.
         os.chmod(self.path, 0o711)

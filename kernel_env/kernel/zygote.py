@@ -20,7 +20,7 @@ line each, answered by id as each kernel is forked (requests overlap). For each 
    ``--info-fd``), while bubblewrap still makes the sandbox's mounts. The kernel, before
    anything else, joins the kernel's cgroups, waits until the placeholder runs (the zygote
    tells it), drops to the kernel's uid and joins the sandbox's other namespaces (user first,
-   then mount, network, IPC and UTS), so it gets exactly the sandbox's filesystem view, no
+   then mount, network, IPC, UTS and cgroup), so it gets exactly the sandbox's filesystem view, no
    network, its own ``/proc`` and private ``/tmp``. A zygote without ``CAP_SYS_ADMIN`` (a server
    that is not root) cannot point its own forks into another PID namespace: once the
    placeholder runs, a short-lived child of it joins the sandbox and forks the kernel there
@@ -91,7 +91,7 @@ KERNEL_MODULES = (
 KERNEL_NAME = "ke-kernel"
 
 # setns(2) order: the user namespace first (it grants the capabilities the others need).
-_NAMESPACES = ("user", "mnt", "net", "ipc", "uts")
+_NAMESPACES = ("user", "mnt", "net", "ipc", "uts", "cgroup")
 
 _REAP_EVERY = 0.5  # seconds: an orphan is collected this soon, even when nothing else happens
 _CLONE_NEWPID = 0x20000000
@@ -185,11 +185,22 @@ class _Spawner:
 
     def answers(self) -> list[dict[str, Any]]:
         """The answers the spawner has sent (call when its socket is readable): each the
-        launch's pids, or an ``error``. OSError when the spawner is gone."""
+        launch's pids, or an ``error``; a line that is not one is skipped (said in the log).
+        OSError when the spawner is gone."""
         data = self.control.recv(65536)
         if not data:
             raise OSError("it exited")
-        return [json.loads(line) for line in self._lines.feed(data)]
+        answers = []
+        for line in self._lines.feed(data):
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict):
+                answers.append(answer)
+            else:
+                _say("kernel_env: the forkserver skipped a malformed answer of its spawner")
+        return answers
 
 
 class _Stopped(Exception):
@@ -267,17 +278,19 @@ class _Zygote:
     def _launched(self) -> None:
         try:
             answers = self.spawner.answers()
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             raise _Stopped(f"its spawner is gone ({exc})") from exc
         for launched in answers:
             rid = launched.pop("id", None)
+            if not isinstance(rid, int) or rid not in self.launching:
+                continue  # no launch waits for this answer
+            request = self.launching[rid]
             if "sandbox_init" in launched:
-                if rid in self.launching:
-                    self._fork_early(rid, self.launching[rid], launched["sandbox_init"])
+                if rid not in self.waiting:
+                    self._fork_early(rid, request, launched["sandbox_init"])
                 continue
-            request = self.launching.pop(rid, None)
-            if request is not None:
-                self._answer({"id": rid, **self._fork_into(request, launched)})
+            del self.launching[rid]
+            self._answer({"id": rid, **self._fork_into(request, launched)})
 
     def _fork_early(self, rid: Any, request: dict[str, Any], init: int) -> None:
         """Fork ``request``'s kernel into its sandbox's PID namespace as soon as that exists,
@@ -288,8 +301,11 @@ class _Zygote:
         if not self.can_point_forks:
             return  # a short-lived child joins the whole sandbox instead (see _fork_kernel)
         try:
-            namespace = os.open(f"/proc/{init}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+            with _Process(init) as process:
+                if self._init_problem(request, process) is not None:
+                    return  # not this request's sandbox: its launch's answer is refused too
+                namespace = process.open("ns/pid")
+        except (OSError, TypeError, ValueError):
             return  # the sandbox ended already: its launch's answer says why
         try:
             _set_namespace(namespace, _CLONE_NEWPID)
@@ -315,20 +331,24 @@ class _Zygote:
         if "error" in launched:
             if waiting is not None:
                 waiting.cancel()
-            return {"pid": None, "error": launched["error"]}
+            return {"pid": None, "error": str(launched["error"])}
         try:
-            placeholder = os.pidfd_open(launched["placeholder"])
-        except OSError as exc:
+            placeholder, problem = self._hold_placeholder(request, launched)
+        except (OSError, TypeError, ValueError) as exc:
+            placeholder, problem = -1, f"the launch ended at once ({exc})"
+        if problem is not None:
             if waiting is not None:
                 waiting.cancel()
-            return {"pid": None, "error": f"the launch ended at once ({exc})"}
+            if placeholder >= 0:
+                os.close(placeholder)  # never killed: it may be anyone's
+            return {"pid": None, "error": problem}
         if waiting is not None:
             if not waiting.go(launched["placeholder"]):
                 _kill(placeholder)
                 os.close(placeholder)
                 return {"pid": None, "error": "the kernel forked into the sandbox ended"}
             self._watch(waiting.pidfd, placeholder)
-            return {"pid": waiting.pid, **launched}
+            return {"pid": waiting.pid, **_pids(launched)}
         try:
             sandbox = _Sandbox(launched["placeholder"]) if launched["init"] else None
             try:
@@ -341,7 +361,61 @@ class _Zygote:
             os.close(placeholder)
             return {"pid": None, "error": f"forking the kernel failed: {type(exc).__name__}: {exc}"}
         self._watch(os.pidfd_open(kernel), placeholder)
-        return {"pid": kernel, **launched}
+        return {"pid": kernel, **_pids(launched)}
+
+    def _hold_placeholder(
+        self, request: dict[str, Any], launched: dict[str, Any]
+    ) -> tuple[int, str | None]:
+        """A pidfd of the launch's placeholder, and why the answer is refused (None when it
+        is not). The checks read each process's /proc entry through a descriptor opened
+        before the pidfd: a pid reused meanwhile fails them instead of passing."""
+        init = launched.get("init")
+        with contextlib.ExitStack() as stack:
+            placeholder = stack.enter_context(_Process(launched["placeholder"]))
+            launcher = stack.enter_context(_Process(launched["launcher"]))
+            sandbox = stack.enter_context(_Process(init)) if init is not None else None
+            pidfd = os.pidfd_open(placeholder.pid)
+            try:
+                return pidfd, self._launch_problem(request, placeholder, launcher, sandbox)
+            except BaseException:
+                os.close(pidfd)
+                raise
+
+    def _launch_problem(
+        self,
+        request: dict[str, Any],
+        placeholder: _Process,
+        launcher: _Process,
+        init: _Process | None,
+    ) -> str | None:
+        """Why these processes are not a launch the spawner made for ``request``, or None: the
+        launcher is the spawner's child; a sandboxed launch has an init (the launcher's child,
+        in a PID namespace of its own), whose child is the placeholder; an unsandboxed launch
+        is the placeholder itself; and each runs as the request's uid, in its cgroups."""
+        if launcher.parent() != self.spawner.process.pid:
+            return f"process {launcher.pid} is not a launch of this forkserver"
+        if not request.get("sandboxed"):
+            if init is not None or placeholder.pid != launcher.pid:
+                return "an unsandboxed launch names other processes"
+            return _foreign(request, [launcher])
+        if init is None:
+            return "a sandboxed launch has no sandbox"
+        if init.parent() != launcher.pid or placeholder.parent() != init.pid:
+            return f"processes {init.pid} and {placeholder.pid} are not that launch's sandbox"
+        return self._not_a_sandbox(init) or _foreign(request, [launcher, init, placeholder])
+
+    def _init_problem(self, request: dict[str, Any], init: _Process) -> str | None:
+        """Why ``init`` is not the init of the sandbox the spawner is making for ``request``
+        (None when it is): the child of a launch of the spawner's, in a PID namespace of its
+        own, as the request's uid, in its cgroups."""
+        if init.grandparent() != self.spawner.process.pid:
+            return f"process {init.pid} is not of a launch of this forkserver"
+        return self._not_a_sandbox(init) or _foreign(request, [init])
+
+    def _not_a_sandbox(self, init: _Process) -> str | None:
+        if init.pid_namespace() == os.fstat(self.own_pid_namespace).st_ino:
+            return f"process {init.pid} is not in a sandbox"
+        return None
 
     def _answer(self, reply: dict[str, Any]) -> None:
         spawning.send_line(self.control, reply)
@@ -393,6 +467,73 @@ class _Zygote:
     def _forget(self, pidfd: int) -> None:
         self.selector.unregister(pidfd)
         os.close(pidfd)
+
+
+class _Process:
+    """A process's /proc entry, held open: what is read through it is that process's, and
+    reading fails once it has ended (its pid may then name another)."""
+
+    def __init__(self, pid: object) -> None:
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise ValueError(f"not a pid: {pid!r}")
+        self.pid = pid
+        self.fd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def __enter__(self) -> _Process:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def open(self, name: str) -> int:
+        return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.fd)
+
+    def read(self, name: str) -> str:
+        fd = self.open(name)
+        with os.fdopen(fd) as f:
+            return f.read()
+
+    def parent(self) -> int:
+        # The fields after the command name (which may hold spaces and ")"): state, ppid.
+        return int(self.read("stat").rsplit(")", 1)[1].split()[1])
+
+    def grandparent(self) -> int | None:
+        try:
+            with _Process(self.parent()) as parent:
+                return parent.parent()
+        except (OSError, ValueError):
+            return None
+
+    def uid(self) -> int:
+        line = next(x for x in self.read("status").splitlines() if x.startswith("Uid:"))
+        return int(line.split()[1])  # the real uid
+
+    def cgroups(self) -> list[str]:
+        """The process's cgroup paths (one per hierarchy), as this process sees them."""
+        return [line.split(":", 2)[2] for line in self.read("cgroup").splitlines() if line]
+
+    def pid_namespace(self) -> int:
+        return os.stat("ns/pid", dir_fd=self.fd).st_ino
+
+
+def _pids(launched: dict[str, Any]) -> dict[str, Any]:
+    """The launch's pids, as the host is told them."""
+    return {name: launched.get(name) for name in ("launcher", "init", "placeholder")}
+
+
+def _foreign(request: dict[str, Any], processes: list[_Process]) -> str | None:
+    """Which of ``processes`` does not run as the request's uid or in its cgroups (its
+    cgroup directories are those of the join files), in words; None if all do."""
+    uid = request.get("uid")
+    joins = [os.path.split(path) for path in request.get("cgroup_join", [])]
+    wanted = [cgroup for cgroup, name in joins if name in ("tasks", "cgroup.procs")]
+    for process in processes:
+        if uid is not None and process.uid() != uid:
+            return f"process {process.pid} does not run as the kernel's uid"
+        held = [p for p in process.cgroups() if p != "/"]
+        if not all(any(d.endswith(p) for p in held) for d in wanted):
+            return f"process {process.pid} is not in the kernel's cgroups"
+    return None
 
 
 class _Waiting:
@@ -611,10 +752,10 @@ def _become_kernel(
             _take_own_process(request, template)
         _drop_capabilities()
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
-        _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self, as a started kernel has
         spawning.set_rlimits(request)
         os.chdir(request["cwd"])
-        _fresh_descriptors()
+        _fresh_descriptors()  # before it is dumpable: its sandbox could then take them
+        _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self, as a started kernel has
         template.run()
     except BaseException as exc:  # whatever it was, this process must not return
         _say(f"kernel_env: a forked kernel failed: {type(exc).__name__}: {exc}")
