@@ -32,7 +32,7 @@ from procs import child_pids, comm
 from serverkit import serve_process
 
 from kernel_env import AsyncKernelEnv, KernelEnv
-from kernel_env.kernel import Kernel
+from kernel_env.kernel import Kernel, seccomp
 from kernel_env.kernel.cgroups import available_controllers
 from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
@@ -426,7 +426,7 @@ print(json.dumps({
     'memory_cgroups': listing('/sys/fs/cgroup/memory'),
     'kernel_env_run': listing('/run/kernel-env'),
     'keep': listing('/run/kernel-env/keep'),
-    'where': [os.environ.get('HOME', ''), os.getcwd(), *sys.argv,
+    'where': [json.dumps(dict(os.environ)), os.getcwd(), *sys.argv,
               open('/proc/self/cgroup').read(), open('/proc/self/mountinfo').read(),
               open('/proc/1/cmdline').read()],
 }))
@@ -528,3 +528,190 @@ def test_9_a_fork_bomb_leaves_no_cgroup_behind() -> None:
     with KernelEnv(kernel_source=source, step_timeout=20) as env:
         env.reset()  # a kernel made and removed after: each tries again
     assert _cgroup_dirs(kernel_id) == []
+
+
+# -- 4. the host kernel's wide system calls ----------------------------------------------------
+
+SECCOMP_TESTS = Path(__file__).with_name("test_seccomp.py")
+UNDER_THE_FILTER = """
+import json
+probe = {'__name__': 'kernel_env_probe', '__file__': 'test_seccomp.py'}
+exec(compile(SOURCE, 'test_seccomp.py', 'exec'), probe)
+print(json.dumps(probe['under_the_filter']()))
+"""
+
+
+def _under_the_filter(url: str) -> dict[str, object]:
+    code = UNDER_THE_FILTER.replace("SOURCE", repr(SECCOMP_TESTS.read_text()))
+    with KernelEnv(base_url=url, message_timeout_s=300) as env:
+        env.reset()
+        result = env.execute(code).observation.result
+    assert result.success, result.stderr
+    report: dict[str, object] = json.loads(result.stdout.splitlines()[-1])
+    return report
+
+
+def _check_the_filter(report: dict[str, object]) -> None:
+    import test_seccomp
+
+    filtered = report["filtered"]
+    assert isinstance(filtered, dict)
+    wrong = {
+        probe: filtered[probe]
+        for probe in test_seccomp.REFUSED_PROBES
+        if probe in filtered
+        and filtered[probe] != ("ENOSYS" if probe == "clone3" else "EPERM")
+        and not (probe.endswith("int 0x80)") and filtered[probe] == "signal 11")
+    }
+    assert wrong == {}, wrong
+    assert {p: filtered[p] for p in test_seccomp.ALLOWED_PROBES} == dict.fromkeys(
+        test_seccomp.ALLOWED_PROBES, "ok"
+    )
+    sweep = report["sweep"]
+    assert isinstance(sweep, dict) and len(sweep) > 50
+    assert {name: seen for name, seen in sweep.items() if seen != "EPERM"} == {}
+    assert report["status"] == {"NoNewPrivs": "1", "Seccomp": "2", "Seccomp_filters": "1"}
+    works = report["works"]
+    assert isinstance(works, dict)
+    assert {name: seen for name, seen in works.items() if seen != "ok"} == {}
+
+
+@pytest.mark.skipif(seccomp.program_path() is None, reason="no seccomp program for this machine")
+@pytest.mark.parametrize("start", ["cold", "forked"])
+def test_4_every_sandboxed_kernel_runs_under_the_seccomp_filter(start: str) -> None:
+    """The attack: io_uring, keyrings, userfaultfd, perf_event_open, memfd_secret, ptrace,
+    process_vm_readv, pidfd_getfd, bpf and the namespace and mount calls all worked in a cell.
+    Each fails with EPERM (clone3 with ENOSYS) in a cold and in a forked kernel, while numpy,
+    subprocesses, threads, multiprocessing, asyncio and a nested kernel still work."""
+    flag = "true" if start == "forked" else "false"
+    args = ("--forkserver", flag, "--pool-size", "0", "--step-timeout", "240")
+    with serve_process(*args) as served:
+        _check_the_filter(_under_the_filter(served.url))
+
+
+@pytest.mark.skipif(seccomp.program_path() is None, reason="no seccomp program for this machine")
+@pytest.mark.skipif(unprivileged.problem() is not None, reason=str(unprivileged.problem()))
+@pytest.mark.parametrize("start", ["cold", "forked"])
+def test_4_the_seccomp_filter_holds_on_an_unprivileged_server(start: str) -> None:
+    """The same on a server that is not root, whose forked kernels join their sandbox
+    through a short-lived child of the zygote."""
+    flag = "true" if start == "forked" else "false"
+    args = ("--forkserver", flag, "--pool-size", "0", "--step-timeout", "240")
+    with unprivileged.serve_unprivileged(*args) as served:
+        _check_the_filter(_under_the_filter(served.url))
+
+
+# -- the descriptor audit ----------------------------------------------------------------------
+
+_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)
+_KCMP_FILE = 0
+
+
+def _targets(pid: int) -> dict[int, str]:
+    """A process's descriptors and what each names."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                found[int(name)] = os.readlink(f"/proc/{pid}/fd/{name}")
+    return found
+
+
+def _pid_namespace(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _same_file(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two descriptors (pid, fd) are one open file (``kcmp(KCMP_FILE)``)."""
+    return _libc.syscall(_KCMP, a[0], b[0], _KCMP_FILE, a[1], b[1]) == 0
+
+
+def _sandboxes(server: int) -> list[tuple[int, int]]:
+    """``(launcher, init)`` of each sandbox a server (or its forkserver) runs: bubblewrap's
+    monitor and its child, the sandbox's init."""
+    from procs import descendants, parents
+
+    table = parents()
+    return [
+        (table[p], p)
+        for p in descendants(server)
+        if comm(p) == "bwrap" and comm(table.get(p, 0)) == "bwrap"
+    ]
+
+
+def _audit(launcher: int, init: int) -> list[str]:
+    """What a sandbox holds that is not its own: any descriptor of a process inside it (the
+    processes of its PID namespace, and bubblewrap's monitor, the launcher, outside it) that
+    is one open file with a descriptor of any other process; and any descriptor beyond
+    stdio in a process that is not the kernel, but bubblewrap's own event and signal fds."""
+    namespace = _pid_namespace(init)
+    everyone = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    inside = [p for p in everyone if _pid_namespace(p) == namespace] + [launcher]
+    outside: dict[str, list[tuple[int, int]]] = {}
+    for pid in everyone:
+        if pid not in inside and pid != os.getpid():
+            for fd, target in _targets(pid).items():
+                outside.setdefault(target, []).append((pid, fd))
+    problems = []
+    for pid in inside:
+        name = comm(pid)
+        for fd, target in _targets(pid).items():
+            own = fd <= 2 or name in ("ke-kernel", "python") or (
+                name == "bwrap" and target in ("anon_inode:[eventfd]", "anon_inode:[signalfd]")
+            )
+            if not own:
+                problems.append(f"{name} {pid} holds fd {fd}: {target}")
+            for other in outside.get(target, []):
+                if _same_file((pid, fd), other):
+                    problems.append(
+                        f"{name} {pid} fd {fd} ({target}) is {comm(other[0])} "
+                        f"{other[0]}'s fd {other[1]}"
+                    )
+    return problems
+
+
+def _audit_server(url: str, server: int) -> tuple[int, list[str]]:
+    """Open two sessions (one sandbox running a cell) and audit every sandbox. A kernel
+    still being forked (the warm pool's, refilled) holds its sandbox's namespaces as the
+    zygote does for a moment: what one audit finds, a second must find too."""
+    with KernelEnv(base_url=url) as first, KernelEnv(base_url=url) as second:
+        first.reset()
+        second.reset()
+        assert "2" in first.execute("print(1 + 1)").observation.result.stdout
+        for _ in range(2):
+            sandboxes = _sandboxes(server)
+            problems = [p for s in sandboxes for p in _audit(*s)]
+            if not problems:
+                break
+            time.sleep(0.5)
+        return len(sandboxes), problems
+
+
+@needs_root
+@pytest.mark.skipif(_KCMP is None, reason="kcmp's number is not known here")
+@pytest.mark.parametrize("start", ["cold", "forked"])
+def test_no_process_in_a_sandbox_holds_a_descriptor_of_the_host(start: str) -> None:
+    """The audit: every descriptor of every process inside every sandbox of a root server
+    is the sandbox's own (nothing of the server, its forkserver or another sandbox)."""
+    flag = "true" if start == "forked" else "false"
+    with serve_process("--forkserver", flag, "--pool-size", "1") as served:
+        count, problems = _audit_server(served.url, served.pid)
+    assert count >= 2  # the two sessions' (and the warm pool's)
+    assert problems == [], problems
+
+
+@pytest.mark.skipif(_KCMP is None, reason="kcmp's number is not known here")
+@pytest.mark.skipif(unprivileged.problem() is not None, reason=str(unprivileged.problem()))
+@pytest.mark.parametrize("start", ["cold", "forked"])
+def test_no_process_in_a_sandbox_holds_a_descriptor_of_the_host_unprivileged(
+    start: str,
+) -> None:
+    """The audit on a server that is not root."""
+    flag = "true" if start == "forked" else "false"
+    with unprivileged.serve_unprivileged("--forkserver", flag, "--pool-size", "1") as served:
+        count, problems = _audit_server(served.url, served.pid)
+    assert count >= 2
+    assert problems == [], problems

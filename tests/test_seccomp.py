@@ -489,10 +489,6 @@ def _with_minus_ones(number: int) -> Callable[[], int]:
     return lambda: syscall(number, *[-1] * 6)
 
 
-def _square(x: int) -> int:
-    return x * x
-
-
 async def _echo() -> bytes:
     process = await asyncio.create_subprocess_exec("echo", "hi", stdout=subprocess.PIPE)
     out, _ = await process.communicate()
@@ -520,8 +516,19 @@ def _thread_result() -> list[int]:
 
 
 def _pool(method: str) -> list[int]:
+    # A built-in as the task: a kernel's cell (tests/test_defense.py) has no module to import.
     with multiprocessing.get_context(method).Pool(2) as pool:
-        return pool.map(_square, range(5))
+        return pool.starmap(pow, [(x, 2) for x in range(5)])
+
+
+def _in_a_thread(work: Callable[[], object]) -> object:
+    """``work()`` on a thread of its own (asyncio.run needs one where no loop runs, which a
+    kernel's main thread is not)."""
+    box: list[object] = []
+    thread = threading.Thread(target=lambda: box.append(work()))
+    thread.start()
+    thread.join()
+    return box[0] if box else None
 
 
 def _ssl_socketpair() -> bytes:
@@ -567,7 +574,7 @@ def _workloads() -> dict[str, tuple[Callable[[], object], object]]:
         "subprocess": (lambda: subprocess.run(["true"]).returncode, 0),
         "pipeline": (_pipeline, b"a\n"),
         "thread": (_thread_result, [45]),
-        "asyncio subprocess": (lambda: asyncio.run(_echo()), b"hi\n"),
+        "asyncio subprocess": (lambda: _in_a_thread(lambda: asyncio.run(_echo())), b"hi\n"),
         "os.fork": (_fork_exit_code, 7),
         "pool fork": (lambda: _pool("fork"), [0, 1, 4, 9, 16]),
         "pool forkserver": (lambda: _pool("forkserver"), [0, 1, 4, 9, 16]),
@@ -594,6 +601,24 @@ def _status() -> dict[str, str]:
         line.split(":\t", 1) for line in Path("/proc/self/status").read_text().splitlines()
     )
     return {key: fields[key].strip() for key in ("NoNewPrivs", "Seccomp", "Seccomp_filters")}
+
+
+def under_the_filter() -> dict[str, Any]:
+    """What a process already under the filter sees: the probes, the sweep, its status and
+    the workloads (a sandboxed kernel's cell runs this: tests/test_defense.py)."""
+    target = subprocess.Popen(["sleep", "60"])  # for ptrace to attach to
+    try:
+        probes = _probes(target.pid)
+        filtered = {name: _in_fork(call) for name, call in probes.items()}
+        return {
+            "filtered": filtered,
+            "status": _status(),
+            "sweep": _sweep() if filtered["keyctl"] == "EPERM" else {},
+            "works": _run_workloads(),
+        }
+    finally:
+        target.kill()
+        target.wait()
 
 
 def _child(program: Path) -> None:

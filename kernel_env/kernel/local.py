@@ -123,6 +123,7 @@ def minimal_environ(home: str, python: str = sys.executable) -> dict[str, str]:
 
 
 _EXIT_POLL = 0.005  # seconds between checks that a killed kernel has exited
+SECCOMP_FD = 9  # where a cold launch's command finds its seccomp program (see launch_guard)
 
 # The host's sockets may connect before the kernel binds its own; zmq then retries every
 # 100 ms by default, which a forked kernel (ready in tens of ms) would wait out. No backing
@@ -755,6 +756,7 @@ def launch_guard(
     parent: int | None = None,
     *,
     staged: list[tuple[str, str]] | None = None,
+    seccomp: Path | None = None,
 ) -> list[str]:
     """A prefix for the kernel's command that ties it to this process (``parent``).
 
@@ -766,7 +768,10 @@ def launch_guard(
 
     ``staged``: ``(host path, mount point)`` pairs bind-mounted first, in a private mount
     namespace, so that a kernel running as an unprivileged uid can reach paths it could not
-    (these run as root: only a privileged server passes any)."""
+    (these run as root: only a privileged server passes any).
+
+    ``seccomp``: a seccomp program opened on descriptor :data:`SECCOMP_FD` for the command
+    (bubblewrap's ``--seccomp``, which closes it once read)."""
     if isinstance(cgroup_joins, Path):
         cgroup_joins = [cgroup_joins]
     steps = []
@@ -780,6 +785,8 @@ def launch_guard(
         unshare = shutil.which("unshare") or "unshare"
         prefix += [unshare, "--mount", "--propagation", "private", "--"]
         steps += [f'mount --bind "{source}" "{target}"' for source, target in staged]
+    if seccomp is not None:
+        steps.append(f'exec {SECCOMP_FD}<"{seccomp}"')
     if not steps:
         return []
     script = " && ".join([*steps, 'exec "$@"'])

@@ -44,9 +44,15 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpec
 
 from kernel_env.errors import KernelStartError
-from kernel_env.kernel import privilege
+from kernel_env.kernel import privilege, seccomp
 from kernel_env.kernel.cgroups import KernelCgroup, available_controllers, cgroup_version
-from kernel_env.kernel.local import LocalKernel, _KernelManager, launch_guard, placeholder_argv
+from kernel_env.kernel.local import (
+    SECCOMP_FD,
+    LocalKernel,
+    _KernelManager,
+    launch_guard,
+    placeholder_argv,
+)
 from kernel_env.kernel.runtime import runtime_parent
 
 __all__ = [
@@ -226,7 +232,9 @@ class _SandboxManager(_KernelManager):
         return await super()._async_pre_start_kernel(**kw)
 
     async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
-        await super()._async_launch_kernel(kernel_cmd, **kw)
+        # independent: no JPY_PARENT_PID (the server's pid) in the kernel's environment; the
+        # kernel watches no parent (parent_handle=1), --die-with-parent ties it to the server.
+        await super()._async_launch_kernel(kernel_cmd, **kw, independent=True)
         # A forkserver launch knows its init; a cold launch is looked up.
         init = getattr(self.provisioner, "sandbox_init", None)
         if init is None:
@@ -292,10 +300,14 @@ class SandboxedKernel(LocalKernel):
         kernel = [*self._argv, "--IPKernelApp.parent_handle=1"]
         binds = self._binds()
         staged = self._staged(binds)
+        program = seccomp.program_path()
         guard = launch_guard(
-            self._cgroup_joins(), staged=[(binds[i][0], keep) for i, keep in staged.items()]
+            self._cgroup_joins(),
+            staged=[(binds[i][0], keep) for i, keep in staged.items()],
+            seccomp=program,
         )
-        return [*guard, *self._drop(), *self._prlimit(), *self._bwrap(binds, staged), *kernel]
+        bwrap = self._bwrap(binds, staged, filtered=program is not None)
+        return [*guard, *self._drop(), *self._prlimit(), *bwrap, *kernel]
 
     def _binds(self) -> list[tuple[str, str]]:
         """Read-only binds ``(host path, path inside)``: what the kernel needs from hidden or
@@ -318,11 +330,16 @@ class SandboxedKernel(LocalKernel):
             }
         return self._staging
 
-    def _bwrap(self, binds: list[tuple[str, str]], staged: dict[int, str]) -> list[str]:
+    def _bwrap(
+        self, binds: list[tuple[str, str]], staged: dict[int, str], *, filtered: bool = False
+    ) -> list[str]:
+        """bubblewrap's command line; ``filtered``: the kernel's seccomp program is on
+        :data:`SECCOMP_FD` (a forked kernel installs it on itself instead)."""
         work = str(self.workdir)
         size = str(self.limits.workspace_bytes)
         args = [
             bwrap_path() or "bwrap",
+            *(["--seccomp", str(SECCOMP_FD)] if filtered else []),
             "--die-with-parent",
             "--unshare-all",
             *(["--share-net"] if self.limits.network else []),

@@ -56,9 +56,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kernel_env.kernel import seccomp
 from kernel_env.kernel import spawner as spawning
 from kernel_env.kernel.template import KernelTemplate, grow_descriptor_table, reseed
 
@@ -120,6 +122,7 @@ def main() -> None:
     if problem is None and (threads := len(os.listdir("/proc/self/task"))) > 1:
         problem = f"the preloaded modules started {threads - 1} thread(s): forking is unsafe"
     template = spawner = None
+    program, problem = _seccomp_program() if problem is None else (None, problem)
     if problem is None:
         template, problem = _build_template(config["flags"])
     if template is not None:
@@ -132,7 +135,17 @@ def main() -> None:
         return
     # A kernel forked through a short-lived child (see _fork_kernel) becomes the zygote's.
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    _Zygote(control, template, imported, spawner).serve()
+    _Zygote(control, template, imported, spawner, program).serve()
+
+
+def _seccomp_program() -> tuple[bytes | None, str | None]:
+    """The seccomp program sandboxed kernels install on themselves (None on a machine that
+    has none: cold kernels run without one too), or why it cannot be read."""
+    path = seccomp.program_path()
+    try:
+        return (seccomp.load(path) if path is not None else None), None
+    except (OSError, ValueError) as exc:
+        return None, f"its seccomp program is unreadable: {exc}"
 
 
 def _preload_kernel_modules() -> str | None:
@@ -234,10 +247,12 @@ class _Zygote:
         template: KernelTemplate,
         imported: dict[str, str],
         spawner: _Spawner,
+        program: bytes | None,
     ) -> None:
         self.control, self.template, self.imported, self.spawner = (
             control, template, imported, spawner,
         )  # fmt: skip
+        self.program = program  # the seccomp filter of sandboxed kernels
         self.selector = selectors.DefaultSelector()
         self.own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.can_point_forks = True  # whether setns(CLONE_NEWPID) works here (see _fork_kernel)
@@ -255,6 +270,8 @@ class _Zygote:
                         continue  # closed while handling an earlier event of this batch
                     if key.fileobj is self.spawner.control:
                         self._launched()
+                    elif isinstance(key.data, _Said):
+                        self._relay(key.fd, key.data)
                     elif key.fileobj is not self.control:
                         self._ended(key.fd, key.data)
                     else:
@@ -269,7 +286,9 @@ class _Zygote:
 
     def _launch(self, request: dict[str, Any]) -> None:
         request["env"] = request["env"] | self.imported
-        self.launching[request.get("id")] = request
+        # The kernel's own request also carries its seccomp program (the spawner's does not).
+        program = self.program if request.get("sandboxed") else None
+        self.launching[request.get("id")] = {**request, "seccomp": program}
         try:
             self.spawner.launch(request)
         except OSError as exc:
@@ -316,7 +335,8 @@ class _Zygote:
             os.close(namespace)
         told, tell = os.pipe()
         try:
-            kernel = _fork(lambda: _kernel_in_waiting(request, self.template, told))
+            child = partial(_kernel_in_waiting, request, self.template, told)
+            kernel = self._relayed(*_fork(child, keep=(told,)))
             self.waiting[rid] = _Waiting(kernel, tell)
         except OSError:  # no fork, or the kernel was gone at once (its sandbox failed)
             os.close(tell)
@@ -422,9 +442,9 @@ class _Zygote:
 
     def _fork_kernel(self, request: dict[str, Any], sandbox: _Sandbox | None) -> int:
         """Fork the kernel (into ``sandbox``); its pid."""
-        zygote = os.getpid()
         if sandbox is None:
-            return _fork(lambda: _kernel(request, self.template, None, tied_to=zygote))
+            child = partial(_kernel, request, self.template, None, tied_to=os.getpid())
+            return self._relayed(*_fork(child))
         if self.can_point_forks:
             try:
                 _set_namespace(sandbox.pid, _CLONE_NEWPID)
@@ -432,10 +452,17 @@ class _Zygote:
                 self.can_point_forks = False
             else:
                 try:
-                    return _fork(lambda: _kernel(request, self.template, sandbox, tied_to=None))
+                    child = partial(_kernel, request, self.template, sandbox, tied_to=None)
+                    return self._relayed(*_fork(child, keep=sandbox.descriptors))
                 finally:
                     self._own_pid_namespace_again()
-        return _fork_through(request, self.template, sandbox)
+        return self._relayed(*_fork_through(request, self.template, sandbox))
+
+    def _relayed(self, pid: int, said: int) -> int:
+        """Relay what a forked process writes to its stderr pipe ``said`` to the zygote's own
+        (the server's log) until it closes it (the kernel does, before it runs a cell)."""
+        self.selector.register(said, selectors.EVENT_READ, _Said())
+        return pid
 
     def _own_pid_namespace_again(self) -> None:
         try:
@@ -448,6 +475,15 @@ class _Zygote:
         pair = _Pair(kernel, placeholder)
         self.selector.register(kernel, selectors.EVENT_READ, pair)
         self.selector.register(placeholder, selectors.EVENT_READ, pair)
+
+    def _relay(self, fd: int, said: _Said) -> None:
+        data = b""
+        with contextlib.suppress(OSError):
+            data = os.read(fd, 4096)
+        if data:
+            said.relay(data)
+        else:
+            self._forget(fd)
 
     def _ended(self, pidfd: int, pair: _Pair) -> None:
         """A kernel or its placeholder ended: end the other (a shutdown often ends both). A
@@ -561,6 +597,23 @@ class _Waiting:
         os.close(self.tell)
 
 
+class _Said:
+    """What one forked process wrote to its stderr before it closed it, relayed to the
+    zygote's stderr up to :attr:`LIMIT` bytes (a line it cut is ended with a newline)."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self.left = self.LIMIT
+
+    def relay(self, data: bytes) -> None:
+        if self.left > 0:
+            chunk = data[: self.left]
+            self.left -= len(chunk)
+            with contextlib.suppress(OSError):
+                os.write(2, chunk if chunk.endswith(b"\n") else chunk + b"\n")
+
+
 class _Pair:
     """The pidfds of a forked kernel and of its placeholder (None once it has ended)."""
 
@@ -569,35 +622,56 @@ class _Pair:
         self.placeholder: int | None = placeholder
 
 
-def _fork(child: Callable[[], NoReturn]) -> int:
-    pid = os.fork()
+def _fork(child: Callable[[], NoReturn], keep: tuple[int, ...] = ()) -> tuple[int, int]:
+    """Fork ``child`` with nothing of this process's but ``keep``: its stdin and stdout on
+    /dev/null, its stderr a pipe of its own (why it could not start, if so); its pid, and the
+    pipe's end to read."""
+    said, saying = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(said)
+        os.close(saying)
+        raise
     if pid == 0:
+        spawning.own_descriptors(stderr=saying, keep=keep)
         child()
-    return pid
+    os.close(saying)
+    return pid, said
 
 
-def _fork_through(request: dict[str, Any], template: KernelTemplate, sandbox: _Sandbox) -> int:
+def _fork_through(
+    request: dict[str, Any], template: KernelTemplate, sandbox: _Sandbox
+) -> tuple[int, int]:
     """Fork the kernel from a child that joins ``sandbox`` (its PID namespace included) and
-    ends once it has forked; the kernel's pid (its parent is then this process, a subreaper)."""
+    ends once it has forked; the kernel's pid (its parent is then this process, a subreaper),
+    and the end of its stderr to read (the joiner's, which it inherits)."""
     report, reporting = os.pipe()
-    joiner = os.fork()
-    if joiner == 0:
+
+    def join() -> NoReturn:
         try:
-            os.close(report)
             _enter(request, sandbox, pid=True)
-            kernel = _fork(lambda: _become_kernel(request, template))
+            kernel = os.fork()
+            if kernel == 0:
+                spawning.own_descriptors(stderr=2)  # not the report, nor the sandbox's
+                _become_kernel(request, template)
             os.write(reporting, str(kernel).encode())
         except BaseException as exc:
             _say(f"kernel_env: a forked kernel could not join its sandbox: {exc}")
         finally:
             os._exit(0)
-    os.close(reporting)
+
+    try:
+        joiner, said = _fork(join, keep=(reporting, *sandbox.descriptors))
+    finally:
+        os.close(reporting)
     with os.fdopen(report, "rb") as pipe:
-        said = pipe.read()
+        kernel = pipe.read()
     os.waitpid(joiner, 0)
-    if not said:
+    if not kernel:
+        os.close(said)
         raise OSError("the kernel could not join its sandbox")
-    return int(said)
+    return int(kernel), said
 
 
 def _reap() -> None:
@@ -661,8 +735,12 @@ class _Sandbox:
         os.fchdir(self.root)
         os.chroot(".")
 
+    @property
+    def descriptors(self) -> tuple[int, ...]:
+        return (*self.outer, *self.others, self.pid, self.inner, self.root)
+
     def close(self) -> None:
-        for fd in [*self.outer, *self.others, self.pid, self.inner, self.root]:
+        for fd in self.descriptors:
             os.close(fd)
 
 
@@ -752,6 +830,8 @@ def _become_kernel(
             _take_own_process(request, template)
         _drop_capabilities()
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+        if request.get("seccomp"):  # after the namespaces it joined, before anything of a cell
+            seccomp.apply(request["seccomp"])
         spawning.set_rlimits(request)
         os.chdir(request["cwd"])
         _fresh_descriptors()  # before it is dumpable: its sandbox could then take them
@@ -772,6 +852,7 @@ def _take_own_process(request: dict[str, Any], template: KernelTemplate) -> None
     grow_descriptor_table()
     os.environ.clear()
     os.environ.update(request["env"], PWD=request["cwd"])  # as the launch's shell exports
+    tempfile.tempdir = None  # the zygote's is cached; the kernel's comes from its TMPDIR
     reseed(request.get("seed"))
     sys.argv = ["ipykernel_launcher", "-f", request["connection_file"]]
     template.identify(request["connection_file"])
