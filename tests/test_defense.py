@@ -659,10 +659,7 @@ def _audit(launcher: int, init: int) -> list[str]:
     for pid in inside:
         name = comm(pid)
         for fd, target in _targets(pid).items():
-            own = fd <= 2 or name in ("ke-kernel", "python") or (
-                name == "bwrap" and target in ("anon_inode:[eventfd]", "anon_inode:[signalfd]")
-            )
-            if not own:
+            if not _may_hold(name, fd, target):
                 problems.append(f"{name} {pid} holds fd {fd}: {target}")
             for other in outside.get(target, []):
                 if _same_file((pid, fd), other):
@@ -671,6 +668,13 @@ def _audit(launcher: int, init: int) -> list[str]:
                         f"{other[0]}'s fd {other[1]}"
                     )
     return problems
+
+
+def _may_hold(name: str, fd: int, target: str) -> bool:
+    """Whether a process of a sandbox may hold this descriptor at all: its stdio; anything
+    of the kernel's own; bubblewrap's event and signal descriptors."""
+    bwraps = ("anon_inode:[eventfd]", "anon_inode:[signalfd]")
+    return fd <= 2 or name in ("ke-kernel", "python") or (name == "bwrap" and target in bwraps)
 
 
 def _audit_server(url: str, server: int) -> tuple[int, list[str]]:
