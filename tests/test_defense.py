@@ -307,20 +307,24 @@ def _read_in_a_cell(url: str, paths: list[str], token: str) -> dict[str, object]
 @contextlib.contextmanager
 def _secret_files(directory: Path, mode: int, owner: int | None = None) -> Iterator[dict[str, str]]:
     """The server's token and LLM key as files (``KERNEL_ENV_*_FILE``), as deployments pass
-    them; the variables that name them."""
+    them, and a tokens file (``--tokens-file``); the variables (and the flag) that name them."""
     made = [p for p in (directory.parent, directory) if not p.exists()]
     directory.mkdir(parents=True, exist_ok=True)
-    files = {"KERNEL_ENV_TOKEN": "file-token-SECRET", "KERNEL_ENV_LLM_API_KEY": "file-key-SECRET"}
+    files = {
+        "KERNEL_ENV_TOKEN_FILE": "file-token-SECRET",
+        "KERNEL_ENV_LLM_API_KEY_FILE": "file-key-SECRET",
+        "--tokens-file": "alice client alice-token-SECRET-0123456789",  # a flag, not a variable
+    }
     env = {}
     try:
         for variable, value in files.items():
-            path = directory / variable.lower()
+            path = directory / variable.strip("-").lower()
             path.write_text(value)
             path.chmod(mode)
             if owner is not None:
                 os.chown(path, owner, owner)
-            env[variable + "_FILE"] = str(path)
-        yield env
+            env[variable] = str(path)
+        yield dict(env)
     finally:
         for path in env.values():
             Path(path).unlink(missing_ok=True)
@@ -336,10 +340,12 @@ def test_2_a_cell_cannot_read_the_servers_secret_files_as_root(start: str) -> No
     flag = "true" if start == "forked" else "false"
     where = Path(f"/etc/kernel-env-test-{os.getpid()}")
     with _secret_files(where, 0o644) as files:
+        tokens = files.pop("--tokens-file")
         env = {**os.environ, **files, "KERNEL_ENV_LLM_BASE_URL": "http://127.0.0.1:9/v1",
                "KERNEL_ENV_LLM_MODEL": "m"}  # fmt: skip
-        with serve_process("--forkserver", flag, "--pool-size", "0", env=env) as served:
-            found = _read_in_a_cell(served.url, list(files.values()), "file-token-SECRET")
+        args = ("--forkserver", flag, "--pool-size", "0", "--tokens-file", tokens)
+        with serve_process(*args, env=env) as served:
+            found = _read_in_a_cell(served.url, [*files.values(), tokens], "file-token-SECRET")
     assert "SECRET" not in json.dumps(found), found
 
 
@@ -353,11 +359,13 @@ def test_2_a_cell_cannot_read_the_servers_secret_files_unprivileged(start: str) 
     with unprivileged.fresh_user() as user:
         where = Path(f"/run/secrets/kernel-env-{os.getpid()}")
         with _secret_files(where, 0o400, owner=user[0]) as files:
+            tokens = files.pop("--tokens-file")
             env = {**files, "KERNEL_ENV_LLM_BASE_URL": "http://127.0.0.1:9/v1",
                    "KERNEL_ENV_LLM_MODEL": "m"}  # fmt: skip
-            args = ("--forkserver", flag, "--pool-size", "0")
+            args = ("--forkserver", flag, "--pool-size", "0", "--tokens-file", tokens)
             with unprivileged.serve_unprivileged(*args, env=env, user=user) as served:
-                found = _read_in_a_cell(served.url, list(files.values()), "file-token-SECRET")
+                paths = [*files.values(), tokens]
+                found = _read_in_a_cell(served.url, paths, "file-token-SECRET")
         assert "SECRET" not in json.dumps(found), found
     assert found["listing"] == {"/run/secrets": [], "/var/run/secrets": []}, found
 

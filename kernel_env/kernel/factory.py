@@ -19,7 +19,7 @@ from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.local import describe_isolation as unsandboxed_limits
 from kernel_env.kernel.modes import SANDBOX_MODES, SandboxMode
-from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
+from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
 from kernel_env.kernel.sandbox import describe_limits as sandbox_limits
 
 if TYPE_CHECKING:  # the gateway backend (httpx, websockets) loads only when it is chosen
@@ -129,11 +129,15 @@ def kernel_source_from(
     """
     url = getattr(settings, "gateway_url", None) if settings is not None else None
     if not url:
-        forked = {"forkserver": forkserver} if forkserver is not None else {}
-        return local_source(getattr(settings, "sandbox", "auto") or "auto", **forked)
+        sandbox = getattr(settings, "sandbox", "auto") or "auto"
+        options: dict[str, Any] = {"forkserver": forkserver} if forkserver is not None else {}
+        hidden = tuple(getattr(settings, "secret_files", ()))
+        if hidden and _local_kind(sandbox) is SandboxedKernel:
+            options["limits"] = SandboxLimits(hidden_paths=hidden)
+        return local_source(sandbox, **options)
     from kernel_env.kernel.gateway import GatewayConfig
 
-    options: dict[str, Any] = {}
+    options = {}
     for name in GatewayConfig.__dataclass_fields__:
         value = getattr(settings, f"gateway_{name}", None)
         if value is not None and value != "":

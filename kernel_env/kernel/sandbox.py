@@ -111,6 +111,9 @@ class SandboxLimits:
     workspace_bytes: int = 1 * GiB  # size of each tmpfs: the workspace, /tmp, /dev/shm
     network: bool = False
     extra_ro_binds: tuple[str, ...] = field(default_factory=tuple)
+    # More host paths hidden inside (a directory behind an empty tmpfs, a file behind
+    # /dev/null), beside those every sandbox hides: a server's tokens file, say.
+    hidden_paths: tuple[str, ...] = field(default_factory=tuple)
 
 
 def bwrap_path() -> str | None:
@@ -351,11 +354,12 @@ class SandboxedKernel(LocalKernel):
             "--proc", "/proc",  # this namespace's processes only
             "--size", size, "--tmpfs", "/tmp",  # hides every other kernel's runtime dir
             "--dir", _INSIDE_IPC_DIR,  # the kernel's sockets
-            *_hide_dirs(),  # homes, secrets, the host's kernels and servers
+            *_hide_dirs(self.limits.hidden_paths),  # homes, secrets, the host's kernels
             # the interpreter and packages if hidden or private, then the runtime dir
             *[arg for i, (source, inside) in enumerate(binds)
               for arg in ("--ro-bind", staged.get(i, source), inside)],
-            *_mask_files([inside for _, inside in binds]),  # secret files, password hashes
+            # secret files, password hashes
+            *_mask_files([inside for _, inside in binds], self.limits.hidden_paths),
             "--size", size, "--tmpfs", work,  # the capped, private workspace
             "--chdir", work,
         ]  # fmt: skip
@@ -450,22 +454,23 @@ def _keep_root() -> Path:
     return root
 
 
-def _hidden_dirs() -> list[str]:
-    dirs = {os.path.realpath(os.path.expanduser(d)) for d in _HIDDEN_DIRS}
+def _hidden_dirs(more: tuple[str, ...] = ()) -> list[str]:
+    dirs = {os.path.realpath(os.path.expanduser(d)) for d in (*_HIDDEN_DIRS, *more)}
     return sorted(d for d in dirs if d != "/" and os.path.isdir(d))
 
 
-def _hide_dirs() -> list[str]:
-    """tmpfs over the hidden directories (/tmp is one already)."""
-    return [a for d in _hidden_dirs() if d != "/tmp" for a in ("--tmpfs", d)]
+def _hide_dirs(more: tuple[str, ...] = ()) -> list[str]:
+    """tmpfs over the hidden directories (/tmp is one already), and over those of ``more``."""
+    return [a for d in _hidden_dirs(more) if d != "/tmp" for a in ("--tmpfs", d)]
 
 
-def _mask_files(bound: list[str]) -> list[str]:
-    """/dev/null over the hidden files, after every bind: those in a hidden directory are gone
-    already, unless a bind (``bound``) shows them again."""
-    dirs = _hidden_dirs()
+def _mask_files(bound: list[str], more: tuple[str, ...] = ()) -> list[str]:
+    """/dev/null over the hidden files (and those of ``more``), after every bind: those in a
+    hidden directory are gone already, unless a bind (``bound``) shows them again."""
+    dirs = _hidden_dirs(more)
+    files = [os.path.realpath(p) for p in more if os.path.isfile(p)]
     args = []
-    for file in [*_HIDDEN_FILES, *secret_files()]:
+    for file in [*_HIDDEN_FILES, *secret_files(), *files]:
         shown = any(_under(file, b) for b in bound) or not any(_under(file, d) for d in dirs)
         if shown and os.path.exists(file):
             args += ["--ro-bind", "/dev/null", file]

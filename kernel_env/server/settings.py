@@ -227,6 +227,12 @@ class ServerSettings:
         return self.max_kernels or self.max_sessions + self.pool_size
 
     @property
+    def secret_files(self) -> tuple[str, ...]:
+        """The files holding this server's secrets that a sandboxed kernel must not see (the
+        sandbox also hides every file a ``*_FILE`` variable names)."""
+        return (self.tokens_file,) if self.tokens_file else ()
+
+    @property
     def host_allowlist(self) -> tuple[str, ...]:
         """The Host names accepted (lower case, without port or brackets)."""
         if self.allowed_hosts is not None:
