@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import unprivileged
 from procs import child_pids, comm
-from serverkit import serve_process
+from serverkit import ServeProcess, serve_process
 
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.kernel import Kernel, seccomp
@@ -249,8 +249,43 @@ async def _start(server: ForkServer) -> SandboxedKernel:
 # -- 3. the server's log ----------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _server(who: str, *args: str) -> Iterator[ServeProcess]:
+    """A real server run by root, or by a fresh unprivileged uid."""
+    if who == "root":
+        with serve_process(*args) as served:
+            yield served
+    else:
+        if unprivileged.problem() is not None:
+            pytest.skip(str(unprivileged.problem()))
+        with unprivileged.serve_unprivileged(*args) as served:
+            yield served
+
+
+@pytest.mark.parametrize("who", ["root", "unprivileged"])
+def test_1_a_cell_cannot_take_the_forkserver_socket_of_a_server(who: str) -> None:
+    """The same attack on a served session (on an unprivileged server the forged answer made
+    the zygote kill the server itself): another session keeps its kernel and variables, the
+    server lives and its kernels still fork."""
+    with _server(who, "--pool-size", "0") as served:
+        with KernelEnv(base_url=served.url) as victim, KernelEnv(base_url=served.url) as cell:
+            victim.reset()
+            assert victim.execute("secret_state = 42").observation.result.success
+            cell.reset()
+            result = cell.execute(_take_descriptors("forged")).observation.result
+            assert result.success, result.stderr
+            assert json.loads(result.stdout)["taken"] == []
+            time.sleep(0.3)
+            result = victim.execute("print(secret_state)").observation.result
+            assert result.stdout.strip() == "42", result
+            victim.reset()
+        assert served.process.poll() is None
+        assert "start cold from now on" not in served.log.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("who", ["root", "unprivileged"])
 @pytest.mark.parametrize("start", ["cold", "forked"])
-def test_3_a_cell_cannot_write_the_servers_log(start: str) -> None:
+def test_3_a_cell_cannot_write_the_servers_log(start: str, who: str) -> None:
     """The attack: a cell takes the server's stdout from bubblewrap's init (``pidfd_getfd``
     on pid 1, fd 1), or uses its own inherited copy (a cold kernel held the server's stdout
     and stderr), and forges an access-log line. Nothing of it reaches the log."""
@@ -268,7 +303,7 @@ def test_3_a_cell_cannot_write_the_servers_log(start: str) -> None:
         "        except OSError: pass\n"
     )
     flag = "true" if start == "forked" else "false"
-    with serve_process("--forkserver", flag, "--pool-size", "0") as served:
+    with _server(who, "--forkserver", flag, "--pool-size", "0") as served:
         with KernelEnv(base_url=served.url) as env:
             env.reset()
             for code in (_take_descriptors(mark), own):

