@@ -95,21 +95,26 @@ class ServeProcess:
 def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[ServeProcess]:
     """``python -m kernel_env serve --port 0 ARGS`` as a subprocess, healthy; killed at exit."""
     log = Path(tempfile.mkstemp(prefix="kernel-env-serve-", suffix=".log")[1])
-    cmd = [
-        sys.executable,
-        "-m",
-        "kernel_env",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--log-level",
-        "info",
-        *args,
-    ]
+    try:
+        with serving([sys.executable, *serve_args(*args)], log, env=env) as served:
+            yield served
+    finally:
+        log.unlink(missing_ok=True)
+
+
+def serve_args(*args: str) -> list[str]:
+    """``-m kernel_env serve`` on a free loopback port, logging at info, then ``args``."""
+    return ["-m", "kernel_env", "serve", "--host", "127.0.0.1", "--port", "0",
+            "--log-level", "info", *args]  # fmt: skip
+
+
+@contextlib.contextmanager
+def serving(
+    command: list[str], log: Path, *, env: dict[str, str] | None = None, cwd: str | None = None
+) -> Iterator[ServeProcess]:
+    """``command`` (a server) with its output in ``log``, once healthy; killed at exit."""
     with open(log, "wb") as sink:
-        process = subprocess.Popen(cmd, stdout=sink, stderr=sink, env=env)
+        process = subprocess.Popen(command, stdout=sink, stderr=sink, env=env, cwd=cwd)
     try:
         url = _wait_for_url(process, log)
         _wait_healthy(url)
@@ -118,7 +123,6 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[Ser
         if process.poll() is None:
             process.kill()
         process.wait(timeout=10)
-        log.unlink(missing_ok=True)
 
 
 def _wait_for_url(process: subprocess.Popen[bytes], log: Path) -> str:

@@ -7,13 +7,9 @@ unresolvable), opened from disk as a user opens a shared file."""
 
 from __future__ import annotations
 
-import base64
 import os
-import shutil
-import struct
 import subprocess
 import sys
-import zlib
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -22,38 +18,20 @@ from typing import Any
 import httpx
 import nbformat
 import pytest
+from browser import chromium, png
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output, new_raw_cell
 from serverkit import small_settings, thread_server
 
 pytestmark = pytest.mark.integration  # kernels, servers, a browser
 
-webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
-
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-if CHROMIUM is None or CHROMEDRIVER is None:
-    pytest.fail("chromium and chromium-driver are missing: `make system-deps` installs them")
 
 TOKEN = "notebook-html-token-5d2"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PWNED = "document.title='pwned'"
 
 
-def _png(width: int = 4, height: int = 4) -> str:
-    """A red ``width`` x ``height`` PNG, base64-encoded."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    rows = b"".join(b"\x00" + b"\xff\x00\x00" * width for _ in range(height))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
-    return base64.b64encode(png + chunk(b"IEND", b"")).decode()
-
-
-PNG = _png()
+PNG = png()
 ATTACK_HTML = (
     "<table><thead><tr><th>name</th></tr></thead>"
     "<tbody><tr><td>table-cell-ok</td></tr></tbody></table>"
@@ -102,17 +80,7 @@ def served() -> Iterator[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",  # root in CI
-        "--disable-gpu",
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",  # no network
-    ):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(60)
+    driver = chromium()
     yield driver
     driver.quit()
 

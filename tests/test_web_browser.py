@@ -6,52 +6,30 @@ the real server on loopback, with every other host unresolvable (no network).
 
 from __future__ import annotations
 
-import base64
 import os
-import shutil
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from browser import chromium, png
 from serverkit import small_settings, thread_server
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
-webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import TimeoutException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
-
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-if CHROMIUM is None or CHROMEDRIVER is None:
-    pytest.fail("chromium and chromium-driver are missing: `make system-deps` installs them")
 
 TOKEN = "web-view-token-81c"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SHOTS = Path(__file__).resolve().parent.parent / "docs" / "images"
 
 
-def _png(width: int = 4, height: int = 4) -> str:
-    """A red ``width`` x ``height`` PNG, base64-encoded."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    rows = b"".join(b"\x00" + b"\xff\x00\x00" * width for _ in range(height))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
-    return base64.b64encode(png + chunk(b"IEND", b"")).decode()
-
-
-PNG = _png()
+PNG = png()
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +40,7 @@ def server() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",  # root in CI; the page is ours and loopback-only
-        "--disable-gpu",
-        "--window-size=1400,1000",
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",  # no network
-    ):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(60)
+    driver = chromium("--window-size=1400,1000")
     yield driver
     driver.quit()
 

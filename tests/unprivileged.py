@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from serverkit import ServeProcess, _wait_for_url, _wait_healthy
+from serverkit import ServeProcess, serve_args, serving
 
 SYSTEM_PYTHON = Path("/usr/bin/python3.11")
 REPO = Path(__file__).resolve().parent.parent
@@ -66,22 +66,8 @@ def serve_unprivileged(
     with contextlib.ExitStack() as stack:
         uid, home = user or stack.enter_context(fresh_user())
         python = _interpreter(home)
-        log = home / "serve.log"
-        command = [
-            "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-            str(python), "-m", "kernel_env", "serve", "--host", "127.0.0.1", "--port", "0",
-            "--log-level", "info", *args,
-        ]  # fmt: skip
+        become = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
         environ = {"PATH": "/usr/bin:/bin", "HOME": str(home), **(env or {})}
-        with open(log, "wb") as sink:
-            process = subprocess.Popen(
-                command, stdout=sink, stderr=sink, env=environ, cwd=str(home)
-            )
-        try:
-            url = _wait_for_url(process, log)
-            _wait_healthy(url)
-            yield ServeProcess(process, url, log)
-        finally:
-            if process.poll() is None:
-                process.kill()
-            process.wait(timeout=10)
+        command = [*become, str(python), *serve_args(*args)]
+        with serving(command, home / "serve.log", env=environ, cwd=str(home)) as served:
+            yield served
