@@ -165,7 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         settings = ServerSettings.from_env(**explicit)
         server, sock, settings = build_server(settings, own_logs=True)
     except (ValueError, OSError, RuntimeError) as exc:
-        return _fail("serve", exc)
+        return _fail("serve", _for_make_too(str(exc)))
     return_freed_memory()
     # The event loop gives up the GIL in every zmq and socket call, and a worker thread (a
     # uid lease, a cgroup's removal, a fork request) may then hold it for a whole switch
@@ -183,6 +183,13 @@ def _serve(args: argparse.Namespace) -> int:
         )
     server.run(sockets=[sock])
     return 0
+
+
+def _for_make_too(problem: str) -> str:
+    """A busy port's "choose another with --port" also for `make serve`, which takes PORT=."""
+    return problem.replace(
+        "choose another with --port", "choose another with --port N (make serve PORT=N)"
+    )
 
 
 def _guard_secrets() -> None:
@@ -241,17 +248,20 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export",
         help="download a served episode as .ipynb, or turn a notebook into HTML",
-        description="SOURCE is a session id on a kernel-env server (--url): its current or last "
-        "episode is written as a notebook, with its context file and child episodes beside it. "
-        "Or SOURCE is an .ipynb file and --html writes it as a web page. The server's token "
-        "is read from KERNEL_ENV_TOKEN.",
+        description="SOURCE is a session id on a kernel-env server (--url), or the id of its "
+        "episode (state().episode_id, the web view's; `kernel-env ps` lists both): the "
+        "session's current or last episode is written as a notebook, with its context file "
+        "and child episodes beside it. Or SOURCE is an .ipynb file and --html writes it as a "
+        "web page. The server's token is read from KERNEL_ENV_TOKEN.",
     )
-    export.add_argument("source", metavar="SOURCE", help="a session id, or an .ipynb file")
+    export.add_argument(
+        "source", metavar="SOURCE", help="a session id or an episode id, or an .ipynb file"
+    )
     export.add_argument(
         "-o",
         "--output",
         metavar="PATH",
-        help="where to write (default: <session id>.ipynb, or SOURCE.html)",
+        help="where to write (default: SOURCE.ipynb, or SOURCE.html)",
     )
     export.add_argument(
         "--url",
@@ -309,10 +319,14 @@ def _download(url: str, session_id: str, target: Path, *, overwrite: bool) -> Pa
     if not target.name.endswith(".ipynb"):
         target = target.with_name(target.name + ".ipynb")
     from kernel_env.client import TOKEN_VARIABLE
+    from kernel_env.errors import ArchiveError
 
-    token = os.environ.get(TOKEN_VARIABLE)
-    data = asyncio.run(fetch_export(url, session_id, target.name, token=token))
-    extract_export(data, target.parent, stem=target.stem, overwrite=overwrite)
+    token = os.environ.get(TOKEN_VARIABLE) or None
+    data = asyncio.run(fetch_export(url, session_id, target.name, token=token, cli=True))
+    try:
+        extract_export(data, target.parent, stem=target.stem, overwrite=overwrite)
+    except ArchiveError as exc:  # Python's overwrite=True is the command line's --overwrite
+        raise ArchiveError(str(exc).replace("pass overwrite=True", "add --overwrite")) from None
     return target
 
 
@@ -323,8 +337,9 @@ def _add_ps(commands: argparse._SubParsersAction) -> None:
     ps = commands.add_parser(
         "ps",
         help="list the episodes a kernel-env server is running",
-        description="GET /sessions of a server: a line per session (its token is read from "
-        "KERNEL_ENV_TOKEN).",
+        description="GET /sessions of a server: a line per session, with its episode's id "
+        "(either id names it to `kernel-env export`). The token is read from "
+        "KERNEL_ENV_TOKEN.",
     )
     ps.add_argument(
         "--url",
@@ -339,13 +354,13 @@ def _ps(args: argparse.Namespace) -> int:
     import httpx
 
     from kernel_env.client import TOKEN_VARIABLE
-    from kernel_env.remote import http_url
+    from kernel_env.remote import auth_refused, http_url, unreachable
 
-    token = os.environ.get(TOKEN_VARIABLE)
+    token = os.environ.get(TOKEN_VARIABLE) or None
     try:
-        url = f"{http_url(args.url)}/sessions"
+        root = http_url(args.url)
         response = httpx.get(
-            url,
+            f"{root}/sessions",
             headers={"Authorization": f"Bearer {token}"} if token else {},
             timeout=10,
             trust_env=False,
@@ -353,26 +368,28 @@ def _ps(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("ps", exc)
     except httpx.HTTPError as exc:
-        return _fail("ps", f"cannot reach {args.url}: {exc}")
+        return _fail("ps", unreachable(root, exc))
     if response.status_code in (401, 403):
-        return _fail(
-            "ps", f"{args.url} refused (HTTP {response.status_code}): set KERNEL_ENV_TOKEN"
-        )
+        return _fail("ps", auth_refused(root, response.status_code, token, cli=True))
     if response.status_code != 200:
-        return _fail("ps", f"{url}: HTTP {response.status_code}")
+        return _fail("ps", f"{root}/sessions: HTTP {response.status_code}")
     sessions = response.json()["sessions"]
     if args.json:
         print(json.dumps(response.json()))
         return 0
-    print(f"{'SESSION':<34} {'KIND':<4} {'STATE':<5} {'STEPS':>9} {'ELAPSED':>8} {'LLM':>5}  TASK")
+    print(
+        f"{'SESSION':<32}  {'EPISODE':<36}  {'KIND':<4} {'STATE':<5} {'STEPS':>9} "
+        f"{'ELAPSED':>8} {'LLM':>5}  TASK"
+    )
     for s in sessions:
         episode = s["episode"] or {}
         steps = f"{episode['steps']}/{episode['max_iterations']}" if episode else "-"
         elapsed = f"{episode['elapsed_s']:.0f} s" if episode else "-"
         calls = str(episode.get("llm_calls", "-"))
+        episode_id = shorten(episode.get("episode_id") or "-", 36, one_line=True)
         print(
-            f"{s['session_id']:<34} {s['kind']:<4} {s['state']:<5} {steps:>9} {elapsed:>8} "
-            f"{calls:>5}  {episode.get('task') or ''}"
+            f"{s['session_id']:<32}  {episode_id:<36}  {s['kind']:<4} {s['state']:<5} "
+            f"{steps:>9} {elapsed:>8} {calls:>5}  {episode.get('task') or ''}"
         )
     print(f"{len(sessions)} session(s)")
     return 0
@@ -465,9 +482,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     add("--task", required=True, help="what to find out about the context")
     add("--model", required=True, help="the root model")
     default_url = (
-        os.environ.get("KERNEL_ENV_LLM_BASE_URL")
-        or os.environ.get("OPENAI_BASE_URL")
-        or "https://api.openai.com/v1"
+        os.environ.get("KERNEL_ENV_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL") or _OPENAI
     )
     add(
         "--model-url",
@@ -519,11 +534,15 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
 
 
 _KEY_VARIABLES = ("KERNEL_ENV_LLM_API_KEY", "OPENAI_API_KEY", "HF_TOKEN")
+_OPENAI = "https://api.openai.com/v1"  # --model-url when nothing names another
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
 def _run(args: argparse.Namespace) -> int:
     from kernel_env.notebook import safe_path
 
+    names = [args.api_key_env] if args.api_key_env else list(_KEY_VARIABLES)
+    key = next((os.environ[n] for n in names if os.environ.get(n)), None)
     try:
         context = _read_context(args.context)
         stem = args.name or time.strftime("run-%Y%m%d-%H%M%S")
@@ -532,9 +551,27 @@ def _run(args: argparse.Namespace) -> int:
         trajectory = safe_path(args.output, f"{stem}.trajectory.jsonl")
     except (OSError, ValueError) as exc:
         return _fail("run", exc)
-    names = [args.api_key_env] if args.api_key_env else list(_KEY_VARIABLES)
-    key = next((os.environ[n] for n in names if os.environ.get(n)), None)
+    if key is None and (problem := _keyless(args.model_url, names)) is not None:
+        return _fail("run", problem)  # before a kernel starts or a file is written
     return asyncio.run(_run_episode(args, context, key, notebook, trajectory))
+
+
+def _keyless(model_url: str, names: list[str]) -> str | None:
+    """With no API key: a refusal for OpenAI's endpoint (it would only refuse every call),
+    a warning for another one off this host (it may need a key), nothing on loopback."""
+    from urllib.parse import urlsplit
+
+    variables = ", ".join(names)
+    if model_url.rstrip("/") == _OPENAI:
+        return (
+            f"no API key for {_OPENAI} (the default model endpoint): set {variables} "
+            "(or name your variable with --api-key-env), or point --model-url (or "
+            "KERNEL_ENV_LLM_BASE_URL) at an endpoint that needs none, such as a local vLLM "
+            "or Ollama"
+        )
+    if (urlsplit(model_url).hostname or "") not in _LOOPBACK:
+        _say(f"warning: no API key is set ({variables}): calling {model_url} without one")
+    return None
 
 
 def _read_context(source: str) -> str:
@@ -594,10 +631,11 @@ async def _run_episode(
         finally:
             heartbeat.cancel()
     except (KernelEnvError, OSError, ValueError) as exc:
-        _say(f"the run failed: {exc}")
+        _say(f"the run failed: {_failure(exc, args.model_url)}")
     except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task
         interrupted = True
-        _say("interrupted; writing what ran so far")
+    except Exception as exc:  # any other failure: still write and name what ran
+        _say(f"the run failed: {type(exc).__name__}: {exc}")
     finally:
         progress.clear()
         exported = await _export_quietly(env, notebook)
@@ -606,8 +644,23 @@ async def _run_episode(
         await sub.aclose()
     if trajectory.exists() and trajectory.stat().st_size == 0:
         trajectory.unlink()  # no iteration ran: no trajectory to keep
+    if interrupted:
+        wrote = exported is not None or trajectory.exists()
+        _say("interrupted; what ran so far is written" if wrote else "interrupted: nothing ran")
     status = _report(args, outcome, progress, exported, trajectory)
     return 130 if interrupted else status
+
+
+def _failure(exc: BaseException, model_url: str) -> str:
+    """What went wrong, in the one sentence for an endpoint nobody answers where it is that."""
+    from kernel_env.errors import LLMError
+    from kernel_env.remote import unreachable
+
+    said = str(exc)
+    if isinstance(exc, LLMError) and ("ConnectError" in said or "ConnectTimeout" in said):
+        fix = "Start it, or name yours with --model-url or KERNEL_ENV_LLM_BASE_URL"
+        return unreachable(model_url, "no connection", what="the model endpoint", fix=fix)
+    return said
 
 
 async def _export_quietly(env: Any, notebook: Path) -> Path | None:

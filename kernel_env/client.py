@@ -16,10 +16,18 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from pydantic import ValidationError
+
 from kernel_env.agent import solve_child
 from kernel_env.archive import extract_export
 from kernel_env.environment import EnvConfig, ForkMethod, KernelEnvironment, KernelSource
-from kernel_env.errors import ClientClosed, RemoteError, ResetNeeded
+from kernel_env.errors import (
+    ClientClosed,
+    InvalidInput,
+    RemoteError,
+    ResetNeeded,
+    invalid_call,
+)
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn
 from kernel_env.llm import LLMBackend
 from kernel_env.models import (
@@ -64,11 +72,22 @@ class _LocalSession:
         self.env = env
 
     async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
+        try:  # refused in the words, and as the class, a server's refusal has
+            ResetOptions.model_validate(kwargs)
+        except ValidationError as exc:
+            problems = exc.errors(include_url=False, include_context=False, include_input=False)
+            raise InvalidInput(invalid_call("reset", problems)) from None
         return _wrap(await self.env.reset(**kwargs))
+
+    def require_episode(self) -> None:
+        """Before any reset: :class:`ResetNeeded`, in the one wording (the server's too)."""
+        if self.env.record is None:
+            raise ResetNeeded()
 
     async def step(
         self, action: REPLAction, on_output: OutputCallback | None = None
     ) -> StepResult[REPLObservation]:
+        self.require_episode()
         if on_output is None:
             return _wrap(await self.env.step(action))
         run = lambda push: self.env.step(action, on_output=push)  # noqa: E731
@@ -94,6 +113,9 @@ class AsyncKernelEnv:
             await env.reset(context="Hello World", task_prompt="Count chars")
             result = await env.execute("len(context)")
             print(result.observation.result.stdout)   # 11
+
+    Local or remote, a call raises the same exceptions in the same situations
+    (:mod:`kernel_env.errors`); a remote client's are also ``RemoteError``s.
     """
 
     def __init__(
@@ -248,25 +270,83 @@ class AsyncKernelEnv:
         whose episodes hold this one's state and record so far and then step on their own
         (see :meth:`KernelEnvironment.fork`: a live copy of the kernel's process where it
         runs unsandboxed on this host, else a replay in a fresh kernel; ``method`` forces
-        one; ``own_budget`` gives each its own LLM budget instead of this episode's). Local
-        episodes only (a server forks with ``POST /sessions/{id}/fork``)."""
+        one; ``own_budget`` gives each its own LLM budget instead of this episode's).
+
+        On a server the copies are new sessions there (its ``fork`` frame), and each client
+        returned is attached to one; closing it ends that session. The server chooses how
+        to copy (``method="auto"`` only)."""
         environment = self.environment
         if environment is None:
-            raise NotImplementedError("fork() runs on local episodes; this client is remote")
-        children = await self._call(
-            lambda _: environment.fork(n, own_budget=own_budget, method=method)
+            return await self._fork_remote(n, own_budget, method)
+
+        async def fork(session: _Session) -> list[KernelEnvironment]:
+            assert isinstance(session, _LocalSession)
+            session.require_episode()
+            return await environment.fork(n, own_budget=own_budget, method=method)
+
+        children = await self._call(fork)
+        return [AsyncKernelEnv._around(_LocalSession(child), child, None) for child in children]
+
+    async def _fork_remote(
+        self, n: int, own_budget: bool, method: ForkMethod
+    ) -> list[AsyncKernelEnv]:
+        if method != "auto":
+            raise InvalidInput(
+                f"method={method!r} applies to local episodes: a server forks live where it "
+                "can and replays elsewhere (method='auto')"
+            )
+
+        async def fork(session: _Session) -> list[AsyncKernelEnv]:
+            from kernel_env.remote import RemoteSession
+
+            assert isinstance(session, RemoteSession)  # a client without an environment
+            copies = await session.fork(n, own_budget=own_budget)
+            return await self._attach([str(copy["session_id"]) for copy in copies])
+
+        return await self._call(fork)
+
+    async def _attach(self, session_ids: list[str]) -> list[AsyncKernelEnv]:
+        """Clients attached to these open sessions of this client's server (all, or none:
+        those attached are closed again if one fails)."""
+        from kernel_env.remote import RemoteSession
+
+        base_url, connect_timeout, message_timeout, token = self._remote
+        attached = await asyncio.gather(
+            *(
+                RemoteSession.connect(
+                    base_url,
+                    connect_timeout_s=connect_timeout,
+                    message_timeout_s=message_timeout,
+                    token=token,
+                    session_id=session_id,
+                )
+                for session_id in session_ids
+            ),
+            return_exceptions=True,
         )
-        return [AsyncKernelEnv._around(child) for child in children]
+        sessions = [s for s in attached if isinstance(s, RemoteSession)]
+        failed = [e for e in attached if isinstance(e, BaseException)]
+        if failed:
+            await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+            raise failed[0]
+        return [AsyncKernelEnv._around(s, None, self._remote) for s in sessions]
 
     @classmethod
-    def _around(cls, environment: KernelEnvironment) -> AsyncKernelEnv:
-        """A client of an environment that already runs an episode (a fork)."""
+    def _around(
+        cls,
+        session: _Session,
+        environment: KernelEnvironment | None,
+        remote: tuple[str, float, float, str | None] | None,
+    ) -> AsyncKernelEnv:
+        """A client of a session that already runs an episode (a fork's copy)."""
         client = cls.__new__(cls)
-        client.base_url = None
+        client.base_url = None if remote is None else remote[0]
         client._closed = False
         client._inflight = set()
         client.environment = environment
-        client._session = _LocalSession(environment)
+        client._session = session
+        if remote is not None:
+            client._remote = remote
         return client
 
     async def submit_final_answer(self, answer: str) -> StepResult[REPLObservation]:
@@ -303,7 +383,7 @@ class AsyncKernelEnv:
             return target.resolve()
         record = self.environment.record
         if record is None:
-            raise ResetNeeded("no episode to export; call reset() first")
+            raise ResetNeeded()
         target.parent.mkdir(parents=True, exist_ok=True)
         return await asyncio.to_thread(write_notebook, record, target.parent, target.name)
 
@@ -411,11 +491,59 @@ class KernelEnv:
             result = env.execute("len(context)")
             print(result.observation.result.stdout)   # 11
 
-    Takes the keyword arguments of :class:`AsyncKernelEnv`.
+    Takes the keyword arguments of :class:`AsyncKernelEnv` (the same names, defaults and
+    meanings; a test keeps them in step).
     """
 
-    def __init__(self, base_url: str | None = None, **kwargs: Any) -> None:
-        self._async = AsyncKernelEnv(base_url, **kwargs)
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        llm_query_fn: LLMQueryFn | None = None,
+        llm_batch_fn: LLMBatchFn | None = None,
+        max_output_length: int = 8192,
+        context_preview_length: int = 500,
+        reward_on_success: float = 1.0,
+        reward_on_iteration: float = 0.0,
+        reward_on_failure: float = -0.1,
+        reward_on_error: float = -0.05,
+        step_timeout: float = 30.0,
+        rubric: Any = None,
+        config: EnvConfig | None = None,
+        kernel_source: KernelSource | None = None,
+        llm_backend: LLMBackend | None = None,
+        connect_timeout_s: float = 10.0,
+        message_timeout_s: float = 60.0,
+        token: str | None = None,
+    ) -> None:
+        """Local-only options: ``llm_backend`` (a :mod:`kernel_env.llm` backend) or the simpler
+        ``llm_query_fn`` / ``llm_batch_fn`` callables, output and reward settings,
+        ``step_timeout``, ``rubric`` (``"exact"``, ``"fuzzy"``, ``fn(answer, expected)``, or an
+        OpenEnv rubric such as upstream's ``REPLRubric``, which then gives every step's reward),
+        or a whole ``config`` (which then wins over those keywords), and
+        ``kernel_source`` (where kernels come from: a pool, a gateway; default a new local
+        kernel per episode).
+        Remote-only: ``connect_timeout_s``, ``message_timeout_s``, ``token`` (default: the
+        ``KERNEL_ENV_TOKEN`` variable)."""
+        self._async = AsyncKernelEnv(
+            base_url,
+            llm_query_fn=llm_query_fn,
+            llm_batch_fn=llm_batch_fn,
+            max_output_length=max_output_length,
+            context_preview_length=context_preview_length,
+            reward_on_success=reward_on_success,
+            reward_on_iteration=reward_on_iteration,
+            reward_on_failure=reward_on_failure,
+            reward_on_error=reward_on_error,
+            step_timeout=step_timeout,
+            rubric=rubric,
+            config=config,
+            kernel_source=kernel_source,
+            llm_backend=llm_backend,
+            connect_timeout_s=connect_timeout_s,
+            message_timeout_s=message_timeout_s,
+            token=token,
+        )
         self._loop: _LoopThread | None = _LoopThread()
         self._provider: Any = None
 
@@ -452,8 +580,27 @@ class KernelEnv:
             raise ClientClosed(_CLOSED)
         return loop.run(coro)
 
-    def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
-        """Start a new episode; keywords as :meth:`AsyncKernelEnv.reset`."""
+    def reset(
+        self,
+        *,
+        context: str = "",
+        task_prompt: str = "",
+        max_iterations: int = 30,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        hf_token: str | None = None,
+        llm_model: str | None = None,
+        expected_answer: str | None = None,
+        rlm_max_depth: int | None = None,
+        rlm_max_iterations: int | None = None,
+        agent_max_turns: int | None = None,
+    ) -> StepResult[REPLObservation]:
+        """Start a new episode in a fresh kernel; ``context`` is loaded as a variable.
+
+        The keywords are :class:`~kernel_env.models.ResetOptions`'s fields, as
+        :meth:`AsyncKernelEnv.reset`'s; None means "the episode's default"."""
+        given = locals()
+        kwargs = {name: given[name] for name in ResetOptions.model_fields}
         return self._run(self._async.reset(**kwargs))
 
     def step(

@@ -27,13 +27,23 @@ Errors in the *agent's* code are not exceptions: they are data in the observatio
     │   └── SessionClosed        closed by its owner, or by the server's shutdown
     ├── UnknownSession           no server session has this id
     ├── CapacityReached          the server's ``max_sessions`` sessions are open
-    └── RemoteError              the server answered with an error frame
+    └── RemoteError              the server refused, or answered with an error
 
 The server answers ``InvalidInput`` (and request validation) with 422 / ``VALIDATION_ERROR``;
 any other exception it did not expect is its own fault, a 500 / ``EXECUTION_ERROR``.
+
+A remote client raises the class a local client raises in the same situation (a step after
+the end: ``EpisodeFinished``; before a reset: ``ResetNeeded``; ...): the server names it in its
+error (``"exception"``), and :func:`remote_error` makes it. Each such exception is *also* a
+:class:`RemoteError`, with the server's ``code`` and ``data``, so ``except RemoteError`` catches
+what it always caught. A plain ``RemoteError`` is left for what only a remote client meets: a
+refused token, no reply in time, a closed connection.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "ArchiveError",
@@ -63,6 +73,22 @@ __all__ = [
     "SessionExpired",
     "UnknownSession",
 ]
+
+# The words for a call that needs an episode, before any reset: OpenEnv's, which clients match.
+NOT_INITIALIZED = "Environment not initialized. Call reset() first."
+# The words for a step after the episode ended, for a caller of step() (local or remote).
+EPISODE_OVER = "the episode is over; call reset() to start another"
+
+
+def invalid_call(call: str, problems: Iterable[Mapping[str, Any]]) -> str:
+    """Validation errors (pydantic's, or an error frame's ``errors``) as one line naming the
+    call and each field: ``invalid reset(): max_iterations: Input should be ...``; the same
+    words locally and from a server."""
+    said = [
+        f"{'.'.join(str(part) for part in p.get('loc') or ()) or 'input'}: {p.get('msg')}"
+        for p in problems
+    ]
+    return f"invalid {call}(): {'; '.join(said) or 'refused'}"
 
 
 class KernelEnvError(Exception):
@@ -109,7 +135,10 @@ class EpisodeError(KernelEnvError):
 
 class ResetNeeded(EpisodeError, RuntimeError):
     """step() or state before reset(). A ``RuntimeError``, as upstream's "Environment not
-    initialized. Call reset() first." is."""
+    initialized. Call reset() first." is (the default message)."""
+
+    def __init__(self, message: str = NOT_INITIALIZED, **ids: str | None) -> None:
+        super().__init__(message, **ids)
 
 
 class ClientClosed(ResetNeeded):
@@ -202,9 +231,65 @@ class CapacityReached(KernelEnvError):
 
 
 class RemoteError(KernelEnvError):
-    """The server answered a request with an error frame."""
+    """The server refused a request or answered it with an error (``code``: its error code,
+    ``data``: the rest of what it said)."""
 
     def __init__(self, message: str, *, code: str, data: dict | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.data = data or {}
+
+
+_REMOTE_KINDS: dict[type[KernelEnvError], type[RemoteError]] = {}
+
+
+def remote_error(
+    name: str | None, message: str, *, code: str, data: dict | None = None
+) -> RemoteError:
+    """The exception for a server's error that names the class ``name`` (one of this module's,
+    as a local client would raise it): an instance of that class and of :class:`RemoteError`,
+    whose message is the server's ``message``. An unknown or missing name gives a plain
+    RemoteError (``"CODE: message"``)."""
+    cls = globals().get(name or "")
+    if (
+        name not in __all__
+        or not isinstance(cls, type)
+        or not issubclass(cls, KernelEnvError)
+        or issubclass(cls, RemoteError)
+    ):
+        return RemoteError(message, code=code, data=data)
+    return _remote_kind(cls)(message, code=code, data=data)
+
+
+def _remote_kind(cls: type[KernelEnvError]) -> type[RemoteError]:
+    """``cls`` as raised by a remote client: a subclass of it and of RemoteError, with its
+    name, made once."""
+    kind = _REMOTE_KINDS.get(cls)
+    if kind is None:
+        body = {
+            "__module__": __name__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__}, as a remote client raises it (also a RemoteError).",
+            "__init__": _init_remote,
+            "__reduce__": _reduce_remote,
+        }
+        kind = _REMOTE_KINDS[cls] = type(cls.__name__, (cls, RemoteError), body)
+    return kind
+
+
+def _init_remote(self: RemoteError, message: str, *, code: str, data: dict | None = None) -> None:
+    KernelEnvError.__init__(self, message)
+    self.code, self.data = code, data or {}
+    if isinstance(self, CapacityReached):
+        self.active_sessions = int(self.data.get("active_sessions") or 0)
+        self.max_sessions = int(self.data.get("max_sessions") or 0)
+
+
+def _reduce_remote(self: RemoteError) -> tuple[object, tuple[object, ...]]:
+    # Pickled by the public name it stands for (the class itself is made at run time).
+    name = next(c.__name__ for c in type(self).__mro__[1:] if c.__name__ in __all__)
+    return _unpickle_remote, (name, str(self), self.code, self.data)
+
+
+def _unpickle_remote(name: str, message: str, code: str, data: dict) -> RemoteError:
+    return remote_error(name, message, code=code, data=data)

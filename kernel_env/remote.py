@@ -3,7 +3,12 @@
 The same frames as OpenEnv's ``EnvClient`` (so it also works against any OpenEnv server that
 speaks them), with two differences that matter in practice: a reply that does not arrive in
 ``message_timeout_s`` ends the connection (otherwise every later reply would be shifted by one),
-and error frames raise :class:`~kernel_env.errors.RemoteError` with their code and data.
+and an error frame raises the exception a local episode raises in the same situation (the class
+the frame names, ``EpisodeFinished``, ``ResetNeeded``, ...), which is also a
+:class:`~kernel_env.errors.RemoteError` carrying the frame's code and data.
+
+The words for a server that cannot be reached (:func:`unreachable`) or that refuses a token
+(:func:`auth_refused`) are here, for the client and the command line alike.
 """
 
 from __future__ import annotations
@@ -11,20 +16,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import httpx
 from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from kernel_env.errors import RemoteError
+from kernel_env.errors import (
+    EPISODE_OVER,
+    NOT_INITIALIZED,
+    RemoteError,
+    invalid_call,
+    remote_error,
+)
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, StepResult
 from kernel_env.streaming import OutputCallback, streamed
 
-__all__ = ["RemoteSession", "fetch_export", "http_url", "ws_url"]
+__all__ = [
+    "RemoteSession",
+    "auth_refused",
+    "fetch_export",
+    "http_url",
+    "unreachable",
+    "ws_url",
+]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -50,36 +69,119 @@ def http_url(base_url: str) -> str:
     return urlunsplit((scheme, parts.netloc, parts.path.removesuffix("/ws"), "", ""))
 
 
+_START_A_SERVER = (
+    "Start one with `kernel-env serve` (`make serve` in a clone of kernel_env), or name yours "
+    "with --url or KERNEL_ENV_URL (base_url= in Python)"
+)
+
+
+def unreachable(
+    url: str,
+    problem: BaseException | str,
+    *,
+    what: str = "the kernel-env server",
+    fix: str = _START_A_SERVER,
+) -> str:
+    """The one sentence for a server nobody answers at ``url``: the client's, ``kernel-env ps``'
+    and ``export``'s (and ``run``'s, for the model's endpoint). ``problem``: the connection's
+    error (said in a few words), or those words."""
+    reason = problem if isinstance(problem, str) else _reason(problem)
+    return f"cannot reach {what} at {url} ({reason}): is it running? {fix}"
+
+
+def auth_refused(url: str, status: int, token: str | None, *, cli: bool = False) -> str:
+    """The one sentence for a server that refused the request's token (or its lack of one);
+    ``cli``: for the command line, which reads the token from KERNEL_ENV_TOKEN only."""
+    if token:
+        given = "in KERNEL_ENV_TOKEN" if cli else "given (token= or KERNEL_ENV_TOKEN)"
+        return (
+            f"the server at {url} refused the token {given} (HTTP {status}): it is not the "
+            "server's token, nor a tenant's"
+        )
+    fix = "set KERNEL_ENV_TOKEN" if cli else "pass token= or set KERNEL_ENV_TOKEN"
+    return f"the server at {url} requires a token (HTTP {status}): {fix}"
+
+
 async def fetch_export(
-    base_url: str, session_id: str, name: str, *, token: str | None, timeout: float = 60.0
+    base_url: str,
+    session_id: str,
+    name: str,
+    *,
+    token: str | None,
+    timeout: float = 60.0,
+    cli: bool = False,
 ) -> bytes:
-    """``GET /sessions/{session_id}/export.zip?name=...``: the zip's bytes, or a clear error."""
+    """``GET /sessions/{id}/export.zip?name=...`` (``session_id``: a session's id, or its
+    episode's): the zip's bytes. Errors raise what a local client raises where there is one
+    (``UnknownSession``, ``SessionExpired``, ...; each also a RemoteError ``EXPORT_FAILED``),
+    ``ConnectionError`` when nobody answers; ``cli``: words for the command line."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    url = f"{http_url(base_url)}/sessions/{session_id}/export.zip"
+    root = http_url(base_url)
+    url = f"{root}/sessions/{quote(session_id, safe='')}/export.zip"
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
         try:
             response = await http.get(url, params={"name": name}, headers=headers)
         except httpx.TransportError as exc:
-            raise ConnectionError(f"cannot reach {url}: {exc}") from exc
-    if response.status_code != 200:
-        try:
-            detail = str(response.json().get("detail", response.text))
-        except ValueError:
-            detail = response.text
-        raise RemoteError(
-            f"notebook export failed: HTTP {response.status_code}: {detail[:300]}",
-            code="EXPORT_FAILED",
-            data={"status": response.status_code},
-        )
-    return response.content
+            raise ConnectionError(unreachable(root, exc)) from None
+    status = response.status_code
+    if status == 200:
+        return response.content
+    if status in (401, 403):
+        message = auth_refused(root, status, token, cli=cli)
+        raise RemoteError(message, code="UNAUTHORIZED", data={"status": status})
+    try:
+        body = response.json()
+        detail, kind = body.get("detail", response.text), body.get("exception")
+    except (ValueError, AttributeError):
+        detail, kind = response.text, None
+    if isinstance(detail, dict):  # CAPACITY_REACHED's detail is an object
+        detail, data = detail.get("message", ""), {**detail, "status": status}
+    else:
+        data = {"status": status}
+    message = f"notebook export failed (HTTP {status}): {str(detail)[:300]}"
+    raise remote_error(kind, message, code="EXPORT_FAILED", data=data)
 
 
 def _reason(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
+    """Why a connection failed, in a few words (the cause of a wrapped error, if known)."""
+    seen: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in seen:
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, (TimeoutError, httpx.TimeoutException)):
+            return "timed out"
+        if isinstance(cause, socket.gaierror):
+            return "no such host"
+        seen.append(cause)
+        cause = cause.__cause__ or cause.__context__
     return str(exc) or type(exc).__name__
+
+
+# A kernel_env server names the class in its error frames; these stand in for other servers.
+_BY_CODE = {
+    "VALIDATION_ERROR": "InvalidInput",
+    "CAPACITY_REACHED": "CapacityReached",
+    "SESSION_ERROR": "SessionError",
+    "FACTORY_ERROR": "KernelStartError",
+}
+# What a caller of the client does about these is what a local client says (the server's
+# words are for callers of its frames); the frame's own message stays in ``data``.
+_CLIENT_WORDS = {"ResetNeeded": NOT_INITIALIZED, "EpisodeFinished": EPISODE_OVER}
+
+
+def _frame_error(data: Mapping[str, Any], request: str) -> RemoteError:
+    """The exception for an error frame's ``data``, answering a ``request`` frame."""
+    code = str(data.get("code", "UNKNOWN"))
+    message = str(data.get("message", "server error"))
+    kind = data.get("exception")
+    if not isinstance(kind, str):
+        kind = "ResetNeeded" if message == NOT_INITIALIZED else _BY_CODE.get(code)
+    message = _CLIENT_WORDS.get(kind or "", message)
+    problems = data.get("errors")
+    if code == "VALIDATION_ERROR" and isinstance(problems, list) and message == "Invalid message":
+        message = invalid_call(request, [p for p in problems if isinstance(p, Mapping)])
+    return remote_error(kind, message, code=code, data=dict(data))
 
 
 class RemoteSession:
@@ -109,10 +211,15 @@ class RemoteSession:
         message_timeout_s: float = 60.0,
         token: str | None = None,
         max_message_bytes: int | None = 256 * 1024 * 1024,
+        session_id: str | None = None,
     ) -> RemoteSession:
-        """Open a session; raises ``ConnectionError`` when the server cannot be reached and
+        """Open a session (or, with ``session_id``, attach to that open one: a fork's copy);
+        raises ``ConnectionError`` when the server cannot be reached and
         :class:`RemoteError` when it refuses (``UNAUTHORIZED``)."""
         url = ws_url(base_url)
+        if session_id is not None:
+            query = urlencode({"session": session_id})
+            url += f"&{query}" if urlsplit(url).query else f"?{query}"
         headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
             ws = await connect(
@@ -125,20 +232,17 @@ class RemoteSession:
         except InvalidStatus as exc:
             status = exc.response.status_code
             if status in (401, 403):
-                problem = "a wrong token" if token else "no token"
                 raise RemoteError(
-                    f"the server at {http_url(base_url)} refused the connection (HTTP {status}): "
-                    f"{problem}; pass token= or set KERNEL_ENV_TOKEN",
+                    auth_refused(http_url(base_url), status, token),
                     code="UNAUTHORIZED",
                     data={"status": status},
                 ) from None
             raise ConnectionError(f"cannot open {url}: HTTP {status}") from None
         except (OSError, TimeoutError, WebSocketException) as exc:
-            raise ConnectionError(
-                f"cannot reach the kernel-env server at {http_url(base_url)} ({_reason(exc)}); "
-                "is `kernel-env serve` running there?"
-            ) from None
-        return cls(ws, message_timeout_s=message_timeout_s, base_url=base_url, token=token)
+            raise ConnectionError(unreachable(http_url(base_url), exc)) from None
+        session = cls(ws, message_timeout_s=message_timeout_s, base_url=base_url, token=token)
+        session.session_id = session_id
+        return session
 
     async def reset(self, **kwargs: Any) -> StepResult[REPLObservation]:
         reply = await self._request({"type": "reset", "data": kwargs}, "observation")
@@ -163,11 +267,19 @@ class RemoteSession:
         reply = await self._request({"type": "state"}, "state")
         return _lenient(REPLState, reply)
 
+    async def fork(self, n: int, *, own_budget: bool) -> list[dict[str, Any]]:
+        """A ``fork`` frame: ``n`` copies of the episode as new sessions on the server; each
+        one's ``session_id``, ``episode_id`` and how it was made (attach with
+        ``connect(..., session_id=)``)."""
+        frame = {"type": "fork", "data": {"n": n, "own_budget": own_budget}}
+        reply = await self._request(frame, "fork")
+        return [dict(copy) for copy in reply.get("sessions") or []]
+
     async def export_zip(self, name: str) -> bytes:
         """The episode's notebook (named ``name``), context file and child episodes as a zip,
         from ``GET /sessions/{id}/export.zip``."""
         if self.session_id is None or self._base_url is None:
-            raise RemoteError("no episode to export: call reset() first", code="NO_EPISODE")
+            raise remote_error("ResetNeeded", NOT_INITIALIZED, code="NO_EPISODE")
         return await fetch_export(
             self._base_url, self.session_id, name, token=self._token, timeout=self.message_timeout_s
         )
@@ -208,7 +320,9 @@ class RemoteSession:
                 # The reply may still come, and would answer the *next* request: drop the socket.
                 await self._abandon()
                 raise RemoteError(
-                    f"no reply within {self.message_timeout_s:g} s; the connection was closed",
+                    f"no reply within {self.message_timeout_s:g} s (message_timeout_s); the "
+                    "connection was closed: use a new client, with a longer message_timeout_s "
+                    "than the server's step timeout",
                     code="TIMEOUT",
                 ) from None
             except ConnectionClosed as exc:
@@ -222,11 +336,7 @@ class RemoteSession:
         reply = parsed if parsed is not None else json.loads(raw)
         kind, data = reply.get("type"), reply.get("data") or {}
         if kind == "error":
-            raise RemoteError(
-                str(data.get("message", "server error")),
-                code=str(data.get("code", "UNKNOWN")),
-                data=data,
-            )
+            raise _frame_error(data, str(frame.get("type")))
         if kind != expect:
             raise RemoteError(
                 f"expected a {expect!r} frame, got {kind!r}", code="PROTOCOL_ERROR", data=reply

@@ -114,7 +114,8 @@ def test_run_reports_a_model_failure_and_keeps_the_notebook(tmp_path: Path) -> N
         env=env,
     )
     assert run.returncode == 1
-    assert "the run failed: LLM call to http://127.0.0.1:9/v1 failed" in run.stderr
+    failed = "the run failed: cannot reach the model endpoint at http://127.0.0.1:9/v1 ("
+    assert failed in run.stderr and "--model-url" in run.stderr, run.stderr
     assert KEY not in run.stderr
     assert not (tmp_path / "x.ipynb").exists()
     assert not (tmp_path / "x.trajectory.jsonl").exists()

@@ -250,6 +250,7 @@ def test_serve_names_a_busy_port() -> None:
         done = cli("serve", "--port", str(port), "--sandbox", "none", timeout=60)
     assert done.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
+    assert "--port N" in done.stderr and "make serve PORT=N" in done.stderr  # either way in
 
 
 def test_an_unreachable_gateway_is_one_line_a_failure() -> None:
@@ -307,3 +308,256 @@ def test_llm_query_on_a_server_without_a_model_tells_the_operator_what_to_set() 
         result = env.run("x = llm_query('hi')")
     assert not result.success and "--llm-base-url" in (result.exception or "")
     assert "call_host" not in result.stderr  # kernel_env's own frames are not shown
+
+
+# -- the first hour's issue: remote errors, export, messages --------------------------------
+
+
+def _without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+def _cli_in(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KERNEL_ENV, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_export_takes_an_episode_id_as_well_as_a_session_id(tmp_path: Path) -> None:
+    """`kernel-env export` with the episode id that /web and state() show finds its session;
+    `kernel-env ps` lists episode ids; an id that names nothing says where ids are listed."""
+    env = _without("KERNEL_ENV_TOKEN", "KERNEL_ENV_URL")
+    chosen, made = tmp_path / "chosen.ipynb", tmp_path / "made.ipynb"
+    with thread_server(small_settings(sandbox="none")) as url, KernelEnv(base_url=url) as client:
+        client.reset(episode_id="first-hour-episode")
+        client.execute("print(6 * 7)")
+        by_name = _cli_in(env, "export", "first-hour-episode", "--url", url, "-o", str(chosen))
+        client.reset()  # an episode id the server makes
+        client.execute("print(7 * 8)")
+        episode = client.state().episode_id
+        by_uuid = _cli_in(env, "export", episode, "--url", url, "-o", str(made))
+        listed = _cli_in(env, "ps", "--url", url)
+        nothing = _cli_in(env, "export", "no-such-episode", "--url", url)
+    assert by_name.returncode == 0, by_name.stderr
+    assert "6 * 7" in chosen.read_text()
+    assert by_uuid.returncode == 0, by_uuid.stderr
+    assert "7 * 8" in made.read_text()
+    assert episode in listed.stdout, listed.stdout
+    assert nothing.returncode == 2 and "kernel-env ps" in nothing.stderr, nothing.stderr
+
+
+def test_a_client_tenant_resolves_only_its_own_episode_ids(tmp_path: Path) -> None:
+    """An episode id is looked up among the asking tenant's own sessions: another tenant's
+    episode id is answered as an id that names nothing, byte for byte."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice client alice-token-first-hour-1\nbob client bob-token-first-hour-22\n")
+    tokens.chmod(0o600)
+    alice = {"Authorization": "Bearer alice-token-first-hour-1"}
+    bob = {"Authorization": "Bearer bob-token-first-hour-22"}
+    with make_client(sandbox="none", tokens_file=str(tokens)) as client:
+        reset = client.post("/reset", json={"episode_id": "alices-episode"}, headers=alice)
+        assert reset.status_code == 200
+        own = client.get("/sessions/alices-episode/export.zip", headers=alice)
+        theirs = client.get("/sessions/alices-episode/export.zip", headers=bob)
+        nothing = client.get("/sessions/nobodys-episode/export.zip", headers=bob)
+    assert own.status_code == 200 and own.content.startswith(b"PK")
+    assert theirs.status_code == 404
+    assert (theirs.status_code, theirs.text) == (nothing.status_code, nothing.text)
+
+
+def test_export_onto_an_existing_file_names_the_cli_flag(tmp_path: Path) -> None:
+    env = _without("KERNEL_ENV_TOKEN", "KERNEL_ENV_URL")
+    target = str(tmp_path / "e.ipynb")
+    with thread_server(small_settings(sandbox="none")) as url, KernelEnv(base_url=url) as client:
+        client.reset()
+        client.execute("1")
+        session = client.state().episode_id
+        first = _cli_in(env, "export", session, "--url", url, "-o", target)
+        again = _cli_in(env, "export", session, "--url", url, "-o", target)
+        forced = _cli_in(env, "export", session, "--url", url, "-o", target, "--overwrite")
+    assert first.returncode == 0, first.stderr
+    assert again.returncode == 2 and "--overwrite" in again.stderr, again.stderr
+    assert "overwrite=True" not in again.stderr
+    assert forced.returncode == 0, forced.stderr
+
+
+def test_a_server_that_is_down_is_one_message_everywhere(tmp_path: Path) -> None:
+    """ps, export and the Python client say the same sentence: the URL, and what to do."""
+    url = f"http://127.0.0.1:{free_port()}"
+    env = _without("KERNEL_ENV_TOKEN", "KERNEL_ENV_URL")
+    ps = _cli_in(env, "ps", "--url", url)
+    export = _cli_in(env, "export", "some-session", "--url", url, "-o", str(tmp_path / "x"))
+    client = python(f"from kernel_env import KernelEnv\nKernelEnv(base_url={url!r}).reset()")
+    assert ps.returncode == export.returncode == 2 and client.returncode == 1
+    said = {
+        ps.stderr.strip().removeprefix("kernel-env ps: "),
+        export.stderr.strip().removeprefix("kernel-env export: "),
+        client.stderr.strip().splitlines()[-1].removeprefix("ConnectionError: "),
+    }
+    assert len(said) == 1, said
+    (sentence,) = said
+    assert sentence.startswith(f"cannot reach the kernel-env server at {url} (")
+    for words in ("is it running?", "kernel-env serve", "make serve", "KERNEL_ENV_URL", "--url"):
+        assert words in sentence, sentence
+
+
+def test_run_names_an_unreachable_model_endpoint_the_same_way(tmp_path: Path) -> None:
+    """`kernel-env run` says it in the same words, for the model's endpoint and its flag."""
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    done = cli(*_run_args(tmp_path, url), KERNEL_ENV_LLM_API_KEY=KEY)
+    assert done.returncode == 1
+    assert f"cannot reach the model endpoint at {url} (" in done.stderr, done.stderr
+    assert "is it running?" in done.stderr
+    assert "--model-url" in done.stderr and "KERNEL_ENV_LLM_BASE_URL" in done.stderr
+
+
+def test_ps_and_export_say_a_wrong_token_was_refused() -> None:
+    token = "first-hour-ps-token-5"
+    with thread_server(small_settings(token=token, sandbox="none", pool_size=0)) as url:
+        wrong = {**_without("KERNEL_ENV_URL"), "KERNEL_ENV_TOKEN": "not-the-token"}
+        none = _without("KERNEL_ENV_TOKEN", "KERNEL_ENV_URL")
+        ps_wrong, ps_none = _cli_in(wrong, "ps", "--url", url), _cli_in(none, "ps", "--url", url)
+        export_wrong = _cli_in(wrong, "export", "s", "--url", url)
+    for done in (ps_wrong, export_wrong):
+        assert done.returncode == 2 and "refused the token in KERNEL_ENV_TOKEN" in done.stderr
+        assert "set KERNEL_ENV_TOKEN" not in done.stderr
+    assert ps_none.returncode == 2 and "set KERNEL_ENV_TOKEN" in ps_none.stderr
+
+
+def test_a_step_after_the_end_names_the_http_route_or_the_ws_frame() -> None:
+    with make_client(sandbox="none") as client:
+        reset = client.post("/reset", json={})
+        headers = {"X-Session-Id": reset.headers["X-Session-Id"]}
+        final = {"action": {"is_final": True, "final_answer": "1"}}
+        assert client.post("/step", json=final, headers=headers).status_code == 200
+        http = client.post("/step", json={"action": {"code": "1"}}, headers=headers)
+        with client.websocket_connect("/ws") as ws:
+            ws.send_json({"type": "reset"})
+            ws.receive_json()
+            ws.send_json({"type": "step", "data": {"is_final": True, "final_answer": "1"}})
+            ws.receive_json()
+            ws.send_json({"type": "step", "data": {"code": "1"}})
+            frame = ws.receive_json()
+    assert http.status_code == 409 and "POST /reset" in http.json()["detail"]
+    assert "reset()" not in http.json()["detail"]
+    assert frame["type"] == "error" and '{"type": "reset"}' in frame["data"]["message"]
+    assert frame["data"]["exception"] == "EpisodeFinished"
+
+
+def test_kernel_env_takes_the_async_clients_keywords() -> None:
+    """KernelEnv.__init__ and reset() spell out AsyncKernelEnv's keywords (names, defaults),
+    so help() and IDEs show them; a mistyped one is reported against the method called."""
+    import inspect
+
+    from kernel_env import AsyncKernelEnv
+
+    for method in ("__init__", "reset"):
+        sync = inspect.signature(getattr(KernelEnv, method)).parameters
+        both = inspect.signature(getattr(AsyncKernelEnv, method)).parameters
+        assert [(p.name, p.kind, p.default) for p in sync.values()] == [
+            (p.name, p.kind, p.default) for p in both.values()
+        ], method
+    assert "connect_timeout_s" in (KernelEnv.__init__.__doc__ or "")
+    assert KernelEnv.__init__.__doc__ == AsyncKernelEnv.__init__.__doc__
+    with pytest.raises(TypeError, match=r"KernelEnv\.__init__\(\) got an unexpected"):
+        KernelEnv(step_timout=3)  # type: ignore[call-arg]
+    with KernelEnv() as env, pytest.raises(TypeError, match=r"^KernelEnv\.reset\(\) got an"):
+        env.reset(contxt="x")  # type: ignore[call-arg]
+
+
+def test_call_reset_first_has_one_wording() -> None:
+    """A step, a fork, a state and an export before any reset say the same thing."""
+    from kernel_env.errors import ResetNeeded
+
+    said = []
+    with KernelEnv() as env:
+        for call in (
+            lambda: env.execute("1"),
+            lambda: env.fork(),
+            lambda: env.state(),
+            lambda: env.export_notebook("/tmp/never-written.ipynb"),
+        ):
+            with pytest.raises(ResetNeeded) as raised:
+                call()
+            said.append(str(raised.value))
+    assert set(said) == {"Environment not initialized. Call reset() first."}
+
+
+def test_run_without_a_key_for_a_public_endpoint_is_refused(tmp_path: Path) -> None:
+    """No --model-url (nor a variable naming one) and no key: OpenAI's endpoint would be called
+    with no key; the run is refused, naming what to set, before anything starts."""
+    (tmp_path / "c.txt").write_text("x")
+    keys = ("KERNEL_ENV_LLM_API_KEY", "OPENAI_API_KEY", "HF_TOKEN")
+    env = _without(*keys, "KERNEL_ENV_LLM_BASE_URL", "OPENAI_BASE_URL")
+    args = ["run", "--context", str(tmp_path / "c.txt"), "--task", "t", "--model", "m"]
+    done = _cli_in(env, *args, "--output", str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    for name in (*keys, "--model-url"):
+        assert name in done.stderr
+    assert list(tmp_path.iterdir()) == [tmp_path / "c.txt"]
+
+
+def test_a_failed_run_prints_the_trajectory_it_wrote(tmp_path: Path) -> None:
+    """The model fails on its second turn: what ran is kept, and both paths are printed."""
+    from fake_openai import Reply
+
+    def model(body: dict[str, Any]) -> Any:
+        if any(m["role"] == "assistant" for m in body["messages"]):
+            return Reply(400, '{"error": "context too long"}')
+        return "```repl\nx = 1\nprint(x)\n```"
+
+    with FakeOpenAI(model) as fake:
+        done = cli(*_run_args(tmp_path, fake.url), KERNEL_ENV_LLM_API_KEY=KEY)
+    assert done.returncode == 1, done.stderr
+    trajectory = tmp_path / "r.trajectory.jsonl"
+    assert trajectory.is_file() and "the run failed" in done.stderr
+    assert f"trajectory: {trajectory}" in done.stdout, done.stdout + done.stderr
+    assert f"notebook: {tmp_path / 'r.ipynb'}" in done.stdout
+
+
+def test_ctrl_c_before_the_first_cell_says_nothing_ran(tmp_path: Path) -> None:
+    """Interrupted while the model thinks about its first turn: nothing ran, so nothing is
+    written, and it says so (not "writing what ran so far")."""
+
+    def model(body: dict[str, Any]) -> str:
+        time.sleep(60)
+        return "FINAL(1)"
+
+    errors = tmp_path / "stderr.txt"
+    with FakeOpenAI(model) as fake, errors.open("w") as sink:
+        process = subprocess.Popen(
+            [KERNEL_ENV, *_run_args(tmp_path, fake.url)],
+            stdout=subprocess.PIPE,
+            stderr=sink,
+            text=True,
+            env={**os.environ, "KERNEL_ENV_LLM_API_KEY": KEY},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not fake.requests and time.monotonic() < deadline:
+                time.sleep(0.1)
+            process.send_signal(signal.SIGINT)
+            out, _ = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate(timeout=30)
+    said = errors.read_text()
+    assert process.returncode == 130, said
+    assert "writing what ran so far" not in said and "nothing ran" in said, said
+    assert "notebook:" not in out and "trajectory:" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "stderr.txt"]
+
+
+def test_the_readme_puts_the_cells_fields_on_observation_result() -> None:
+    """The README's sentence on a step's fields names `observation.result`, and each field it
+    lists there is one of CodeBlockResult's."""
+    import re
+
+    from kernel_env.models import CodeBlockResult
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    sentence = next(s for s in readme.split("\n- ") if s.startswith("`step(REPLAction"))
+    assert "observation.result" in sentence, sentence
+    listed = re.findall(r"`([a-z_]+)`", sentence.split("observation.result", 1)[1])
+    assert {"stdout", "timed_out", "kernel_restarted", "state_lost"} <= set(listed)
+    assert set(listed) <= set(CodeBlockResult.model_fields), listed

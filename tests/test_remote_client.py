@@ -6,11 +6,21 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
-from serverkit import small_settings, thread_server
+from serverkit import small_settings, thread_server, wait_until
 
-from kernel_env import AsyncKernelEnv, KernelEnv, RemoteError, REPLAction
+from kernel_env import (
+    AsyncKernelEnv,
+    EpisodeFinished,
+    InvalidInput,
+    KernelEnv,
+    RemoteError,
+    REPLAction,
+    ResetNeeded,
+)
 from kernel_env.client import KernelEnv as KernelEnvClass
+from kernel_env.errors import CapacityReached
 from kernel_env.remote import RemoteSession, ws_url
 
 TOKEN = "remote-test-token"
@@ -122,29 +132,41 @@ def test_sync_client_round_trip(url: str) -> None:
 
 
 @pytest.mark.integration
-async def test_error_frames_raise_remote_error_with_code(url: str) -> None:
-    """An error frame raises RemoteError carrying its code and data; the session goes on."""
+async def test_error_frames_raise_the_local_class_and_remote_error(url: str) -> None:
+    """An error frame raises the class a local client raises (ResetNeeded, InvalidInput,
+    EpisodeFinished), which is also a RemoteError carrying the frame's code and data, so code
+    that catches RemoteError keeps working; the session goes on."""
     async with AsyncKernelEnv(url) as env:
-        with pytest.raises(RemoteError) as raised:
+        with pytest.raises(ResetNeeded) as raised:
             await env.execute("1")
+        assert isinstance(raised.value, RemoteError) and isinstance(raised.value, RuntimeError)
         assert raised.value.code == "EXECUTION_ERROR"
         assert raised.value.data["message"] == "Environment not initialized. Call reset() first."
-        with pytest.raises(RemoteError) as invalid:
+        with pytest.raises(InvalidInput) as invalid:
             await env.reset(max_iterations=0)
+        assert isinstance(invalid.value, RemoteError) and isinstance(invalid.value, ValueError)
         assert invalid.value.code == "VALIDATION_ERROR"
+        assert "max_iterations" in str(invalid.value)
         await env.reset()
         assert (await env.execute("print(2)")).observation.result.stdout == "2\n"
+        await env.submit_final_answer("2")
+        with pytest.raises(EpisodeFinished) as over:
+            await env.execute("3")
+        assert isinstance(over.value, RemoteError) and "call reset()" in str(over.value)
 
 
 async def test_capacity_refusal_raises_capacity_reached() -> None:
-    """A full server's refusal surfaces as RemoteError(CAPACITY_REACHED) on the first call."""
+    """A full server's refusal surfaces as CapacityReached (a RemoteError with the code
+    CAPACITY_REACHED, as before) on the first call, with the counts."""
     with thread_server(small_settings(pool_size=0, max_sessions=1)) as base:
         async with AsyncKernelEnv(base) as first, AsyncKernelEnv(base) as second:
             await first.state()
-            with pytest.raises(RemoteError) as refused:
+            with pytest.raises(CapacityReached) as refused:
                 await second.state()
+            assert isinstance(refused.value, RemoteError)
             assert refused.value.code == "CAPACITY_REACHED"
             assert refused.value.data["max_sessions"] == 1
+            assert (refused.value.active_sessions, refused.value.max_sessions) == (1, 1)
 
 
 async def test_token_is_sent_and_required() -> None:
@@ -195,6 +217,56 @@ async def test_many_remote_clients_at_once_get_their_own_outputs(url: str) -> No
 
     results = await asyncio.gather(*(run(t) for t in range(6)))
     assert results == [[f"{t}:{i}\n" for i in range(10)] for t in range(6)]
+
+
+def _sessions(url: str) -> set[str]:
+    listed = httpx.get(f"{url}/sessions", timeout=10).json()["sessions"]
+    return {s["session_id"] for s in listed}
+
+
+@pytest.mark.integration
+def test_fork_on_a_server_gives_connected_copies(url: str) -> None:
+    """KernelEnv(base_url).fork(n): n clients, each attached to a new session on the server
+    whose episode holds the parent's variables; they diverge on their own, the parent is
+    unaffected, and closing a copy ends its session."""
+    with KernelEnv(url) as parent:
+        parent.reset(context="shared")
+        parent.execute("x = 1\nitems = [context]")
+        before = _sessions(url)
+        copies = parent.fork(2)
+        assert len(copies) == 2 and all(isinstance(c, KernelEnv) for c in copies)
+        new = _sessions(url) - before
+        assert len(new) == 2
+        for n, copy in enumerate(copies, start=2):
+            assert copy.run("print(x, items)").stdout == "1 ['shared']\n"
+            copy.execute(f"x = {n * 10}\nitems.append({n})")
+        assert [c.run("print(x, items)").stdout for c in copies] == [
+            "20 ['shared', 2]\n",
+            "30 ['shared', 3]\n",
+        ]
+        assert parent.run("print(x, items)").stdout == "1 ['shared']\n"
+        assert copies[0].state().step_count == 4  # the parent's two steps, then its own
+        copies[0].close()
+        assert wait_until(lambda: len(_sessions(url) & new) == 1, timeout=10)
+        assert copies[1].run("x").stdout == "30\n"  # a sibling's close ends only its own
+        copies[1].close()
+        assert wait_until(lambda: not _sessions(url) & new, timeout=10)
+        assert parent.run("x").stdout == "1\n"
+
+
+@pytest.mark.integration
+async def test_async_fork_on_a_server(url: str) -> None:
+    """AsyncKernelEnv(base_url).fork: the same, with async clients."""
+    async with AsyncKernelEnv(url) as parent:
+        await parent.reset()
+        await parent.execute("x = 'parent'")
+        (copy,) = await parent.fork()
+        async with copy:
+            assert isinstance(copy, AsyncKernelEnv) and copy.base_url == url
+            assert (await copy.run("x")).stdout == "'parent'\n"
+            await copy.execute("x = 'copy'")
+            assert (await copy.run("x")).stdout == "'copy'\n"
+        assert (await parent.run("x")).stdout == "'parent'\n"
 
 
 def test_from_docker_image_is_a_lazy_classmethod() -> None:

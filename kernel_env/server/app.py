@@ -496,7 +496,7 @@ def _add_episode_routes(app: FastAPI) -> None:
         responses={200: {"content": {NOTEBOOK_MEDIA_TYPE: {}}}},
     )
     async def notebook(request: Request, session_id: str) -> Response:
-        session = _session(request, session_id)
+        session = _exported(request, session_id)
         name, body = await session.export(named_notebook)
         return Response(body, media_type=NOTEBOOK_MEDIA_TYPE, headers=_attachment(name))
 
@@ -509,7 +509,7 @@ def _add_episode_routes(app: FastAPI) -> None:
     )
     async def export(request: Request, session_id: str, name: str | None = None) -> Response:
         """``name``: the notebook's file name in the archive (default: the episode id)."""
-        session = _session(request, session_id)
+        session = _exported(request, session_id)
         if name is not None and (
             not name
             or Path(name).name != name
@@ -565,6 +565,12 @@ def _session(request: Request, session_id: str) -> Session:
     return _runtime(request).sessions.get(session_id, tenant_of(request))
 
 
+def _exported(request: Request, key: str) -> Session:
+    """The session a notebook route names: by its session id, or by its episode's id (the one
+    ``state()`` and the web view show), among the request's tenant's own sessions."""
+    return _runtime(request).sessions.resolve(key, tenant_of(request))
+
+
 def _observation_response(obs: REPLObservation, session: Session) -> JSONResponse:
     payload = protocol.observation_payload(obs, session_id=session.id)
     del payload["metadata"]  # HTTP keeps OpenEnv's three keys; metadata is in the observation
@@ -574,16 +580,33 @@ def _observation_response(obs: REPLObservation, session: Session) -> JSONRespons
 # -- exceptions -> responses, in one place ------------------------------------------------
 
 
-def _detail(code: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=code, headers=headers)
+# A step after the end, for an HTTP caller (who starts another with POST /reset).
+EPISODE_OVER_HTTP = (
+    f"the episode is over; POST /reset with this {SESSION_HEADER} header to start another"
+)
+
+
+def _detail(
+    code: int,
+    detail: Any,
+    headers: dict[str, str] | None = None,
+    exc: BaseException | None = None,
+) -> JSONResponse:
+    """``{"detail": ...}``, and for a kernel_env exception ``"exception"``: its class's name
+    (kernel_env's clients raise that class)."""
+    body = {"detail": detail}
+    name = protocol.exception_name(exc) if exc is not None else None
+    if name is not None:
+        body["exception"] = name
+    return JSONResponse(body, status_code=code, headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     async def unknown(_: Request, exc: Exception) -> JSONResponse:
-        return _detail(404, str(exc))
+        return _detail(404, str(exc), exc=exc)
 
     async def gone(_: Request, exc: Exception) -> JSONResponse:
-        return _detail(410, str(exc))
+        return _detail(410, str(exc), exc=exc)
 
     async def capacity(_: Request, exc: Any) -> JSONResponse:
         return _detail(
@@ -595,6 +618,7 @@ def _install_error_handlers(app: FastAPI) -> None:
                 "max_sessions": exc.max_sessions,
             },
             {"Retry-After": "5"},
+            exc,
         )
 
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
@@ -605,14 +629,18 @@ def _install_error_handlers(app: FastAPI) -> None:
             return _detail(
                 422, [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]
             )
-        return _detail(422, [{"type": "value_error", "loc": ["body"], "msg": str(exc)}])
+        return _detail(422, [{"type": "value_error", "loc": ["body"], "msg": str(exc)}], exc=exc)
 
     async def conflict(_: Request, exc: Exception) -> JSONResponse:
-        message = protocol.NOT_INITIALIZED if isinstance(exc, ResetNeeded) else str(exc)
-        return _detail(409, message)
+        message = str(exc)
+        if isinstance(exc, ResetNeeded):
+            message = protocol.NOT_INITIALIZED
+        elif isinstance(exc, EpisodeFinished):
+            message = EPISODE_OVER_HTTP
+        return _detail(409, message, exc=exc)
 
     async def kernel(_: Request, exc: Exception) -> JSONResponse:
-        return _detail(503, f"kernel unavailable: {exc}")
+        return _detail(503, f"kernel unavailable: {exc}", exc=exc)
 
     for exc_type, handler in [
         (UnknownSession, unknown),

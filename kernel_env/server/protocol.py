@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kernel_env import errors
 from kernel_env.errors import (
+    NOT_INITIALIZED,
     CapacityReached,
     EpisodeFinished,
     ForkRefused,
@@ -34,6 +36,7 @@ __all__ = [
     "Request",
     "error_for",
     "error_frame",
+    "exception_name",
     "mcp_response",
     "observation_frame",
     "observation_payload",
@@ -44,8 +47,9 @@ __all__ = [
 
 Frame = dict[str, Any]
 
-# OpenEnv's exact text for a step before reset; clients match on it.
-NOT_INITIALIZED = "Environment not initialized. Call reset() first."
+# NOT_INITIALIZED (from errors): OpenEnv's exact text for a step before reset; clients match it.
+# A step after the end, for a caller of /ws (who starts another with a reset frame).
+EPISODE_OVER_WS = 'the episode is over; send a reset frame ({"type": "reset"}) to start another'
 
 
 class ErrorCode(StrEnum):
@@ -210,8 +214,28 @@ def error_frame(code: ErrorCode, message: str, **extra: Any) -> Frame:
     return {"type": "error", "data": {"message": message, "code": code.value, **extra}}
 
 
+def exception_name(exc: BaseException) -> str | None:
+    """The public kernel_env exception class ``exc`` is (the first of
+    :mod:`kernel_env.errors`' in its MRO), by name; None for any other exception. An error
+    frame or HTTP error carries it as ``"exception"``, so that kernel_env's remote client
+    raises the class a local client would."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in errors.__all__ and getattr(errors, cls.__name__) is cls:
+            return cls.__name__
+    return None
+
+
 def error_for(exc: BaseException) -> Frame:
-    """The error frame for an exception raised while answering a request."""
+    """The error frame for an exception raised while answering a request; a kernel_env
+    exception's frame names its class (``"exception"``)."""
+    frame = _frame_for(exc)
+    name = exception_name(exc)
+    if name is not None:
+        frame["data"]["exception"] = name
+    return frame
+
+
+def _frame_for(exc: BaseException) -> Frame:
     if isinstance(exc, ValidationError):
         return _invalid(validation_errors(exc))
     if isinstance(exc, InvalidInput):  # the caller's input: over a limit, not text
@@ -221,7 +245,7 @@ def error_for(exc: BaseException) -> Frame:
     if isinstance(exc, ResetNeeded):
         return error_frame(ErrorCode.EXECUTION_ERROR, NOT_INITIALIZED)
     if isinstance(exc, EpisodeFinished):
-        return error_frame(ErrorCode.EXECUTION_ERROR, str(exc))
+        return error_frame(ErrorCode.EXECUTION_ERROR, EPISODE_OVER_WS)
     if isinstance(exc, KernelStartError):
         return error_frame(ErrorCode.FACTORY_ERROR, str(exc), factory_name="kernel")
     if isinstance(exc, KernelError):

@@ -43,6 +43,7 @@ from kernel_env.environment import Counters, KernelEnvironment
 from kernel_env.errors import (
     CapacityReached,
     ForkRefused,
+    InvalidInput,
     KernelEnvError,
     ResetNeeded,
     SessionClosed,
@@ -394,6 +395,33 @@ class SessionManager:
         if owner is not None and gone is not None and tenant.may_use(owner):
             raise type(gone)(str(gone))
         raise UnknownSession("unknown session id: call POST /reset to open a session")
+
+    def resolve(self, key: str, tenant: Tenant) -> Session:
+        """The session with the id ``key`` (as :meth:`get`), or else the open one whose
+        current (or last) episode has the id ``key``, among the sessions ``tenant`` may use:
+        the notebook routes take either id, since ``state().episode_id`` and the web view show
+        the episode's. Another tenant's episode id is one that names nothing."""
+        try:
+            return self.get(key, tenant)
+        except UnknownSession:
+            pass
+        running = [
+            s
+            for s in self.visible_to(tenant)
+            if s.env.record is not None and s.env.record.episode_id == key
+        ]
+        if len(running) > 1:
+            raise InvalidInput(
+                f"{len(running)} sessions run an episode with this id: name one by its "
+                "session id (`kernel-env ps` lists them)"
+            )
+        if not running:
+            raise UnknownSession(
+                "no open session and no episode of one has this id: `kernel-env ps` lists "
+                "the sessions with their episode ids"
+            )
+        running[0].claimed = True
+        return running[0]
 
     @contextlib.asynccontextmanager
     async def request(self, session: Session) -> AsyncIterator[None]:
