@@ -155,6 +155,7 @@ async def test_error_frames_raise_the_local_class_and_remote_error(url: str) -> 
         assert isinstance(over.value, RemoteError) and "call reset()" in str(over.value)
 
 
+@pytest.mark.integration
 async def test_capacity_refusal_raises_capacity_reached() -> None:
     """A full server's refusal surfaces as CapacityReached (a RemoteError with the code
     CAPACITY_REACHED, as before) on the first call, with the counts."""
@@ -169,6 +170,7 @@ async def test_capacity_refusal_raises_capacity_reached() -> None:
             assert (refused.value.active_sessions, refused.value.max_sessions) == (1, 1)
 
 
+@pytest.mark.integration
 async def test_token_is_sent_and_required() -> None:
     """With a server token, no token is refused as UNAUTHORIZED; the right one works."""
     with thread_server(small_settings(pool_size=0, token=TOKEN)) as base:
