@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,14 +153,11 @@ def test_run_json_verbose_and_reward(tmp_path: Path) -> None:
     assert "n = len(context)" in done.stderr and "reward 1" in done.stderr  # echoed, scored
 
 
-def test_ctrl_c_prints_what_was_written(tmp_path: Path) -> None:
-    """Ctrl-C while the model thinks: the partial notebook is written and its path printed."""
-
-    def model(body: dict[str, Any]) -> str:
-        if any(m["role"] == "assistant" for m in body["messages"]):
-            time.sleep(60)  # the second turn: the user gives up waiting
-        return "```repl\nx = 1\nprint(x)\n```"
-
+def _interrupted_run(
+    tmp_path: Path, model: Callable[[dict[str, Any]], str], ready: Callable[[Any, str], bool]
+) -> tuple[int, str, str]:
+    """``kernel-env run`` against ``model``, sent SIGINT (as Ctrl-C in a terminal) once
+    ``ready(fake, stderr so far)``; its exit code, stdout and stderr."""
     errors = tmp_path / "stderr.txt"
     with FakeOpenAI(model) as fake, errors.open("w") as sink:
         process = subprocess.Popen(
@@ -173,7 +171,7 @@ def test_ctrl_c_prints_what_was_written(tmp_path: Path) -> None:
         )
         try:
             deadline = time.monotonic() + 120
-            while "iteration 1/" not in errors.read_text() and time.monotonic() < deadline:
+            while not ready(fake, errors.read_text()) and time.monotonic() < deadline:
                 time.sleep(0.1)
             process.send_signal(signal.SIGINT)
             out, _ = process.communicate(timeout=60)
@@ -181,7 +179,19 @@ def test_ctrl_c_prints_what_was_written(tmp_path: Path) -> None:
             if process.poll() is None:  # never leave it (and its kernel) behind
                 process.kill()
                 process.communicate(timeout=30)
-    assert process.returncode == 130, errors.read_text()
+    return process.returncode, out, errors.read_text()
+
+
+def test_ctrl_c_prints_what_was_written(tmp_path: Path) -> None:
+    """Ctrl-C while the model thinks: the partial notebook is written and its path printed."""
+
+    def model(body: dict[str, Any]) -> str:
+        if any(m["role"] == "assistant" for m in body["messages"]):
+            time.sleep(60)  # the second turn: the user gives up waiting
+        return "```repl\nx = 1\nprint(x)\n```"
+
+    code, out, said = _interrupted_run(tmp_path, model, lambda fake, said: "iteration 1/" in said)
+    assert code == 130, said
     notebook = Path(out.split("notebook: ", 1)[1].splitlines()[0])
     assert notebook.is_file() and "x = 1" in notebook.read_text()
 
@@ -521,28 +531,8 @@ def test_ctrl_c_before_the_first_cell_says_nothing_ran(tmp_path: Path) -> None:
         time.sleep(60)
         return "FINAL(1)"
 
-    errors = tmp_path / "stderr.txt"
-    with FakeOpenAI(model) as fake, errors.open("w") as sink:
-        process = subprocess.Popen(
-            [KERNEL_ENV, *_run_args(tmp_path, fake.url)],
-            stdout=subprocess.PIPE,
-            stderr=sink,
-            text=True,
-            env={**os.environ, "KERNEL_ENV_LLM_API_KEY": KEY},
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not fake.requests and time.monotonic() < deadline:
-                time.sleep(0.1)
-            process.send_signal(signal.SIGINT)
-            out, _ = process.communicate(timeout=60)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.communicate(timeout=30)
-    said = errors.read_text()
-    assert process.returncode == 130, said
+    code, out, said = _interrupted_run(tmp_path, model, lambda fake, said: bool(fake.requests))
+    assert code == 130, said
     assert "writing what ran so far" not in said and "nothing ran" in said, said
     assert "notebook:" not in out and "trajectory:" not in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "stderr.txt"]
