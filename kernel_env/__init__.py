@@ -1,13 +1,19 @@
 """kernel_env: a REPL environment for language-model agents, in real IPython kernels.
 
 Importing the package does nothing but define names; the heavier modules load on first use, so
-a kernel that loads the ``kernel_env`` extension starts as fast as a plain one.
+a kernel that loads the ``kernel_env`` extension starts as fast as a plain one. Its log records
+go where the application's logging sends them, and nowhere when it configures none (what an
+episode's observation already says is not repeated on a script's stderr); ``kernel-env serve``
+configures its own.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "1.0.0"
 

@@ -17,13 +17,15 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import difflib
+import ipaddress
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kernel_env import __version__
 from kernel_env.errors import KernelEnvError
@@ -38,7 +40,9 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unrecognized(args.command_parser if args.command else parser, unknown)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
@@ -62,7 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     _add_export(commands)
     _add_replay(commands)
     _add_ps(commands)
+    for command in commands.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> NoReturn:
+    """Exit with the command's own usage (not the top level's) and, for a mistyped flag, the
+    nearest one it has."""
+    flags = [flag for action in parser._actions for flag in action.option_strings]
+    near = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
 def _number(convert: Callable[[str], float], ok: Callable[[float], bool], rule: str) -> Any:
@@ -173,15 +188,15 @@ def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.0005)
     _guard_secrets()
     print(_status_line(settings), file=sys.stderr, flush=True)
-    open_to_all = not settings.token and not settings.tokens_file
-    if open_to_all and settings.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"kernel-env: WARNING: {settings.host} is reachable from other hosts and no "
-            "KERNEL_ENV_TOKEN is set: anyone who can connect can run code",
-            file=sys.stderr,
-            flush=True,
-        )
-    server.run(sockets=[sock])
+    warning = _open_to_all(settings)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        # Ctrl-C is how a server in a terminal is stopped: once it has shut down cleanly, a
+        # normal end (with 130, `make serve` would add "make: *** Error 130").
+        print("kernel-env serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -230,6 +245,29 @@ def _status_line(settings: ServerSettings) -> str:
             f"\nkernel-env:   {name}: {value}" for name, value in describe_limits(settings).items()
         )
     )
+
+
+def _open_to_all(settings: ServerSettings) -> str | None:
+    """The warning for a server that other hosts can reach and that asks no token."""
+    if settings.token or settings.tokens_file or _is_loopback(settings.host):
+        return None
+    return (
+        f"kernel-env: WARNING: no token is set and {settings.host}:{settings.port} is reachable "
+        "from other hosts: anyone who can connect to that port runs code on this machine.\n"
+        "kernel-env: to require a token, start the server with KERNEL_ENV_TOKEN set, e.g. "
+        "KERNEL_ENV_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))') "
+        "(clients send it as 'Authorization: Bearer <token>', or token= in Python), or give "
+        "each client its own with --tokens-file; or serve on --host 127.0.0.1"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def _start_mode(settings: ServerSettings) -> str:

@@ -22,6 +22,8 @@ from typing import Any
 
 from kernel_env import answers
 from kernel_env.errors import (
+    EPISODE_OVER,
+    NOT_INITIALIZED,
     EpisodeFinished,
     ForkRefused,
     InvalidInput,
@@ -40,6 +42,7 @@ from kernel_env.kernel_side import (
     MODULE_NAME,
     SETUP_METADATA,
     STATE_EXPRESSION,
+    unsent_marker,
 )
 from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
@@ -361,10 +364,7 @@ class KernelEnvironment:
     ) -> REPLObservation:
         record, kernel = self._require()
         if record.done:
-            raise EpisodeFinished(
-                "the episode is over; call reset() to start another",
-                episode_id=record.episode_id,
-            )
+            raise EpisodeFinished(EPISODE_OVER, episode_id=record.episode_id)
         if action.is_final:
             answer = action.final_answer or ""
             self._cut = {}
@@ -412,8 +412,12 @@ class KernelEnvironment:
         notes = _fault_notes(ex, self.config.step_timeout)
         if self._output_budget.dropped > dropped:  # the episode's marker: the model sees it
             notes += str(outputs[-1]["text"])
-        stdout, cut_out = truncate(ex.stdout, limit)
-        stderr, cut_err = truncate(ex.stderr + notes, limit)
+        unsent = state.get("unsent")
+        unsent = unsent if isinstance(unsent, dict) else {}
+        stdout, cut_out = truncate(ex.stdout, limit, printed=_printed(ex.stdout, unsent, "stdout"))
+        stderr, cut_err = truncate(
+            ex.stderr + notes, limit, printed=_printed(ex.stderr, unsent, "stderr", len(notes))
+        )
         self.stats.truncations += (cut_out > 0) + (cut_err > 0)
         self._cut = {k: v for k, v in (("stdout", cut_out), ("stderr", cut_err)) if v}
         return CodeBlockResult(
@@ -543,7 +547,10 @@ class KernelEnvironment:
         if self.stepping:
             raise ForkRefused("a step is running: fork between steps", episode_id=record.episode_id)
         if record.done:
-            raise ForkRefused("the episode is over: nothing to fork", episode_id=record.episode_id)
+            raise ForkRefused(
+                "the episode is over: nothing to fork; fork before the final answer, or reset()",
+                episode_id=record.episode_id,
+            )
         if not 1 <= n <= MAX_FORKS:
             raise LimitExceeded(f"n must be between 1 and {MAX_FORKS}, got {n}")
         children = [self._sibling(own_budget) for _ in range(n)]
@@ -643,7 +650,7 @@ class KernelEnvironment:
         """The episode's state; before the first reset, :class:`ResetNeeded` (as upstream)."""
         record = self._record
         if record is None:
-            raise ResetNeeded("Environment not initialized. Call reset() first.")
+            raise ResetNeeded(NOT_INITIALIZED)
         return REPLState(
             episode_id=record.episode_id,
             step_count=len(record.steps),
@@ -723,8 +730,17 @@ class KernelEnvironment:
 
     def _require(self) -> tuple[EpisodeRecord, Kernel]:
         if self._record is None or self._kernel is None:
-            raise ResetNeeded("no episode is running; call reset() first")
+            raise ResetNeeded(NOT_INITIALIZED)
         return self._record, self._kernel
+
+
+def _printed(text: str, unsent: dict[str, Any], name: str, extra: int = 0) -> int | None:
+    """How many chars a stream printed when the kernel sent only part (its state says how
+    many it kept back, and ``text`` holds its marker line for them), else None."""
+    count = unsent.get(name)
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        return None
+    return len(text) - len(unsent_marker(count)) + count + extra
 
 
 def _ready_message(context: str, task_prompt: str) -> str:

@@ -93,6 +93,7 @@ class _Episode:
         self.display_cap = _DisplayCap()
         self.final: str | None = None
         self.restored: list[str] = []
+        self.unsent: dict[str, int] = {}  # chars of the last cell's streams not sent, by name
         self.helpers: dict[str, Any] = {}
         self.host_lock = threading.Lock()
         # Notebook modes, when no episode host answers: a model called from the kernel itself
@@ -194,8 +195,11 @@ class _Episode:
         }
         if self.setup_error is not None:
             state["setup_error"] = self.setup_error
+        if self.unsent:
+            state["unsent"] = self.unsent
         self.final = None
         self.restored = []
+        self.unsent = {}
         return state
 
 
@@ -295,14 +299,20 @@ def _llm_from_environ() -> Callable[[str], str] | None:
 # -- output cap ---------------------------------------------------------------------------
 
 
+def unsent_marker(count: int) -> str:
+    """The line an over-cap stream carries where ``count`` chars were not sent."""
+    return f"\n... (kernel_env: {count} chars not sent from the kernel) ...\n"
+
+
 class _CappedStream:
     """Wraps the kernel's stdout/stderr: at most ``cap`` chars a cell cross the wire, then only
     the tail is kept and sent with a marker when the cell ends (a 1 GB print stays in the kernel).
     """
 
-    def __init__(self, inner: Any, episode: _Episode) -> None:
+    def __init__(self, inner: Any, episode: _Episode, name: str) -> None:
         self._inner = inner
         self._episode = episode
+        self._name = name
         self._closed = False
         self._flushed = 0.0  # when the inner stream's last full flush ended
         self.reset()
@@ -339,10 +349,9 @@ class _CappedStream:
     def finish_cell(self) -> None:
         if self._dropped:
             tail = "".join(self._tail)[-_TAIL_KEEP:]
-            self._inner.write(
-                f"\n... (kernel_env: {self._dropped - len(tail)} chars not sent from the kernel)"
-                " ...\n"
-            )
+            unsent = self._dropped - len(tail)
+            self._episode.unsent[self._name] = unsent  # the host reports the printed size
+            self._inner.write(unsent_marker(unsent))
             self._inner.write(tail)
             self._inner.flush()
         self.reset()
@@ -384,7 +393,7 @@ def _install_streams(episode: _Episode) -> None:
         kernel = getattr(episode.shell, "kernel", None)
         if kernel is not None and hasattr(inner, "set_parent"):
             inner.set_parent(kernel.get_parent("shell"))
-        setattr(sys, name, _CappedStream(inner, episode))
+        setattr(sys, name, _CappedStream(inner, episode, name))
 
 
 def _finish_streams() -> None:
@@ -563,8 +572,8 @@ def _make_helpers(episode: _Episode) -> dict[str, Callable[..., Any]]:
 
 
 def _raised_here(helper: Callable[..., Any]) -> Callable[..., Any]:
-    """``helper`` raising its host-side failures from one frame: the model's traceback shows
-    its own cell and that one line, not kernel_env's internals."""
+    """``helper`` raising its host-side failures from one frame, which the shell's handler
+    (:func:`_show_host_call_error`) leaves out: the model's traceback ends at its own line."""
 
     @functools.wraps(helper)
     def model_facing(*args: Any, **kwargs: Any) -> Any:
@@ -574,6 +583,25 @@ def _raised_here(helper: Callable[..., Any]) -> Callable[..., Any]:
             raise HostCallError(str(exc)) from None
 
     return model_facing
+
+
+def _show_host_call_error(
+    shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None
+) -> list[str]:
+    """The shell's handler of :class:`HostCallError`: the traceback without kernel_env's own
+    frames (which name its lines and where it is installed, nothing the model can act on)."""
+    shell.showtraceback((etype, value, _before_this_module(tb)), tb_offset=tb_offset)
+    return []  # shown above: IPython shows nothing of what a handler returns
+
+
+def _before_this_module(tb: Any) -> Any:
+    """``tb`` cut before its first frame in this module (the model's code calls the helpers)."""
+    first, previous = tb, None
+    while tb is not None and tb.tb_frame.f_code.co_filename != __file__:
+        previous, tb = tb, tb.tb_next
+    if previous is not None:
+        previous.tb_next = None
+    return first
 
 
 # -- extension entry points ---------------------------------------------------------------
@@ -613,6 +641,7 @@ def install(shell: Any) -> None:
     )
     shell.events.register("pre_run_cell", _pre_run_cell)
     shell.events.register("post_execute", _finish_streams)
+    shell.set_custom_exc((HostCallError,), _show_host_call_error)
     _ask_once_per_cell(shell)
     # A user's own notebook may name an endpoint; episode kernels never see these variables.
     episode.local_llm = _llm_from_environ()

@@ -59,20 +59,24 @@ def strip_ansi(text: str) -> str:
     return _ANSI_RE.sub("", text)
 
 
-def truncate(text: str, limit: int) -> tuple[str, int]:
+def truncate(text: str, limit: int, *, printed: int | None = None) -> tuple[str, int]:
     """Shorten ``text`` to about ``limit`` chars, keeping its head and tail around a marker.
 
-    Returns ``(text, 0)`` when nothing was cut (including ``limit <= 0``, meaning no limit),
-    otherwise ``(shortened, cut)``. The shortened text is exactly ``limit`` chars of the original
-    plus the marker line ``"\\n... (truncated: {cut} of {total} chars cut) ...\\n"``.
+    ``printed``: how many chars the cell printed, when ``text`` holds only part of them (the
+    kernel sends at most its cap); the marker and the count cut then say that size.
+
+    Returns ``(text, cut)``: ``cut`` is 0 when nothing was cut (``limit <= 0`` means no limit)
+    and nothing was left unsent. The shortened text is exactly ``limit`` chars of ``text`` plus
+    the marker line ``"\\n... (truncated: {cut} of {printed} chars cut) ...\\n"``.
     """
     total = len(text)
+    printed = total if printed is None else max(printed, total)
     if limit <= 0 or total <= limit:
-        return text, 0
+        return text, printed - total
     head = (limit + 1) // 2
     tail = limit - head
-    cut = total - limit
-    marker = f"\n... (truncated: {cut} of {total} chars cut) ...\n"
+    cut = printed - limit
+    marker = f"\n... (truncated: {cut} of {printed} chars cut) ...\n"
     # Slice the tail by start index: text[-0:] would be the whole string when tail == 0.
     return text[:head] + marker + text[total - tail :], cut
 

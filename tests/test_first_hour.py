@@ -551,3 +551,122 @@ def test_the_readme_puts_the_cells_fields_on_observation_result() -> None:
     listed = re.findall(r"`([a-z_]+)`", sentence.split("observation.result", 1)[1])
     assert {"stdout", "timed_out", "kernel_restarted", "state_lost"} <= set(listed)
     assert set(listed) <= set(CodeBlockResult.model_fields), listed
+
+
+# -- polish ------------------------------------------------------------------------------
+
+
+def test_a_mistyped_flag_shows_the_commands_usage_and_the_nearest_flag() -> None:
+    done = cli("serve", "--prot", "9000")
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: kernel-env serve"), done.stderr
+    assert "unrecognized arguments: --prot 9000 (did you mean --port?)" in done.stderr
+
+
+def _first_lines(args: list[str], until: str, timeout: float = 60) -> str:
+    """What ``kernel-env serve`` prints up to the line holding ``until``; then it is stopped."""
+    said = []
+    with subprocess.Popen(
+        [KERNEL_ENV, "serve", *args], stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as serve:
+        assert serve.stderr is not None
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                line = serve.stderr.readline()
+                said.append(line)
+                if until in line or not line:
+                    break
+        finally:
+            os.killpg(serve.pid, signal.SIGINT)
+            serve.wait(timeout=60)
+    return "".join(said)
+
+
+def test_serving_every_interface_without_a_token_says_what_that_means() -> None:
+    """No token on 0.0.0.0: anyone who reaches the port runs code; how to set a token."""
+    port = str(free_port())
+    env_args = ["--port", port, "--pool-size", "0", "--sandbox", "none", "--forkserver", "false"]
+    said = _first_lines(["--host", "0.0.0.0", *env_args], until="--tokens-file")
+    assert f"no token is set and 0.0.0.0:{port} is reachable from other hosts" in said
+    assert "anyone who can connect to that port runs code on this machine" in said
+    assert "KERNEL_ENV_TOKEN" in said and "Authorization: Bearer" in said
+
+
+def test_a_huge_print_reports_the_size_that_was_printed() -> None:
+    """100 MB printed: the kernel sends 1 MB, and the observation names the 100 MB."""
+    with KernelEnv() as env:
+        env.reset()
+        out = env.run("print('x' * 100_000_000)").stdout
+        err = env.run("import sys; sys.stderr.write('y' * 3_000_000)").stderr
+        small = env.run("print('z' * 50_000)").stdout
+    assert "of 100000001 chars cut" in out
+    assert "of 3000000 chars cut" in err
+    assert "of 50001 chars cut" in small
+
+
+def test_a_plain_script_gets_no_library_log_lines() -> None:
+    """A kernel that ignores the interrupt is restarted: the observation says so, and a script
+    that configured no logging sees nothing of kernel_env's log on its stderr."""
+    done = python(
+        """
+        from kernel_env import KernelEnv
+        with KernelEnv(step_timeout=1.5) as env:
+            env.reset()
+            result = env.run(
+                "import signal, time\\n"
+                "signal.signal(signal.SIGINT, signal.SIG_IGN)\\n"
+                "while True: time.sleep(0.01)"
+            )
+            print(result.timed_out, result.kernel_restarted)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+    assert done.stderr == ""
+
+
+def test_a_failed_llm_query_traceback_ends_at_the_models_line() -> None:
+    """The model sees its own cell's line, not kernel_env's frames or where it is installed."""
+
+    def down(prompt: str) -> str:
+        raise RuntimeError("model down")
+
+    with KernelEnv(llm_query_fn=down) as env:
+        env.reset()
+        result = env.run("def ask():\n    return llm_query('hi')\n\nanswer_ = ask()")
+    (error,) = [o for o in result.outputs if o["output_type"] == "error"]
+    shown = "\n".join(error["traceback"])
+    assert "answer_ = ask()" in shown and "return llm_query('hi')" in shown  # the model's frames
+    assert "kernel_side" not in shown and "site-packages" not in shown
+    assert str(Path(__file__).resolve().parent.parent) not in shown
+    assert error["evalue"] == "RuntimeError: model down"
+
+
+def test_snippets_that_need_an_extra_say_how_to_install_it() -> None:
+    """A docs or README snippet importing a package of an extra names that extra just before."""
+    import re
+
+    extras = {
+        "nbclient": ("notebooks", "dev"),
+        "matplotlib": ("notebooks", "bench", "dev"),
+        "nbconvert": ("html", "dev"),
+        "dspy": ("dspy",),
+        "rlm": ("rlm",),
+        "openenv": ("notebooks",),
+        "smolagents": ("bench",),
+    }
+    root = Path(__file__).resolve().parent.parent
+    silent = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        lines = page.read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("```python")]
+        for start in starts:
+            end = next(j for j in range(start + 1, len(lines)) if lines[j].startswith("```"))
+            block = "\n".join(lines[start + 1 : end])
+            before = "\n".join(lines[max(0, start - 15) : start])
+            for module, names in extras.items():
+                imports = re.search(rf"^\s*(from|import) {module}\b", block, re.MULTILINE)
+                if imports and not any(f"[{name}]" in before for name in names):
+                    silent.append(f"{page.name}:{start + 1} imports {module}")
+    assert not silent, silent

@@ -123,3 +123,5 @@ def test_notebook_runs_offline(
     for expected in EXPECTED[path.stem]:
         assert expected in shown, f"{expected!r} not in the key cell's output:\n{shown}"
     assert TOKEN not in "".join(_text(c) for c in code)
+    # Run from notebooks/ in JupyterLab, a demo writes its files to a temporary directory.
+    assert not list(tmp_path.iterdir()), "the notebook wrote into its working directory"

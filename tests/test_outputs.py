@@ -383,3 +383,11 @@ def test_cleared_outputs_free_their_room_and_updates_are_charged() -> None:
             )
         )
     assert collector.budget.chars <= 1000 and collector.budget.dropped > 0
+
+
+def test_truncate_names_the_printed_size_when_only_part_arrived() -> None:
+    """The kernel sent 1,000 of 100,000 printed chars: the marker and the count say 100,000."""
+    text = "x" * 1_000
+    result, cut = truncate(text, 100, printed=100_000)
+    assert cut == 99_900 and "(truncated: 99900 of 100000 chars cut)" in result
+    assert truncate(text, 5_000, printed=100_000) == (text, 99_000)  # nothing cut here

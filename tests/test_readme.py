@@ -124,5 +124,11 @@ def test_getting_started_from_a_fresh_clone(tmp_path: Path, python: str | None) 
         made = _python_version(str(clone / ".venv" / "bin" / "python"))
         assert made == version, f"the venv runs Python {made}, not {python}'s {version}"
     finally:
-        os.killpg(make.pid, signal.SIGTERM)
-        make.wait(timeout=60)
+        os.killpg(make.pid, signal.SIGINT)  # Ctrl-C in the terminal
+        try:
+            make.wait(timeout=60)
+        finally:
+            if make.poll() is None:
+                os.killpg(make.pid, signal.SIGKILL)
+    said = log.read_text()
+    assert "kernel-env serve: stopped" in said and "make: ***" not in said, said[-2000:]

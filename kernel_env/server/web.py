@@ -10,7 +10,9 @@ The page itself holds no data and is public; everything it shows comes from rout
 token (the page asks for it, keeps it in ``sessionStorage`` and sends it as a header), so a
 client tenant's token shows its own sessions, an operator's every one. Kernel
 output is untrusted: the page's Content-Security-Policy allows only its own script, and HTML or
-SVG from a cell is shown in ``<iframe sandbox>`` (no scripts, an opaque origin).
+SVG from a cell is shown in ``<iframe sandbox="allow-same-origin">``: no script runs there (the
+same origin lets the page fit the frame's height to the output; with scripts allowed too it
+would let the output read the token). ``/web#session=ID`` opens one session.
 """
 
 from __future__ import annotations

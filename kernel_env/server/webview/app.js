@@ -1,7 +1,9 @@
 // kernel_env's web view: running sessions, and one episode as a notebook, live.
 // No build step and no CDN. Kernel output is data: text goes in with textContent, images as
-// data: URLs, and HTML or SVG only inside <iframe sandbox> (no scripts, an opaque origin), so
-// nothing a cell produces runs in this page's origin or can read its token.
+// data: URLs, and HTML or SVG only inside <iframe sandbox="allow-same-origin">: no scripts run
+// there, so nothing a cell produces runs in this page or can read its token; the same origin
+// only lets this page measure the frame, to fit its height to the output.
+// /web#session=ID opens one session (the link beside its title).
 "use strict";
 
 const TOKEN_KEY = "kernel_env_token";
@@ -68,6 +70,9 @@ function show(sessionId) {
   $("cells").replaceChildren();
   $("title").textContent = "";
   $("episode-id").textContent = sessionId;
+  const link = "#session=" + encodeURIComponent(sessionId);
+  $("session-link").href = link;
+  if (location.hash !== link) history.replaceState(null, "", link);
   for (const row of $("sessions").children) row.classList.toggle("selected", row.dataset.session === sessionId);
   follow(sessionId, mine);
 }
@@ -132,11 +137,26 @@ function mimeBundle(data) {
   }
   if (data["text/html"] || data["image/svg+xml"]) {
     const html = [].concat(data["text/html"] || data["image/svg+xml"]).join("");
-    const frame = el("iframe", { class: "html", sandbox: "", referrerpolicy: "no-referrer", title: "HTML output" });
-    frame.srcdoc = html;  // sandbox="" : no scripts, no forms, an opaque origin
+    // No allow-scripts: no script, form, popup or navigation of this page from the output.
+    const frame = el("iframe", { class: "html", sandbox: "allow-same-origin", referrerpolicy: "no-referrer", title: "HTML output" });
+    frame.addEventListener("load", () => fitHeight(frame));
+    frame.srcdoc = html;
     return frame;
   }
   return el("pre", { class: "stream" }, [].concat(data["text/plain"] || "").join(""));
+}
+
+const MAX_FRAME_PX = 600;  // taller outputs scroll inside their frame (and it can be resized)
+
+function fitHeight(frame) {
+  // The root element's own box: its scrollHeight is never less than the frame's viewport.
+  const page = frame.contentDocument && frame.contentDocument.documentElement;
+  if (page) frame.style.height = Math.min(Math.ceil(page.getBoundingClientRect().height) + 2, MAX_FRAME_PX) + "px";
+}
+
+function sessionInLink() {
+  const match = /^#session=(.+)$/.exec(location.hash);
+  return match ? decodeURIComponent(match[1]) : null;
 }
 
 function endStep(node, event) {
@@ -183,6 +203,12 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   $("download-ipynb").addEventListener("click", () => download("ipynb"));
   $("download-html").addEventListener("click", () => download("html"));
+  window.addEventListener("hashchange", () => {
+    const linked = sessionInLink();
+    if (linked && linked !== selected) show(linked);
+  });
+  const linked = sessionInLink();
+  if (linked) show(linked);
   refreshSessions();
   setInterval(refreshSessions, 2000);
 });
