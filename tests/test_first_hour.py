@@ -670,3 +670,27 @@ def test_snippets_that_need_an_extra_say_how_to_install_it() -> None:
                 if imports and not any(f"[{name}]" in before for name in names):
                     silent.append(f"{page.name}:{start + 1} imports {module}")
     assert not silent, silent
+
+
+def test_snippets_import_the_kernel_env_names_they_use() -> None:
+    """A docs or README snippet that uses a public kernel_env name imports it (in that snippet
+    or an earlier one on the page), so it runs as pasted."""
+    import ast
+    import importlib
+    import re
+
+    modules = ("kernel_env", "kernel_env.kernel", "kernel_env.kernel.factory", "kernel_env.llm")
+    public = {name for m in modules for name in importlib.import_module(m).__all__}
+    root = Path(__file__).resolve().parent.parent
+    missing = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        imported: set[str] = set()
+        for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S):
+            code = "\n".join(line for line in block.splitlines() if not line.startswith("%"))
+            tree = ast.parse(code)  # a snippet that is not Python fails here too
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            missing += [f"{page.name}: {name}" for name in sorted((used & public) - imported)]
+    assert not missing, missing
