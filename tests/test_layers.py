@@ -39,6 +39,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("client", ("client", "remote", "replay")),
     ("server", ("server", "server.")),
     ("integrations", ("integrations", "integrations.")),
+    # Episodes over a Ray cluster: a server per node (server) and the client that places them.
+    ("ray", ("ray", "ray.")),
     ("cli", ("cli", "__main__")),
 ]
 

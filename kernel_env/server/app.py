@@ -142,21 +142,27 @@ class Runtime:
             "--llm-model (or KERNEL_ENV_LLM_BASE_URL and KERNEL_ENV_LLM_MODEL); or pass your "
             "own hf_token to reset()",
         )
-        token_backends = _token_backends(settings)
+        self._config = config
+        self._token_backends = _token_backends(settings)
         self.sessions = SessionManager(
-            lambda: KernelEnvironment(
-                config,
-                kernel_source=self.pool.acquire,
-                llm_backend=self.llm,
-                backend_for_token=token_backends,
-                child_solver=solve_child,
-            ),
+            self.new_environment,
             max_sessions=settings.max_sessions,
             idle_ttl=settings.idle_ttl,
             claim_ttl=settings.claim_ttl,
             max_sessions_per_tenant=settings.max_sessions_per_tenant,
         )
         self.started = time.monotonic()
+
+    def new_environment(self, llm_backend: LLMBackend | None = None) -> KernelEnvironment:
+        """A session's environment: the server's limits and kernels; ``llm_backend`` answers
+        its ``llm_query`` instead of the server's model (a Ray host's caller lends its own)."""
+        return KernelEnvironment(
+            self._config,
+            kernel_source=self.pool.acquire,
+            llm_backend=llm_backend or self.llm,
+            backend_for_token=self._token_backends,
+            child_solver=solve_child,
+        )
 
     async def start(self) -> None:
         await self.pool.start()

@@ -1,0 +1,172 @@
+"""GRPO-style rollouts spread over a Ray cluster's kernel_env hosts.
+
+    ray start --head                                         # a trainer node: no kernels
+    ray start --address HEAD:6379 --resources '{"kernel_env": 16}'   # each node with kernels
+    python examples/ray_rollouts.py --address HEAD:6379 --episodes 64 --concurrency 16
+
+Groups of ``--group-size`` scripted rollouts per task (the policy of ``grpo_rollouts.py``: it
+solves, answers wrong, fails then fixes, or never answers), each rollout an episode that
+:class:`kernel_env.ray.KernelEnvCluster` places on a host with room; group-relative
+advantages over each group's completed rollouts. With ``--kill-node-after S`` it ends one
+host's node S seconds in (a task on that node kills its raylet), to watch the episodes there
+fail with ``HostLost`` while the others complete on the remaining hosts.
+
+The last line printed is one JSON object: ``{"episodes": N, "completed": n, "failed": f,
+"per_node": {node_id: episodes placed there}, "episodes_per_s": x, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kernel_env.agent import first_messages, format_observation, turn_feedback
+from kernel_env.ray import KernelEnvCluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_rollouts import (  # the sibling example's tasks and policy
+    TASKS,
+    Rollout,
+    Task,
+    actions_from_text,
+    group_advantages,
+    scripted_policy,
+)
+
+
+async def run_rollout(cluster: KernelEnvCluster, task: Task, index: int) -> tuple[Rollout, str]:
+    """One episode on some host: reply, run the reply's steps, show the outputs, repeat."""
+    rollout = Rollout(task.name, index)
+    rollout.messages = first_messages(
+        task.question, task.context, max_iterations=task.max_iterations
+    )
+    env = await cluster.episode()
+    node = env.node_id
+    async with env:
+        reset = await env.reset(
+            context=task.context,
+            task_prompt=task.question,
+            expected_answer=task.expected,
+            max_iterations=task.max_iterations,
+        )
+        rollout.session_id = reset.observation.metadata.get("session_id")
+        for turn in range(1, task.max_iterations + 1):
+            reply = scripted_policy(task, rollout.messages, index)
+            rollout.messages.append({"role": "assistant", "content": reply})
+            outputs = []
+            for action in actions_from_text(reply):
+                result = await env.step(action)
+                rollout.step_rewards.append(result.reward or 0.0)
+                outputs.append(format_observation(result.observation.result, 2000))
+                if result.done:
+                    rollout.done = True
+                    rollout.final_answer = result.observation.metadata.get("final_answer")
+                    return rollout, node
+            rollout.messages.append(
+                {"role": "user", "content": turn_feedback(outputs, turn, task.max_iterations)}
+            )
+    return rollout, node
+
+
+@ray.remote(num_cpus=0)
+def _end_this_node() -> None:
+    """Run on the node to end: a worker's parent is its node's raylet."""
+    os.kill(os.getppid(), signal.SIGKILL)
+
+
+async def end_a_host_node(cluster: KernelEnvCluster, after: float) -> str | None:
+    """After ``after`` seconds, end the node (not the head) with the most episodes placed."""
+    await asyncio.sleep(after)
+    heads = {n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"]}
+    candidates = [node for node in cluster.placed if node not in heads]
+    if not candidates:
+        return None
+    victim = max(candidates, key=lambda node: cluster.placed[node])
+    strategy = NodeAffinitySchedulingStrategy(victim, soft=False)
+    _end_this_node.options(scheduling_strategy=strategy).remote()
+    return victim
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    cluster = KernelEnvCluster(args.address, capacity_timeout=args.capacity_timeout)
+    limit = asyncio.Semaphore(args.concurrency)
+    nodes: Counter[str] = Counter()
+    failures: Counter[str] = Counter()
+
+    async def one(task: Task, index: int) -> Rollout | None:
+        async with limit:
+            try:
+                rollout, node = await run_rollout(cluster, task, index)
+            except Exception as exc:
+                failures[f"{type(exc).__name__}: {str(exc)[:160]}"] += 1
+                return None
+            nodes[node] += 1
+            return rollout
+
+    killer = None
+    if args.kill_node_after is not None:
+        killer = asyncio.create_task(end_a_host_node(cluster, args.kill_node_after))
+    started = time.perf_counter()
+    groups = []
+    for first in range(0, args.episodes, args.group_size):
+        task = TASKS[(first // args.group_size) % len(TASKS)]
+        size = min(args.group_size, args.episodes - first)
+        groups.append([one(task, i) for i in range(size)])
+    results = await asyncio.gather(*(asyncio.gather(*group) for group in groups))
+    took = time.perf_counter() - started
+    killed = await killer if killer is not None else None
+    completed = [[r for r in group if r is not None] for group in results]
+    for rollouts in completed:
+        if len(rollouts) > 1:  # a group's advantages, over the rollouts that completed
+            advantages = group_advantages([r.reward for r in rollouts])
+            print(
+                f"{rollouts[0].task:<14} rewards {[round(r.reward, 3) for r in rollouts]} "
+                f"advantages {[round(a, 3) for a in advantages]}"
+            )
+    done = sum(len(group) for group in completed)
+    placed = dict(cluster.placed)
+    return {
+        "episodes": args.episodes,
+        "completed": done,
+        "failed": args.episodes - done,
+        "per_node": placed,
+        "episodes_per_s": round(done / took, 2) if took > 0 else 0.0,
+        "seconds": round(took, 2),
+        "mean_reward": round(statistics.fmean(r.reward for g in completed for r in g), 3)
+        if done
+        else None,
+        "killed_node": killed,
+        "failures": dict(failures),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--address", default=None, help="the Ray cluster (default: ray.init's)")
+    parser.add_argument("--episodes", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8, help="episodes open at once")
+    parser.add_argument("--group-size", type=int, default=4, help="rollouts per task (G)")
+    parser.add_argument("--capacity-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--kill-node-after", type=float, default=None, metavar="S", help="end a host's node"
+    )
+    args = parser.parse_args(argv)
+    summary = asyncio.run(run(args))
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""``KernelEnvCluster``: episodes placed across the kernel_env hosts of a Ray cluster.
+
+From any Ray driver or worker::
+
+    cluster = KernelEnvCluster()                 # ray.init() first, or address=
+    async with await cluster.episode() as env:   # an AsyncKernelEnv on some host
+        await env.reset(context="a b a", expected_answer="2")
+        await env.step(REPLAction(code="FINAL(context.count('a'))"))
+    print(await cluster.load())                  # {node_id: {"sessions": ..., ...}}
+
+An episode is opened on a host with a free slot (:mod:`kernel_env.ray.placement`: the caller's
+own node first, else the least loaded), through one Ray call that also lends the caller's model
+for ``llm_query`` when given; its steps then travel over that host's own ``/ws``, as with a
+single ``kernel-env serve`` (measured against Ray calls in benchmarks/README.md). When no host
+has room, ``episode()`` waits up to ``capacity_timeout`` and then raises ``CapacityReached``,
+as a full server does. A host that dies (its node, or its process) ends its episodes with
+:class:`HostLost` at their next call, at once when its sockets close and at the latest after
+the host's step timeout and a grace; new episodes go to the hosts that answer, and a host Ray
+restarted, or a node that joined, takes episodes again from the next look (every second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayError
+
+from kernel_env.client import AsyncKernelEnv
+from kernel_env.errors import RemoteError, remote_error
+from kernel_env.ray.host import LLM
+from kernel_env.ray.hosts import host_for, kernel_nodes
+from kernel_env.ray.placement import HostLoad, choose
+from kernel_env.remote import RemoteSession
+
+__all__ = ["ClusterEpisode", "HostLost", "KernelEnvCluster"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_REFRESH_S = 1.0  # how old the hosts' loads may be when placing
+_PROBE_TIMEOUT = 10.0  # a host's first answer includes its server's start
+_OPEN_TIMEOUT = 10.0
+_WAIT_STEP = 0.2  # seconds between looks for room while the cluster is full
+_STEP_GRACE = 10.0  # past the step timeout: the timeout ladder's interrupt and restart
+_LOST = ("CONNECTION_CLOSED", "TIMEOUT")
+
+
+class HostLost(RemoteError):
+    """The host that ran this episode is gone (its node died, or its process did and Ray is
+    restarting it): the kernel and its state are lost. Start a new episode."""
+
+
+class ClusterEpisode(AsyncKernelEnv):
+    """An :class:`AsyncKernelEnv` attached to a session on one host (``node_id``)."""
+
+    node_id: str
+
+    async def _call(self, op: Callable[[Any], Awaitable[T]]) -> T:
+        try:
+            return await super()._call(op)
+        except RemoteError as exc:
+            if exc.code not in _LOST or isinstance(exc, HostLost):
+                raise
+            raise _lost(self.node_id, str(exc)) from None
+        except ConnectionError as exc:
+            raise _lost(self.node_id, str(exc)) from None
+
+    async def _attach(self, session_ids: list[str]) -> list[AsyncKernelEnv]:
+        copies = await super()._attach(session_ids)  # a fork's copies live on this host too
+        return [_adopt(copy, self.node_id) for copy in copies]
+
+
+def _lost(node_id: str, why: str) -> HostLost:
+    return HostLost(
+        f"the kernel_env host on node {node_id[:12]} is gone ({why}): this episode's kernel "
+        "and its state are lost; start a new episode",
+        code="HOST_LOST",
+        data={"node_id": node_id},
+    )
+
+
+def _adopt(client: AsyncKernelEnv, node_id: str) -> ClusterEpisode:
+    session = client._session
+    assert isinstance(session, RemoteSession)
+    return _episode(session, client._remote, node_id)
+
+
+def _episode(
+    session: RemoteSession, remote: tuple[str, float, float, str | None], node_id: str
+) -> ClusterEpisode:
+    episode = ClusterEpisode._around(session, None, remote)
+    assert isinstance(episode, ClusterEpisode)
+    episode.node_id = node_id
+    return episode
+
+
+class KernelEnvCluster:
+    """Places episodes on the cluster's kernel_env hosts (see the module's docs).
+
+    ``address``: the Ray cluster to join when this process has not (``ray.init`` is called
+    with it); ``settings``: the hosts' :class:`~kernel_env.server.ServerSettings` fields, used
+    by the hosts this client starts (running ones keep theirs); ``capacity_timeout``: how long
+    ``episode()`` waits for a free slot; ``prefer_own_node``: place on the caller's own node
+    first when it hosts kernels."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        settings: dict[str, Any] | None = None,
+        capacity_timeout: float = 60.0,
+        prefer_own_node: bool = True,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+        self.settings = settings
+        self.capacity_timeout = capacity_timeout
+        self.connect_timeout_s = connect_timeout_s
+        own = ray.get_runtime_context().get_node_id()
+        self._own = own if prefer_own_node else None
+        self._hosts: dict[str, ActorHandle] = {}
+        self._endpoints: dict[str, dict[str, Any]] = {}
+        self._loads: dict[str, HostLoad] = {}
+        self._looked = 0.0
+        self._lock = asyncio.Lock()
+        self.placed: dict[str, int] = {}  # episodes this client opened, by node
+
+    # -- placing ------------------------------------------------------------------------------
+
+    async def episode(self, *, llm: LLM | None = None) -> ClusterEpisode:
+        """A new episode's client, attached to a session on a host with room. ``llm``: a
+        backend or ``fn(prompt) -> str`` (picklable: it runs on the host) answering this
+        episode's ``llm_query`` instead of the host's model."""
+        deadline = time.monotonic() + self.capacity_timeout
+        while True:
+            await self._look(force=False)
+            pick = choose(self._loads.values(), own_node=self._own)
+            if pick is not None:
+                episode = await self._open_on(pick, llm)
+                if episode is not None:
+                    self.placed[pick.node_id] = self.placed.get(pick.node_id, 0) + 1
+                    return episode
+                continue
+            if time.monotonic() >= deadline:
+                raise self._full()
+            await asyncio.sleep(_WAIT_STEP)
+            await self._look(force=True)
+
+    async def _open_on(self, load: HostLoad, llm: LLM | None) -> ClusterEpisode | None:
+        node = load.node_id
+        host, endpoint = self._hosts[node], self._endpoints[node]
+        # Counted at once, so that episodes placed together spread over the hosts.
+        self._loads[node] = HostLoad(node, load.sessions + 1, load.slots)
+        try:
+            session_id = await asyncio.wait_for(_ref(host.open_session.remote(llm)), _OPEN_TIMEOUT)
+        except (RayError, TimeoutError) as exc:
+            self._forget(node, exc)
+            return None
+        if session_id is None:  # full since the last look
+            if node in self._loads:
+                self._loads[node] = HostLoad(node, load.slots, load.slots)
+            return None
+        remote = (
+            endpoint["url"],
+            self.connect_timeout_s,
+            float(endpoint["step_timeout"]) + _STEP_GRACE,
+            endpoint["token"],
+        )
+        try:
+            session = await RemoteSession.connect(
+                remote[0],
+                connect_timeout_s=remote[1],
+                message_timeout_s=remote[2],
+                token=remote[3],
+                session_id=session_id,
+            )
+        except (ConnectionError, RemoteError) as exc:  # restarted since: a new port and token
+            self._forget(node, exc)
+            return None
+        return _episode(session, remote, node)
+
+    def _full(self) -> RemoteError:
+        slots = sum(load.slots for load in self._loads.values())
+        hosts = len(self._loads)
+        message = (
+            f"no kernel_env host had a free slot for {self.capacity_timeout:g} s: "
+            f"{hosts} host(s) answer, with {slots} slot(s) in all, every one in use; close "
+            "episodes, add nodes that declare the kernel_env resource, or wait longer "
+            "(capacity_timeout)"
+        )
+        data = {"hosts": hosts, "max_sessions": slots, "active_sessions": slots}
+        return remote_error("CapacityReached", message, code="CAPACITY_REACHED", data=data)
+
+    # -- looking at the hosts -----------------------------------------------------------------
+
+    async def _look(self, *, force: bool) -> None:
+        """Refresh the hosts and their loads if they are older than a second (or ``force``)."""
+        async with self._lock:
+            if not force and time.monotonic() - self._looked < _REFRESH_S:
+                return
+            nodes = await asyncio.to_thread(kernel_nodes)
+            for node in set(self._hosts) - set(nodes):
+                self._hosts.pop(node, None)
+                self._endpoints.pop(node, None)
+            for node, slots in nodes.items():
+                if node not in self._hosts:
+                    self._hosts[node] = await asyncio.to_thread(
+                        host_for, node, slots, self.settings
+                    )
+            answers = await asyncio.gather(*(self._probe(node) for node in nodes))
+            self._loads = {load.node_id: load for load in answers if load is not None}
+            self._looked = time.monotonic()
+
+    async def _probe(self, node: str) -> HostLoad | None:
+        host = self._hosts[node]
+        try:
+            if node not in self._endpoints:
+                endpoint = await asyncio.wait_for(_ref(host.endpoint.remote()), _PROBE_TIMEOUT)
+                self._endpoints[node] = endpoint
+            load = await asyncio.wait_for(_ref(host.load.remote()), _PROBE_TIMEOUT)
+        except (RayError, TimeoutError) as exc:
+            self._forget(node, exc)
+            return None
+        return HostLoad(node, int(load["sessions"]), int(load["slots"]))
+
+    def _forget(self, node: str, why: BaseException) -> None:
+        """A host that did not answer: no episodes until it does again; its endpoint is asked
+        anew (a restarted host listens on a new port, with a new token)."""
+        log.warning("kernel_env host on node %s unavailable: %s", node[:12], _short(why))
+        self._loads.pop(node, None)
+        self._endpoints.pop(node, None)
+        self._hosts.pop(node, None)
+
+    async def load(self) -> dict[str, dict[str, Any]]:
+        """Every host's load, by node id, in one call: sessions, slots, kernels, warm kernels,
+        episodes/s (last 10 s), episodes and steps so far; ``{"alive": False, "error": ...}``
+        for a host that does not answer."""
+        await self._look(force=True)
+        nodes = list(self._hosts)
+        refs = [_ref(self._hosts[node].load.remote()) for node in nodes]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(ref, _PROBE_TIMEOUT) for ref in refs), return_exceptions=True
+        )
+        loads: dict[str, dict[str, Any]] = {}
+        for node, answer in zip(nodes, answers, strict=True):
+            if isinstance(answer, BaseException):
+                loads[node] = {"alive": False, "error": _short(answer)}
+            else:
+                loads[node] = {"alive": True, **answer}
+        return loads
+
+
+async def _ref(ref: Any) -> Any:
+    return await ref
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
