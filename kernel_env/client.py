@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
@@ -23,6 +24,7 @@ from kernel_env.archive import extract_export
 from kernel_env.environment import EnvConfig, ForkMethod, KernelEnvironment, KernelSource
 from kernel_env.errors import (
     ClientClosed,
+    EpisodeError,
     InvalidInput,
     RemoteError,
     ResetNeeded,
@@ -51,6 +53,13 @@ T = TypeVar("T")
 
 _CLOSE_GRACE = 10.0  # seconds close() waits for cancelled in-flight calls to unwind
 _CLOSED = "this client is closed; create a new one"
+# The sync clients whose call is in progress in this context: the loop's task and the threads
+# it hands host callables to (an llm_query_fn) inherit it, so a call back into the same
+# client, which could only wait for the call it is part of, fails at once.
+_CALLING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "kernel_env_calling", default=frozenset()
+)
+_RECURSIVE = "a KernelEnv cannot be called recursively from inside one of its own calls"
 TOKEN_VARIABLE = "KERNEL_ENV_TOKEN"  # a remote client's token when none is passed
 
 
@@ -578,7 +587,15 @@ class KernelEnv:
         if loop is None:
             coro.close()
             raise ClientClosed(_CLOSED)
-        return loop.run(coro)
+        calling = _CALLING.get()
+        if id(self) in calling:
+            coro.close()
+            raise EpisodeError(f"{_RECURSIVE} (an llm_query_fn that calls it, say)")
+        token = _CALLING.set(calling | {id(self)})
+        try:
+            return loop.run(coro)
+        finally:
+            _CALLING.reset(token)
 
     def reset(
         self,

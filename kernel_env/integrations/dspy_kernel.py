@@ -1,11 +1,14 @@
 """The kernel side of :class:`kernel_env.integrations.dspy.KernelInterpreter`: DSPy's tools and
 ``SUBMIT`` in an episode kernel.
 
-The host loads this module into the kernel and calls :func:`prepare` before each of DSPy's
-``execute`` calls. A tool is a stub here that asks the host over the Jupyter stdin channel, as
-``llm_query`` does: an ``input_request`` whose prompt is :data:`TOOL_TAG` followed by JSON
-``{"name", "args", "kwargs"}``; the host runs the tool and replies with JSON ``{"ok": true,
-"value": ...}`` or ``{"ok": false, "error": "..."}``. No host callable ever enters the kernel.
+The host loads this module into the kernel and calls :func:`prepare` (small variables, pasted
+as a literal) or :func:`prepare_file` (large ones, staged in a file the host wrote) before each
+of DSPy's ``execute`` calls; either parses everything before it changes anything, so a
+preparation that fails leaves the session as it was. A tool is a stub here that asks the host
+over the Jupyter stdin channel, as ``llm_query`` does: an ``input_request`` whose prompt is
+:data:`TOOL_TAG` followed by JSON ``{"name", "args", "kwargs"}``; the host runs the tool and
+replies with JSON ``{"ok": true, "value": ...}`` or ``{"ok": false, "error": "..."}``. No host
+callable ever enters the kernel.
 
 Standard library and IPython only, like :mod:`kernel_env.kernel_side`.
 """
@@ -20,8 +23,11 @@ from typing import Any
 
 MODULE_NAME = "kernel_env.integrations.dspy_kernel"
 TOOL_TAG = "\x00kernel_env/dspy-tool:"
-# Evaluated after each cell (user_expressions): whether SUBMIT ran, and with what.
-OUTCOME_EXPRESSION = f"__import__('sys').modules[{MODULE_NAME!r}].outcome()"
+# This module in the kernel, imported again if a cell removed it from sys.modules.
+MODULE_EXPRESSION = f"__import__('importlib').import_module({MODULE_NAME!r})"
+# Evaluated after each cell (user_expressions): whether SUBMIT ran, and with what; else the
+# value of the cell's bare last expression, if it had one.
+OUTCOME_EXPRESSION = f"{MODULE_EXPRESSION}.outcome()"
 
 _NOTHING: Any = object()
 
@@ -63,17 +69,25 @@ def _shell() -> Any:
 def prepare(payload_json: str) -> None:
     """Bind the tools and SUBMIT, inject the variables, forget the last outcome."""
     payload = json.loads(payload_json)
+    tools, variables = list(payload["tools"]), dict(payload.get("variables") or {})
     ns = _shell().user_ns
     for old in _session.tools:
         ns.pop(old, None)
-    _session.tools = list(payload["tools"])
+    _session.tools = tools
     _session.output_fields = payload.get("output_fields")
     _session.final = _NOTHING
     _release_episode_helpers(_session.tools)
     for name in _session.tools:
         ns[name] = _tool(name)
     ns["SUBMIT"] = submit
-    ns.update(payload.get("variables") or {})
+    ns.update(variables)
+
+
+def prepare_file(path: str) -> None:
+    """:func:`prepare` with the payload the host staged at ``path``."""
+    with open(path, encoding="utf-8") as staged:
+        payload_json = staged.read()
+    prepare(payload_json)
 
 
 def _release_episode_helpers(names: list[str]) -> None:
@@ -120,10 +134,26 @@ def submit(*args: Any, **kwargs: Any) -> None:
 
 
 def outcome() -> _JSON:
-    """``{"submitted": bool, "value": ...}`` for the host (see OUTCOME_EXPRESSION)."""
-    if _session.final is _NOTHING:
+    """``{"submitted": bool, "value": ...}`` for the host (see OUTCOME_EXPRESSION): SUBMIT's
+    values, or the value of the last cell's bare last expression (``value`` left out when it
+    had none), as JSON where it can be, else its ``repr``."""
+    if _session.final is not _NOTHING:
+        return _JSON({"submitted": True, "value": _jsonable(_session.final)})
+    last = getattr(_shell(), "last_execution_result", None)
+    value = getattr(last, "result", None)
+    if value is None:
         return _JSON({"submitted": False})
-    return _JSON({"submitted": True, "value": _jsonable(_session.final)})
+    return _JSON({"submitted": False, "value": _value(value)})
+
+
+def _value(value: Any) -> Any:
+    """A bare expression's value as DSPy's own interpreters return it: itself if it is JSON,
+    else its ``repr``."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
+    return value
 
 
 def _jsonable(value: Any) -> Any:
