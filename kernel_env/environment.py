@@ -246,6 +246,9 @@ class KernelEnvironment:
             runner = ChildEpisodes(self.config, self._kernel_source, backend, link, solver).run
         backend_model = getattr(backend, "model", None)
         allowed = {*self.config.llm_allowed_models, opts.llm_model, backend_model}
+        # A backend that routes model names itself (rlm's LM handler knows which models it
+        # serves) is given whatever name a cell asks for.
+        routes_models = getattr(backend, "routes_models", False) is True
         return HostCalls(
             backend=backend,
             usage=link.usage,
@@ -255,7 +258,9 @@ class KernelEnvironment:
             max_concurrency=self.config.llm_concurrency,
             rlm_concurrency=self.config.rlm_concurrency,
             default_model=opts.llm_model,
-            allowed_models=frozenset(m for m in allowed if isinstance(m, str) and m),
+            allowed_models=None
+            if routes_models
+            else frozenset(m for m in allowed if isinstance(m, str) and m),
             max_prompt_chars=self.config.max_prompt_chars,
             no_model_hint=self.config.no_model_hint,
         )

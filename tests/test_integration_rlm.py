@@ -187,16 +187,73 @@ def test_kernels_from_a_gateway(gateway: Any) -> None:
     assert result.stdout == "[1, 2, 3]\n", result.stderr
 
 
-def test_rlm_selects_it_by_name_and_keeps_its_own_rules() -> None:
-    """The name is rlm's to route; rlm refuses persistence for environments it doesn't know."""
+def test_rlm_selects_it_by_name() -> None:
+    """The name is rlm's to route; registering twice changes nothing."""
     env = rlm.environments.get_environment("kernel_env", {"sandbox": "none"})
     try:
         assert isinstance(env, KernelREPL)
         assert env.execute_code("print(1 + 1)").stdout == "2\n"
     finally:
         env.cleanup()
-    with pytest.raises(ValueError, match="persistent"):
-        RLM(backend="openai", environment="kernel_env", persistent=True)
     before = rlm.environments.get_environment
     register()
     assert rlm.environments.get_environment is before is rlm.core.rlm.get_environment
+
+
+def test_llm_query_names_a_model_that_rlms_handler_serves() -> None:
+    """``llm_query(prompt, model=NAME)`` goes to rlm's LM handler, which picks the client: a
+    model registered through ``other_backends`` answers, and rlm counts it under its name."""
+    turns = scripted(
+        repl("r = llm_query('sub: small one', model='small')\nprint(r)"),
+        repl("answer.update(content=r, ready=True)"),
+    )
+    with FakeOpenAI(turns) as server:
+        kwargs = {"api_key": API_KEY, "base_url": server.url}
+        agent = RLM(
+            backend="openai",
+            backend_kwargs={"model_name": "m", **kwargs},
+            other_backends=["openai"],
+            other_backend_kwargs=[{"model_name": "small", **kwargs}],
+            environment="kernel_env",
+            environment_kwargs={"sandbox": "none"},
+            max_iterations=3,
+        )
+        out = agent.completion("ctx")
+        asked = [(r.body["model"], r.body["messages"][-1]["content"]) for r in server.requests]
+    assert out.response == "SUB(sub: small one)"
+    assert ("small", "sub: small one") in asked
+    assert out.usage_summary.to_dict()["model_usage_summaries"]["small"]["total_calls"] == 1
+
+
+def test_data_custom_tools_without_a_context() -> None:
+    """Data custom tools are variables even when no context_payload is given."""
+    with KernelREPL(custom_tools={"CONFIG": {"limit": 3}}, sandbox="none") as env:
+        result = env.execute_code("print(CONFIG['limit'] * 2)")
+    assert result.stdout == "6\n", result.stderr
+
+
+def test_persistent_sessions_keep_the_kernel_across_completions(tmp_path: Path) -> None:
+    """``persistent=True``: one kernel for every completion; contexts are context_0,
+    context_1, ... (``context`` the first), histories history_0, ...; variables persist."""
+    turns = [
+        repl("kept = len(context)\nanswer.update(content=str(kept), ready=True)"),
+        repl("answer.update(content=f'{kept} {context_1} {context} {len(history_0)}', ready=True)"),
+    ]
+    count = iter(range(len(turns)))
+    with FakeOpenAI(lambda body: turns[next(count)]) as server:
+        with RLM(
+            backend="openai",
+            backend_kwargs={"model_name": "m", "api_key": API_KEY, "base_url": server.url},
+            environment="kernel_env",
+            environment_kwargs={"sandbox": "none"},
+            persistent=True,
+            max_iterations=2,
+        ) as agent:
+            first = agent.completion("four")
+            env = agent._persistent_env
+            second = agent.completion("second")
+            assert isinstance(env, KernelREPL) and agent._persistent_env is env
+            assert env.get_context_count() == 2 and env.get_history_count() == 2
+        assert env.env is None  # closed with the RLM
+    assert first.response == "4"
+    assert second.response.startswith("4 second four ")
