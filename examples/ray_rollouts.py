@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kernel_env.agent import first_messages, format_observation, turn_feedback
 from kernel_env.ray import KernelEnvCluster
+from kernel_env.ray.hosts import kernel_nodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_rollouts import (  # the sibling example's tasks and policy
@@ -81,21 +83,32 @@ async def run_rollout(cluster: KernelEnvCluster, task: Task, index: int) -> tupl
 
 
 @ray.remote(num_cpus=0)
-def _end_this_node() -> None:
-    """Run on the node to end: a worker's parent is its node's raylet."""
-    os.kill(os.getppid(), signal.SIGKILL)
+class NodeEnder:
+    """Placed on a node ahead of time (a worker starts in seconds on a busy machine); ends it
+    on request: an actor's parent process is its node's raylet."""
+
+    def end(self) -> None:
+        os.kill(os.getppid(), signal.SIGKILL)
 
 
 async def end_a_host_node(cluster: KernelEnvCluster, after: float) -> str | None:
     """After ``after`` seconds, end the node (not the head) with the most episodes placed."""
-    await asyncio.sleep(after)
     heads = {n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"]}
-    candidates = [node for node in cluster.placed if node not in heads]
+    enders = {
+        node: NodeEnder.options(  # type: ignore[attr-defined]
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote()
+        for node in kernel_nodes()
+        if node not in heads
+    }
+    await asyncio.gather(*(ender.__ray_ready__.remote() for ender in enders.values()))
+    await asyncio.sleep(after)
+    candidates = [node for node in cluster.placed if node in enders]
     if not candidates:
         return None
     victim = max(candidates, key=lambda node: cluster.placed[node])
-    strategy = NodeAffinitySchedulingStrategy(victim, soft=False)
-    _end_this_node.options(scheduling_strategy=strategy).remote()
+    with contextlib.suppress(ray.exceptions.RayError):  # it may end with its node first
+        await enders[victim].end.remote()
     return victim
 
 
@@ -164,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     summary = asyncio.run(run(args))
+    sys.stdout.flush()
+    ray.shutdown()  # Ray prints what it hears (a dead node's log) until then: the JSON is last
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -205,7 +205,11 @@ def example(driver: Any, args: list[str], seconds: float) -> dict[str, Any]:
     took = time.monotonic() - t0
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
-    return {"summary": json.loads(last), "seconds": took, "stdout": done.stdout[-3000:]}
+    try:
+        summary = json.loads(last)
+    except ValueError:
+        raise AssertionError(f"the last line is not JSON:\n{done.stdout[-3000:]}") from None
+    return {"summary": summary, "seconds": took, "stderr": done.stderr[-3000:]}
 
 
 def loads(driver: Any) -> dict[str, Any]:

@@ -30,11 +30,23 @@ HERE = Path(__file__).resolve().parent
 _SYSTEM_CONFIG = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
+def start_cluster(nodes: list[dict[str, Any]], *, tries: int = 2) -> RayNetns:
+    """A :class:`RayNetns`, tried again once if a node did not come up: Ray gives a raylet
+    30 s to register, which a loaded 2-core machine (a whole test suite beside it) can miss."""
+    for attempt in range(1, tries + 1):
+        try:
+            return RayNetns(nodes)
+        except RuntimeError as exc:
+            if attempt == tries or "timed out during startup" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
 class RayNetns:
     """``nodes``: each node's ``ray.cluster_utils.Cluster.add_node`` arguments, the head's
     first (``resources``, ``num_cpus``)."""
 
-    def __init__(self, nodes: list[dict[str, Any]], *, start_timeout: float = 120.0) -> None:
+    def __init__(self, nodes: list[dict[str, Any]], *, start_timeout: float = 180.0) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kray-", dir="/tmp"))  # short: socket paths
         self.log = self.tmp / "driver.log"
         spec = json.dumps({"nodes": nodes, "tmp": str(self.tmp)})

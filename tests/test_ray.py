@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from raynet import RayNetns
+from raynet import RayNetns, start_cluster
 
 from kernel_env.ray.placement import HostLoad, choose
 
@@ -39,7 +39,7 @@ def cluster() -> Iterator[RayNetns]:
         {"num_cpus": 0, "resources": {"kernel_env": SLOTS}},
         {"num_cpus": 0, "resources": {"kernel_env": SLOTS}},
     ]
-    net = RayNetns(nodes)
+    net = start_cluster(nodes)
     try:
         loads = net.call("hosts", timeout=90)
         assert sorted(loads) == sorted(net.node_ids[1:]), loads

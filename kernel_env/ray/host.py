@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -35,8 +36,11 @@ __all__ = ["LLM", "KernelEnvHost"]
 # What a caller may lend for its episode's llm_query: a backend, or fn(prompt) -> str.
 LLM = LLMBackend | Callable[[str], str] | Callable[[str], Awaitable[str]]
 
+log = logging.getLogger(__name__)
+
 _OWNER = Tenant(DEFAULT_TENANT, "operator")  # the token's tenant (KERNEL_ENV_TOKEN's)
 _RATE_WINDOW = 10.0  # seconds over which episodes/s is measured
+_TICK = 0.5  # seconds between load samples (and looks at the raylet)
 _START_TIMEOUT = 60.0
 
 
@@ -61,6 +65,7 @@ class KernelEnvHost:
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
         self._sampler: asyncio.Task[None] | None = None
         self.node_id = ray.get_runtime_context().get_node_id()
+        self._raylet = os.getppid()  # a worker's parent: its node's raylet
 
     # -- the server ---------------------------------------------------------------------------
 
@@ -172,6 +177,14 @@ class KernelEnvHost:
                     await asyncio.wait_for(self._serving, 30)
         self._runtime = None
 
+    def _end_with_the_node(self) -> None:
+        """A host outlives its raylet otherwise (Ray's workers notice late, or not at all),
+        and would go on serving episodes on a node Ray counts as dead: it ends at once, and
+        its episodes see their sockets close (kernels end with it)."""
+        if os.getppid() != self._raylet:
+            log.error("the raylet of node %s is gone: this kernel_env host ends", self.node_id)
+            os._exit(1)
+
     # -- load over time -----------------------------------------------------------------------
 
     def _rate(self, runtime: Runtime) -> float:
@@ -184,6 +197,7 @@ class KernelEnvHost:
     async def _sample_forever(self) -> None:
         gauges = _gauges()
         while (runtime := self._runtime) is not None:
+            self._end_with_the_node()
             now = time.monotonic()
             self._samples.append((now, runtime.sessions.opened_total))
             while self._samples and now - self._samples[0][0] > _RATE_WINDOW:
@@ -193,7 +207,7 @@ class KernelEnvHost:
                 gauges[0].set(runtime.sessions.active, tags=tags)
                 gauges[1].set(runtime.pool.live, tags=tags)
                 gauges[2].set(self._rate(runtime), tags=tags)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(_TICK)
 
 
 def _backend(llm: LLM) -> LLMBackend:
