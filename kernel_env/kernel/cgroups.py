@@ -8,7 +8,11 @@ Layout: ``<controller>/kernel_env/<server pid>/<kernel id>`` on cgroup v1 (one t
 controller: ``memory``, ``pids``, ``cpu``), ``/sys/fs/cgroup/kernel_env/<server pid>/<kernel
 id>`` on cgroup v2. Each server has its own parent, so servers on one host never see each
 other's kernels. A server killed with SIGKILL leaves its parent behind; the next server sweeps
-the parents whose process is gone.
+the parents whose process is gone. A pid alone cannot say so across PID namespaces (a server
+in a container or a Ray node's namespace sees no process of another with that number), so
+each server also holds a shared ``flock`` on its parent directories for its whole life, and a
+parent is swept only once its lock can be taken: servers in other namespaces that share the
+cgroup tree leave each other's kernels alone.
 
 It needs a writable cgroup tree: root on the host, or a delegated subtree (cgroup v2). Without
 one, :func:`available_controllers` is empty, the limits fall back to rlimits, and the server
@@ -18,6 +22,7 @@ says so at start.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -114,13 +119,14 @@ class KernelCgroup:
         _remove_left_behind()
         if cgroup_version() == 1:
             for c in controllers:
-                self.paths.append(_make(_ROOT / c / _TREE / str(os.getpid()) / kernel_id))
+                server = _claim(_ROOT / c / _TREE / str(os.getpid()))
+                self.paths.append(_make(server / kernel_id))
         else:
             server = _ROOT / _TREE / str(os.getpid())
             if not server.is_dir():
                 server.mkdir(exist_ok=True)
                 _write(server / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
-            self.paths.append(_make(server / kernel_id))
+            self.paths.append(_make(_claim(server) / kernel_id))
         for c in controllers:
             if wanted[c] is not None:
                 self._limit(c, wanted[c])
@@ -192,6 +198,50 @@ def _remove_left_behind() -> None:
                 _left.discard(path)
 
 
+# This process's parent directories, each held open with a shared flock: the sign that their
+# server lives, whatever PID namespace looks at them.
+_claimed: dict[Path, int] = {}
+_claim_lock = threading.Lock()
+
+
+def _claim(server: Path) -> Path:
+    """``server`` (this process's parent directory), made if need be and locked (shared)."""
+    with _claim_lock:
+        if server in _claimed:
+            return server
+        while True:
+            server.mkdir(parents=True, exist_ok=True)
+            fd = os.open(server, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            # A sweep that locked it first may have removed it meanwhile: then make it again.
+            if os.fstat(fd).st_nlink > 0 and _same_file(fd, server):
+                _claimed[server] = fd
+                return server
+            os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _unclaimed(server: Path) -> int | None:
+    """An fd holding ``server``'s exclusive lock when no live server holds it, else None."""
+    try:
+        fd = os.open(server, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _make(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -219,11 +269,24 @@ def sweep_dead_servers() -> int:
             for server in [p for p in tree.iterdir() if p.is_dir() and p.name.isdigit()]:
                 if _alive(int(server.name)):
                     continue
-                for kernel in [p for p in server.iterdir() if p.is_dir()]:
-                    _empty_and_remove(kernel)
-                    removed += 1
-                with contextlib.suppress(OSError):
-                    server.rmdir()
+                removed += _sweep(server)
+    return removed
+
+
+def _sweep(server: Path) -> int:
+    """Remove a dead server's kernel cgroups and its parent, unless a server holds its lock."""
+    fd = _unclaimed(server)
+    if fd is None:
+        return 0
+    removed = 0
+    try:
+        for kernel in [p for p in server.iterdir() if p.is_dir()]:
+            _empty_and_remove(kernel)
+            removed += 1
+        with contextlib.suppress(OSError):
+            server.rmdir()
+    finally:
+        os.close(fd)
     return removed
 
 
@@ -247,6 +310,8 @@ def _kill_all(cgroup: Path, attempts: int = 50) -> bool:
         if not pids:
             return True
         for pid in pids:
+            if pid <= 0:  # never a process group (kill(0) is the caller's own)
+                continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
