@@ -643,10 +643,21 @@ def _running_as(uid: int) -> Iterator[subprocess.Popen[bytes]]:
     argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"]
     process = subprocess.Popen(argv)
     try:
+        # setpriv changes its uid after it starts: under load, well after Popen returns.
+        assert wait_until(lambda: _runs_as(process.pid, uid, "sleep"), timeout=30)
         yield process
     finally:
         process.kill()
         process.wait()
+
+
+def _runs_as(pid: int, uid: int, command: str) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return fields["Name"].strip() == command and int(fields["Uid"].split()[0]) == uid
 
 
 def test_a_uid_leased_by_a_server_that_died_is_emptied_before_its_next_lease() -> None:
