@@ -385,8 +385,9 @@ def test_make_shows_the_install_and_why_it_failed(tmp_path: Path) -> None:
     _index_or_skip()
     broken = tmp_path / "constraints.txt"
     pins = (ROOT / "constraints.txt").read_text()
-    # beautifulsoup4 (pinned) needs soupsieve>=1.6.1: impossible on any Python.
-    broken.write_text(re.sub(r"(?m)^soupsieve==.*$", "soupsieve==1.0", pins))
+    # kernel_env needs jupyter-client>=8.6: impossible on any Python, and found at once (a
+    # pin deep in the tree fails the same way, after pip has read more metadata).
+    broken.write_text(re.sub(r"(?m)^jupyter_client==.*$", "jupyter_client==1.0", pins))
     venv = tmp_path / "venv"
     make = [
         "make", "--no-print-directory", f"{venv}/.installed-dev", f"PYTHON={_system_python()}",
@@ -405,7 +406,7 @@ def test_make_shows_the_install_and_why_it_failed(tmp_path: Path) -> None:
     said = done.stdout + done.stderr
     print(f"make's install failed after {took:.0f} s")
     assert done.returncode != 0, said[-3000:]
-    assert "The conflict is caused by" in said and "soupsieve==1.0" in said, said[-3000:]
+    assert "The conflict is caused by" in said and "jupyter-client==1.0" in said, said[-3000:]
     for heading in ("== creating the virtualenv", "== upgrading pip", "== installing kernel_env"):
         assert heading in said, said[:3000]
     assert "Collecting " in said, said[:3000]  # pip's progress
