@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 _INSIDE = "KERNEL_ENV_BENCH_NETNS"
+_NOT_UP = 75  # the inner run's exit code when a Ray node did not start
 SLOTS = 8
 POOL = 4
 
@@ -321,8 +322,10 @@ def inside(args: argparse.Namespace) -> None:
         ray.shutdown()
         print(json.dumps(figures), flush=True)
         code = 0
-    except BaseException:
+    except BaseException as exc:
         traceback.print_exc()
+        if "timed out during startup" in str(exc):
+            code = _NOT_UP
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         os._exit(code)  # the namespace's first process: every process in it ends with it
@@ -345,7 +348,12 @@ def main() -> None:
         inside(args)
     command = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
     command += [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
-    raise SystemExit(subprocess.run(command, env={**os.environ, _INSIDE: "1"}).returncode)
+    for _ in range(2):  # Ray gives a raylet 30 s to register: a loaded machine can miss it
+        code = subprocess.run(command, env={**os.environ, _INSIDE: "1"}).returncode
+        if code != _NOT_UP:
+            break
+        print("a Ray node did not come up in time; starting again", file=sys.stderr)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,9 @@ def capacity(driver: Any, wait: float) -> dict[str, Any]:
         await got_in.reset()
         late = time.monotonic() - t0
         await asyncio.gather(got_in.close(), *(env.close() for env in held[1:]))
+        moved = await _stale_view_moves(slots)
         return {
+            "moved": moved,
             "slots": slots,
             "held": len(held),
             "refused": [
@@ -149,6 +151,31 @@ def capacity(driver: Any, wait: float) -> dict[str, Any]:
         }
 
     return asyncio.run(run())
+
+
+async def _stale_view_moves(slots: int) -> dict[str, Any]:
+    """A client whose look at the hosts is stale places an episode on a host another client
+    filled since: the host refuses it at its first call, and it moves to the host with room."""
+    from kernel_env.ray.placement import HostLoad
+
+    other = KernelEnvCluster(capacity_timeout=10)
+    held = await asyncio.gather(*(other.episode() for _ in range(slots - 1)))
+    await asyncio.gather(*(env.reset() for env in held))
+    counts: dict[str, int] = {}
+    for env in held:
+        counts[env.node_id] = counts.get(env.node_id, 0) + 1
+    full = max(counts, key=lambda node: counts[node])
+    stale = KernelEnvCluster(capacity_timeout=10)
+    await stale.load()  # hosts and endpoints known; then a view from before the others came
+    stale._loads = {full: HostLoad(full, 0, slots // 2)}
+    stale._looked = time.monotonic()
+    env = await stale.episode()
+    placed_on = env.node_id
+    await env.reset()
+    ran = (await env.run("print('moved')")).stdout.strip()
+    result = {"full": full, "placed_on": placed_on, "ran_on": env.node_id, "ran": ran}
+    await asyncio.gather(env.close(), *(e.close() for e in held))
+    return result
 
 
 def host_restart(driver: Any) -> dict[str, Any]:

@@ -90,7 +90,8 @@ def test_an_episode_does_what_a_kernel_env_episode_does(cluster: RayNetns, tmp_p
 @pytest.mark.timeout(120)
 def test_the_capacity_bound_holds_and_an_episode_waits_for_room(cluster: RayNetns) -> None:
     """Six slots held: two more episodes wait 2 s, then fail as a full server does; no host
-    goes past its slots; an episode asked while full gets in when a slot frees."""
+    goes past its slots; an episode asked while full gets in when a slot frees; one placed on
+    a host that filled since its client looked goes to the host with room."""
     got = cluster.call("capacity", wait=2.0)
     assert got["slots"] == 2 * SLOTS and got["held"] == 2 * SLOTS
     for refused in got["refused"]:
@@ -100,6 +101,9 @@ def test_the_capacity_bound_holds_and_an_episode_waits_for_room(cluster: RayNetn
     for load in got["load"].values():
         assert load["sessions"] == SLOTS and load["kernels"] <= SLOTS
     assert got["late_wait"] >= 1.0
+    moved = got["moved"]  # placed from a stale view on a host that filled: moved, then ran
+    assert moved["placed_on"] == moved["full"] and moved["ran_on"] != moved["full"]
+    assert moved["ran"] == "moved"
 
 
 @pytest.mark.integration

@@ -9,9 +9,10 @@ From any Ray driver or worker::
     print(await cluster.load())                  # {node_id: {"sessions": ..., ...}}
 
 An episode is opened on a host with a free slot (:mod:`kernel_env.ray.placement`: the caller's
-own node first, else the least loaded), through one Ray call that also lends the caller's model
-for ``llm_query`` when given; its steps then travel over that host's own ``/ws``, as with a
-single ``kernel-env serve`` (measured against Ray calls in benchmarks/README.md). When no host
+own node first, else the least loaded) by connecting to that host's own ``/ws``, over which its
+steps then travel, as with a single ``kernel-env serve`` (measured against Ray calls in
+benchmarks/README.md); a Ray call opens the session first only to lend the caller's model for
+``llm_query``. Ray carries the look at the hosts' loads, once a second. When no host
 has room, ``episode()`` waits up to ``capacity_timeout`` and then raises ``CapacityReached``,
 as a full server does. A host that dies (its node, or its process) ends its episodes with
 :class:`HostLost` at their next call, at once when its sockets close and at the latest after
@@ -32,7 +33,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
 from kernel_env.client import AsyncKernelEnv
-from kernel_env.errors import RemoteError, remote_error
+from kernel_env.errors import CapacityReached, RemoteError, remote_error
 from kernel_env.ray.host import LLM
 from kernel_env.ray.hosts import host_for, kernel_nodes
 from kernel_env.ray.placement import HostLoad, choose
@@ -61,16 +62,36 @@ class ClusterEpisode(AsyncKernelEnv):
     """An :class:`AsyncKernelEnv` attached to a session on one host (``node_id``)."""
 
     node_id: str
+    # Set while the session has answered nothing: a host that refuses it for want of room
+    # (another client filled it since the last look) sends it to another host.
+    _placer: KernelEnvCluster | None = None
 
     async def _call(self, op: Callable[[Any], Awaitable[T]]) -> T:
         try:
-            return await super()._call(op)
+            result = await super()._call(op)
+        except CapacityReached:
+            placer, self._placer = self._placer, None
+            if placer is None:
+                raise
+            await self._move(placer)
+            return await self._call(op)
         except RemoteError as exc:
             if exc.code not in _LOST or isinstance(exc, HostLost):
                 raise
             raise _lost(self.node_id, str(exc)) from None
         except ConnectionError as exc:
             raise _lost(self.node_id, str(exc)) from None
+        self._placer = None
+        return result
+
+    async def _move(self, placer: KernelEnvCluster) -> None:
+        """To a session on another host (this one is full, and closed it)."""
+        placer._mark_full(self.node_id)
+        other = await placer.episode()
+        old, self._session = self._session, other._session
+        self._remote, self.node_id, self._placer = other._remote, other.node_id, other._placer
+        if old is not None:
+            await old.close()
 
     async def _attach(self, session_ids: list[str]) -> list[AsyncKernelEnv]:
         copies = await super()._attach(session_ids)  # a fork's copies live on this host too
@@ -155,19 +176,26 @@ class KernelEnvCluster:
             await self._look(force=True)
 
     async def _open_on(self, load: HostLoad, llm: LLM | None) -> ClusterEpisode | None:
+        """A session on this host: opened by the ``/ws`` connection itself (as with one server;
+        a refusal for room moves the episode at its first call), or, to lend the caller's
+        model, by a Ray call first."""
         node = load.node_id
+        if node not in self._hosts or node not in self._endpoints:
+            return None
         host, endpoint = self._hosts[node], self._endpoints[node]
         # Counted at once, so that episodes placed together spread over the hosts.
         self._loads[node] = HostLoad(node, load.sessions + 1, load.slots)
-        try:
-            session_id = await asyncio.wait_for(_ref(host.open_session.remote(llm)), _OPEN_TIMEOUT)
-        except (RayError, TimeoutError) as exc:
-            self._forget(node, exc)
-            return None
-        if session_id is None:  # full since the last look
-            if node in self._loads:
-                self._loads[node] = HostLoad(node, load.slots, load.slots)
-            return None
+        session_id = None
+        if llm is not None:
+            try:
+                opening = _ref(host.open_session.remote(llm))
+                session_id = await asyncio.wait_for(opening, _OPEN_TIMEOUT)
+            except (RayError, TimeoutError) as exc:
+                self._forget(node, exc)
+                return None
+            if session_id is None:  # full since the last look
+                self._mark_full(node)
+                return None
         remote = (
             endpoint["url"],
             self.connect_timeout_s,
@@ -185,7 +213,14 @@ class KernelEnvCluster:
         except (ConnectionError, RemoteError) as exc:  # restarted since: a new port and token
             self._forget(node, exc)
             return None
-        return _episode(session, remote, node)
+        episode = _episode(session, remote, node)
+        if session_id is None:
+            episode._placer = self
+        return episode
+
+    def _mark_full(self, node: str) -> None:
+        if (load := self._loads.get(node)) is not None:
+            self._loads[node] = HostLoad(node, load.slots, load.slots)
 
     def _full(self) -> RemoteError:
         slots = sum(load.slots for load in self._loads.values())
