@@ -2,8 +2,8 @@
 real ``kernel-env serve`` process.
 
 ``openenv`` 0.10 and ``openenv-core`` 0.3 (the dev venv's, tested by test_openenv_compat.py)
-install the same ``openenv`` package, so 0.10 lives in a venv of its own, made here on first
-use and kept under ``.venv/`` (ignored) for later runs: ``.venv/openenv-0.10.0``.
+install the same ``openenv`` package, so 0.10 lives in a venv of its own, made on first use
+and kept in the user's cache for later runs (tests/venvs.py).
 
 Its Docker provider builds the package's Dockerfile as it is, which needs the base image from
 a registry (scripts/docker-smoke.sh builds offline by importing a debootstrapped base and
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from serverkit import ServeProcess, serve_process
+from venvs import cached_venv
 
 pytestmark = [
     pytest.mark.integration,  # kernels, servers or other processes
@@ -32,29 +33,11 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.10.0"
-VENV = ROOT / ".venv" / f"openenv-{VERSION}"
-
-
-def _openenv_venv() -> Path:
-    """A venv with openenv==0.10.0 (made once; pip's output on failure)."""
-    python = VENV / "bin" / "python"
-    stamp = VENV / ".installed"
-    if not stamp.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        done = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", f"openenv=={VERSION}"],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        stamp.touch()
-    return python
 
 
 @pytest.fixture(scope="module")
 def openenv_python() -> Path:
-    return _openenv_venv()
+    return cached_venv("openenv", [f"openenv=={VERSION}"])
 
 
 @pytest.fixture(scope="module")
