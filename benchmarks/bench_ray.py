@@ -1,6 +1,6 @@
 """kernel_env on Ray against a single ``kernel-env serve``, side by side in one run.
 
-    python benchmarks/bench_ray.py            # ~4 minutes on 2 cores (root: a network namespace)
+    python benchmarks/bench_ray.py            # ~5 minutes on 2 cores (root: a network namespace)
     python benchmarks/bench_ray.py --quick    # fewer samples, for a smoke run
 
 Everything runs in a network namespace of its own with only ``lo`` (Ray binds the machine's
@@ -11,7 +11,10 @@ with the host's settings. Measured, rounds interleaved:
 1. step p50/p95 (``x = 1``, one episode each): the server's ``/ws``; the cluster, steps over
    the host's ``/ws``; the cluster, steps as Ray calls to the host actor (the same sessions);
 2. episodes/s (open, reset, two steps, close; 8 at a time) for the same three, one host;
-3. episodes/s with three host nodes on this one machine, and per host.
+3. episodes/s with three host nodes on this one machine (8 and 24 at a time), the server again
+   beside them; episodes placed per host.
+
+Rates are the median of rounds run in turn, so that what else the machine does weighs on all.
 
 The last line is one JSON object with every figure.
 """
@@ -231,36 +234,33 @@ async def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
         }
         print_table("step x = 1 (one episode each, interleaved)", steps)
         # 2. episodes/s, one host
-        rates: dict[str, list[dict[str, float]]] = {name: [] for name in openers}
-        for _ in range(args.rounds):
-            for name, opener in openers.items():
-                rates[name].append(await throughput(opener, args.concurrency, args.seconds))
-                await asyncio.sleep(2)  # pools refill
-        one_host = {name: _mean(r) for name, r in rates.items()}
+        one_host = await interleaved_rates(openers, args)
         print_table(f"episodes/s, {args.concurrency} at a time, one host", one_host)
+        # 3. three host nodes on this machine (the serve beside them again, for reference)
+        for _ in range(2):
+            cluster.add_node(num_cpus=0, resources={"kernel_env": SLOTS})
+        three = KernelEnvCluster(capacity_timeout=60, settings=settings)
+        await three.load()
+        await asyncio.sleep(3)
+        wide = f"cluster /ws, 3 hosts, {3 * args.concurrency} at a time"
+        three_hosts = await interleaved_rates(
+            {
+                "serve /ws": openers["serve /ws"],
+                "cluster /ws, 3 hosts": three.episode,
+                wide: three.episode,
+            },
+            args,
+            concurrency={wide: 3 * args.concurrency},
+        )
+        print_table(f"episodes/s, {args.concurrency} at a time, three host nodes", three_hosts)
+        loads = await three.load()
+        per_node = {node[:8]: count for node, count in three.placed.items()}
+        print(f"episodes placed per node (three hosts): {per_node}")
     finally:
         serve.terminate()
         serve.wait(timeout=30)
-    # 3. three host nodes on this machine
-    for _ in range(2):
-        cluster.add_node(num_cpus=0, resources={"kernel_env": SLOTS})
-    three = KernelEnvCluster(capacity_timeout=60, settings=settings)
-    await three.load()
-    await asyncio.sleep(3)
-    results = []
-    for _ in range(args.rounds):
-        results.append(await throughput(three.episode, args.concurrency, args.seconds))
-        await asyncio.sleep(2)
-    wide = await throughput(three.episode, 3 * args.concurrency, args.seconds)
-    loads = await three.load()
-    three_hosts = {
-        f"cluster /ws, {args.concurrency} at a time": _mean(results),
-        f"cluster /ws, {3 * args.concurrency} at a time": wide,
-    }
-    print_table("episodes/s, three host nodes on this machine", three_hosts)
-    per_node = {node[:8]: count for node, count in three.placed.items()}
-    print(f"episodes placed per node: {per_node}")
     return {
+        "load_average": os.getloadavg(),  # what else ran on the machine meanwhile
         "steps": steps,
         "one_host": one_host,
         "three_hosts": three_hosts,
@@ -275,18 +275,34 @@ async def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
             / one_host["serve /ws"]["episodes_per_s"],
             "episodes_ray_calls_vs_ws": one_host["cluster Ray calls"]["episodes_per_s"]
             / one_host["cluster /ws"]["episodes_per_s"],
-            "episodes_three_hosts_vs_one": _mean(results)["episodes_per_s"]
-            / one_host["cluster /ws"]["episodes_per_s"],
+            "episodes_three_hosts_vs_serve": three_hosts["cluster /ws, 3 hosts"]["episodes_per_s"]
+            / three_hosts["serve /ws"]["episodes_per_s"],
         },
     }
 
 
+async def interleaved_rates(
+    openers: dict[str, Callable[[], Awaitable[Any]]],
+    args: argparse.Namespace,
+    concurrency: dict[str, int] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Each opener's episodes/s, ``args.rounds`` rounds of ``args.seconds`` each, in turn (so
+    that what else the machine does weighs on all alike); the median of the rounds."""
+    rates: dict[str, list[dict[str, float]]] = {name: [] for name in openers}
+    for _ in range(args.rounds):
+        for name, opener in openers.items():
+            wanted = (concurrency or {}).get(name, args.concurrency)
+            rates[name].append(await throughput(opener, wanted, args.seconds))
+            await asyncio.sleep(1.5)  # pools refill
+    return {name: _median(runs) for name, runs in rates.items()}
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
 async def _ready(env: Any) -> Any:
     return env
-
-
-def _mean(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.fmean(r[key] for r in runs) for key in runs[0]}
 
 
 def print_table(title: str, rows: dict[str, dict[str, float]]) -> None:
@@ -336,8 +352,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer samples")
     args = parser.parse_args(argv)
     args.steps = 100 if args.quick else 400
-    args.rounds = 1 if args.quick else 2
-    args.seconds = 5.0 if args.quick else 12.0
+    args.rounds = 1 if args.quick else 5
+    args.seconds = 5.0 if args.quick else 6.0
     args.concurrency = 8
     return args
 
