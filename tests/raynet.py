@@ -145,6 +145,7 @@ def _serve(spec: dict[str, Any]) -> None:
             **head,
             "temp_dir": spec["tmp"],
             "include_dashboard": False,
+            "include_log_monitor": False,  # no driver reads workers' logs: ~4 s less start
             "_system_config": _SYSTEM_CONFIG,
         },
     )
