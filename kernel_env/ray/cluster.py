@@ -181,6 +181,7 @@ class KernelEnvCluster:
         model, by a Ray call first."""
         node = load.node_id
         if node not in self._hosts or node not in self._endpoints:
+            self._loads.pop(node, None)  # forgotten meanwhile: not a candidate until looked at
             return None
         host, endpoint = self._hosts[node], self._endpoints[node]
         # Counted at once, so that episodes placed together spread over the hosts.
