@@ -167,6 +167,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             choices=f.metadata["choices"],
             metavar=f.metadata["metavar"],
             help=f"{f.metadata['help']} (default: {_shown(f.default)})",
+            # A list flag given twice: both lists (comma-separated items in each).
+            action="extend" if f.metadata.get("repeat") else "store",
         )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from gateway import GatewayProcess
+from gateway import EnterpriseGatewayProcess, GatewayProcess
 
 from kernel_env import KernelEnv
 
@@ -58,6 +58,15 @@ def env() -> Iterator[KernelEnv]:
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     """A real Jupyter Kernel Gateway on a free loopback port, one per test module."""
     gw = GatewayProcess(tmp_path_factory.mktemp("gateway"))
+    gw.start()
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def enterprise_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """A real Jupyter Enterprise Gateway, default settings, one per test module."""
+    gw = EnterpriseGatewayProcess(tmp_path_factory.mktemp("enterprise-gateway"))
     gw.start()
     yield gw
     gw.stop()

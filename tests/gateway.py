@@ -1,9 +1,11 @@
-"""A real Jupyter Kernel Gateway in a subprocess, on a free loopback port, with a token.
+"""A real Jupyter Kernel Gateway (or Enterprise Gateway) in a subprocess, on a free loopback
+port, with a token.
 
-Its Jupyter dirs are private (no writes to ``~/.local``) and hold three kernel specs:
+Its Jupyter dirs are private (no writes to ``~/.local``) and hold four kernel specs:
 ``python3`` (this venv's ipykernel, no ``--ext``: kernel_env is importable but not loaded),
 ``kernel_env`` (``deploy/gateway/kernelspec/kernel.json``: the extension loaded at start) and
-``python3-bare`` (a kernel that cannot import kernel_env: the helpers must be shipped).
+``python3-bare`` (a kernel that cannot import kernel_env: the helpers must be shipped) and
+``broken`` (its command fails at once).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import httpx
 from procs import descendants
+from venvs import cached_venv
 
 DEPLOY_KERNELSPEC = Path(__file__).parent.parent / "deploy" / "gateway" / "kernelspec"
 TOKEN = "test-gateway-token"
@@ -68,8 +71,22 @@ def _kernelspecs(root: Path) -> None:
             "env": _QUIET,
         },
     )
+    _write_spec(
+        root,
+        "broken",
+        {
+            "argv": [python, "-c", "raise SystemExit('no kernel here')", "{connection_file}"],
+            "display_name": "A kernel spec whose command fails",
+            "language": "python",
+        },
+    )
     folder = root / "kernels" / "kernel_env"
     shutil.copytree(DEPLOY_KERNELSPEC, folder, dirs_exist_ok=True)
+    # Its "python" is the gateway's own interpreter: this venv's, whatever venv the gateway
+    # runs in (Enterprise Gateway has its own).
+    spec = json.loads((folder / "kernel.json").read_text())
+    spec["argv"][0] = python
+    (folder / "kernel.json").write_text(json.dumps(spec))
 
 
 class GatewayProcess:
@@ -94,8 +111,8 @@ class GatewayProcess:
             SECRET_VAR: "gateway-only",
         }
 
-    def start(self, timeout: float = 60.0) -> None:
-        argv = [
+    def argv(self) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "kernel_gateway",
@@ -110,6 +127,9 @@ class GatewayProcess:
             "--KernelManager.shutdown_wait_time=1.0",
             *self.args,
         ]
+
+    def start(self, timeout: float = 60.0) -> None:
+        argv = self.argv()
         log = (self.workdir / "gateway.log").open("ab")
         self.process = subprocess.Popen(
             argv,
@@ -171,3 +191,26 @@ class GatewayProcess:
         path = self.workdir / "gateway.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+EG_VERSION = "3.3.0"
+
+
+class EnterpriseGatewayProcess(GatewayProcess):
+    """A real Jupyter Enterprise Gateway (its own venv: it pins jupyter_client 6), with its
+    default settings (root may not start kernels: ``unauthorized_users``), on 127.0.0.1.
+    Kernels run locally (EG's LocalProcessProxy) with this venv's ipykernel, as above."""
+
+    def argv(self) -> list[str]:
+        python = cached_venv("enterprise-gateway", [f"jupyter_enterprise_gateway=={EG_VERSION}"])
+        return [
+            str(python),
+            "-m",
+            "enterprise_gateway",
+            "--EnterpriseGatewayApp.ip=127.0.0.1",
+            f"--EnterpriseGatewayApp.port={self.port}",
+            "--EnterpriseGatewayApp.port_retries=0",
+            f"--EnterpriseGatewayApp.auth_token={self.token}",
+            "--KernelRestarter.time_to_dead=1.0",
+            *self.args,
+        ]

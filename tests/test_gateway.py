@@ -1,7 +1,9 @@
-"""The gateway backend: the shared episode checks on local and gateway kernels, then what only a
-gateway can do wrong (token, kernel specs, max_kernels, the gateway dying: F12).
+"""The gateway backend: the shared episode checks on local kernels and on kernels of a Kernel
+Gateway and of an Enterprise Gateway, then what only a gateway can do wrong (token, kernel
+specs, max_kernels, users, the gateway dying: F12).
 
-A real ``jupyter kernelgateway`` runs on a free loopback port (see ``gateway.py``).
+A real ``jupyter kernelgateway`` and a real Enterprise Gateway (its own venv, default settings)
+run on free loopback ports (see ``gateway.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from conftest import STEP_TIMEOUT
-from gateway import SECRET_VAR, GatewayProcess
+from gateway import SECRET_VAR, EnterpriseGatewayProcess, GatewayProcess
 from serverkit import LoopbackClient, serve_process
 
 from kernel_env import KernelEnv, KernelError, check_env
@@ -39,7 +41,7 @@ def _config(gw: GatewayProcess, **options: object) -> GatewayConfig:
     return GatewayConfig(url=gw.url, token=gw.token, **options)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["local", "gateway"])
+@pytest.fixture(params=["local", "gateway", "enterprise_gateway"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -50,8 +52,8 @@ def env(request: pytest.FixtureRequest, backend: str) -> Iterator[KernelEnv]:
     if backend == "local":
         # Unsandboxed, like the gateway's kernels: tests signal the pid the kernel reports.
         source = local_source(sandbox="none")
-    else:
-        source = gateway_source(_config(request.getfixturevalue("gateway")))
+    else:  # no KERNEL_USERNAME given: Enterprise Gateway takes the default one
+        source = gateway_source(_config(request.getfixturevalue(backend)))
     with KernelEnv(
         kernel_source=source, llm_query_fn=lambda p: f"echo:{p}", step_timeout=STEP_TIMEOUT
     ) as client:
@@ -140,10 +142,17 @@ def test_f3_kernel_killed_between_steps(env: KernelEnv) -> None:
 # -- gateway only ----------------------------------------------------------------------------
 
 
-def test_f2_ignored_interrupt_restarts_over_rest(gateway: GatewayProcess) -> None:
+@pytest.fixture(params=["gateway", "enterprise_gateway"])
+def any_gateway(request: pytest.FixtureRequest) -> GatewayProcess:
+    """Kernel Gateway, then Enterprise Gateway."""
+    gateway: GatewayProcess = request.getfixturevalue(request.param)
+    return gateway
+
+
+def test_f2_ignored_interrupt_restarts_over_rest(any_gateway: GatewayProcess) -> None:
     """F2: a cell ignoring SIGINT is restarted over REST; helpers and context come back."""
     with KernelEnv(
-        kernel_source=gateway_source(_config(gateway)), step_timeout=STEP_TIMEOUT
+        kernel_source=gateway_source(_config(any_gateway)), step_timeout=STEP_TIMEOUT
     ) as env:
         env.reset(context="still here")
         env.execute("kept = 1")
@@ -168,13 +177,16 @@ def test_helpers_in_any_kernelspec(gateway: GatewayProcess, kernel_name: str) ->
         assert env.execute("FINAL(len(context))").observation.metadata["final_answer"] == "3"
 
 
-async def test_kernel_sees_only_kernel_variables(gateway: GatewayProcess) -> None:
-    """KERNEL_* values reach the kernel; the gateway's own environment does not."""
-    async with GatewayKernel(_config(gateway, env={"KERNEL_ENV_EPISODE": "e1"})) as kernel:
+async def test_kernel_sees_only_kernel_variables(any_gateway: GatewayProcess) -> None:
+    """KERNEL_* values reach the kernel (KERNEL_USERNAME the default one, which Enterprise
+    Gateway accepts from a root server); the gateway's own environment does not."""
+    config = _config(any_gateway, env={"KERNEL_ENV_EPISODE": "e1"})
+    async with GatewayKernel(config) as kernel:
         result = await kernel.execute(
-            f"import os; print(os.environ.get('KERNEL_ENV_EPISODE'), '{SECRET_VAR}' in os.environ)"
+            "import os; e = os.environ\n"
+            f"print(e.get('KERNEL_ENV_EPISODE'), e.get('KERNEL_USERNAME'), '{SECRET_VAR}' in e)"
         )
-    assert result.stdout == "e1 False\n"
+    assert result.stdout == "e1 kernel-env False\n"
 
 
 @pytest.mark.parametrize(
@@ -247,16 +259,21 @@ def test_server_episode_on_gateway_kernels(gateway: GatewayProcess) -> None:
         assert ws.receive_json()["data"]["observation"]["result"]["stdout"] == _pid(gateway)
 
 
-def test_serve_gateway_flags(gateway: GatewayProcess) -> None:
-    """`kernel-env serve --gateway-url ... --gateway-kernel-name ...` with the token from
-    KERNEL_ENV_GATEWAY_TOKEN: the status line names the gateway, episodes run there, and the
-    token is never logged."""
+def test_serve_gateway_flags(any_gateway: GatewayProcess) -> None:
+    """`kernel-env serve --gateway-url ... --gateway-kernel-name ... --gateway-env ...` with the
+    token from KERNEL_ENV_GATEWAY_TOKEN: the status line names the gateway, episodes run there
+    with the KERNEL_* values given, and the token is never logged."""
+    gateway = any_gateway
     env = {**os.environ, "KERNEL_ENV_GATEWAY_TOKEN": gateway.token}
     with serve_process(
         "--gateway-url",
         gateway.url,
         "--gateway-kernel-name",
         "kernel_env",
+        "--gateway-env",
+        "KERNEL_USERNAME=alice",
+        "--gateway-env",
+        "KERNEL_ENV_NOTE=from-serve",
         "--pool-size",
         "1",
         env=env,
@@ -265,9 +282,75 @@ def test_serve_gateway_flags(gateway: GatewayProcess) -> None:
             client.reset(context="abc")
             assert client.execute("print(context[::-1])").observation.result.stdout == "cba\n"
             assert client.execute(PARENT).observation.result.stdout == _pid(gateway)
+            said = client.execute(
+                "import os; print(os.environ['KERNEL_USERNAME'], os.environ['KERNEL_ENV_NOTE'])"
+            )
+            assert said.observation.result.stdout == "alice from-serve\n"
         log = server.log.read_text(errors="replace")
     assert f"kernels on the gateway {gateway.url} (kernel spec 'kernel_env')" in log
     assert gateway.token not in log
+
+
+async def test_a_kernel_that_dies_at_start_is_named(any_gateway: GatewayProcess) -> None:
+    """A kernel spec whose command fails: the start fails saying the kernel died, not that a
+    WebSocket handshake timed out."""
+    with pytest.raises(KernelStartError, match="'broken' kernel died as it started"):
+        await GatewayKernel(_config(any_gateway, kernel_name="broken")).start()
+
+
+# -- Enterprise Gateway only -----------------------------------------------------------------
+
+
+async def test_eg_refuses_root_and_the_error_says_how_to_name_a_user(
+    enterprise_gateway: GatewayProcess,
+) -> None:
+    """Enterprise Gateway refuses a kernel for root (its default unauthorized_users): one
+    line with its words and the flag that names another user."""
+    config = _config(enterprise_gateway, env={"KERNEL_USERNAME": "root"})
+    with pytest.raises(KernelStartError) as refused:
+        await GatewayKernel(config).start()
+    said = str(refused.value)
+    assert "User 'root' is not authorized" in said and "for user 'root'" in said
+    assert "--gateway-env KERNEL_USERNAME=NAME" in said and "\n" not in said
+
+
+def test_eg_per_user_kernel_limit_is_one_clear_line(tmp_path: Path) -> None:
+    """An Enterprise Gateway allowing one kernel per user refuses the second: reset says so."""
+    gw = EnterpriseGatewayProcess(tmp_path, "--EnterpriseGatewayApp.max_kernels_per_user=1")
+    gw.start()
+    try:
+        source = gateway_source(_config(gw))
+        with KernelEnv(kernel_source=source) as first, KernelEnv(kernel_source=source) as second:
+            first.reset()
+            with pytest.raises(KernelStartError, match="per-user kernel limit is reached"):
+                second.reset()
+            assert _stdout(first, "print(1 + 1)") == "2\n"
+    finally:
+        gw.stop()
+
+
+def test_eg_culls_an_idle_kernel_and_the_next_step_says_so(tmp_path: Path) -> None:
+    """Enterprise Gateway culls a kernel idle past its timeout: the next step reports the
+    kernel gone (not a hang), and the episode goes on in a fresh kernel."""
+    gw = EnterpriseGatewayProcess(
+        tmp_path,
+        "--MappingKernelManager.cull_idle_timeout=2",
+        "--MappingKernelManager.cull_interval=1",
+        "--MappingKernelManager.cull_connected=True",  # kernel_env keeps its channels open
+    )
+    gw.start()
+    try:
+        with KernelEnv(kernel_source=gateway_source(_config(gw)), step_timeout=10) as env:
+            env.reset(context="ctx")
+            env.execute("kept = 1")
+            time.sleep(5)  # culled meanwhile
+            started = time.monotonic()
+            res = env.execute("print('after')").observation.result
+            assert time.monotonic() - started < 15
+            assert not res.success and res.state_lost, res
+            assert _stdout(env, "print(context, 'kept' in globals())") == "ctx False\n"
+    finally:
+        gw.stop()
 
 
 PARENT = "import os; print(os.getppid())"  # a gateway kernel is the gateway's child

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -154,6 +155,9 @@ def kernel_source_from(
         value = getattr(settings, f"gateway_{name}", None)
         if value is not None and value != "":
             options[name] = value
+    entries = options.get("env")
+    if entries is not None and not isinstance(entries, Mapping):  # a server's "KERNEL_X=v"s
+        options["env"] = dict(entry.split("=", 1) for entry in entries)
     return gateway_source(GatewayConfig(**options))
 
 

@@ -60,6 +60,7 @@ from websockets.asyncio.client import ClientConnection
 from kernel_env import kernel_side
 from kernel_env.errors import KernelError, KernelStartError
 from kernel_env.kernel.base import ExecutionResult, Kernel
+from kernel_env.kernel.modes import DEFAULT_KERNEL_USERNAME
 
 __all__ = ["GatewayConfig", "GatewayKernel"]
 
@@ -110,7 +111,9 @@ class GatewayConfig:
     url: str  # http(s)://host:port[/base_url]
     token: str | None = field(default=None, repr=False)  # sent as "Authorization: token ..."
     kernel_name: str = "python3"
-    env: Mapping[str, str] = field(default_factory=dict)  # KERNEL_* entries for every kernel
+    # KERNEL_* entries for every kernel; KERNEL_USERNAME is DEFAULT_KERNEL_USERNAME unless given
+    # (Enterprise Gateway refuses root, and its per-user limits count by it).
+    env: Mapping[str, str] = field(default_factory=dict)
     verify: bool | str | ssl.SSLContext = True  # TLS: verify, a CA bundle path, or a context
     connect_timeout: float = 10.0  # TCP/TLS/WebSocket handshakes
     request_timeout: float = 30.0  # REST calls other than starting a kernel
@@ -234,6 +237,26 @@ def _describe(response: httpx.Response) -> str:
     return f"{response.status_code} {response.reason_phrase}" + (f": {detail}" if detail else "")
 
 
+def _refusal(response: httpx.Response, env: Mapping[str, str]) -> str:
+    """A gateway's refusal of a new kernel in one line: its words, and what to change."""
+    said = _describe(response)
+    if "KERNEL_USERNAME" in said or "not authorized" in said:
+        user = env.get("KERNEL_USERNAME")
+        return (
+            f"the gateway refused a kernel for user {user!r} ({said}); give it one it accepts: "
+            "kernel-env serve --gateway-env KERNEL_USERNAME=NAME (or GatewayConfig(env=...))"
+        )
+    if "per user" in said:
+        return (
+            f"the gateway refused a new kernel ({said}): its per-user kernel limit is reached; "
+            "close a session or raise the gateway's max_kernels_per_user"
+        )
+    return (
+        f"the gateway refused a new kernel ({said}): its kernel limit (max_kernels) is reached "
+        "or the token lacks permission"
+    )
+
+
 class GatewayKernel(Kernel):
     """A kernel started by a Jupyter (Kernel|Enterprise) Gateway, driven over its WebSocket."""
 
@@ -246,7 +269,7 @@ class GatewayKernel(Kernel):
         if bad:
             raise ValueError(f"gateway kernels only receive KERNEL_* variables: {', '.join(bad)}")
         self.config = config
-        self._env = {**config.env, **extra}
+        self._env = {"KERNEL_USERNAME": DEFAULT_KERNEL_USERNAME, **config.env, **extra}
         self._http: httpx.AsyncClient | None = None
         self._ws: ClientConnection | None = None
         self._session: Session | None = None
@@ -499,10 +522,7 @@ class GatewayKernel(Kernel):
         except KernelError as exc:
             raise KernelStartError(str(exc)) from exc.__cause__
         if response.status_code == 403:
-            raise KernelStartError(
-                f"the gateway refused a new kernel ({_describe(response)}): its kernel limit "
-                "(max_kernels) is reached or the token lacks permission"
-            )
+            raise KernelStartError(_refusal(response, self._env))
         if response.is_error:
             raise KernelStartError(f"{what}: the gateway answered {_describe(response)}")
         self.kernel_id = str(response.json()["id"])
@@ -531,6 +551,16 @@ class GatewayKernel(Kernel):
             with contextlib.suppress(KernelError):  # already gone is fine
                 await self._request("DELETE", self._path(), self.config.request_timeout, "delete")
         await self._create_kernel()
+
+    async def _channels_problem(self, exc: BaseException) -> str:
+        """Why the channels did not open: the kernel died (a gateway holds the handshake
+        while it restarts a kernel that fails to start), or the connection itself."""
+        if self._http is not None and await self._rest_state() in ("missing", "dead"):
+            return (
+                f"the {self.config.kernel_name!r} kernel died as it started on the gateway at "
+                f"{self.config.url} (its kernel spec's command failed; the gateway's log says why)"
+            )
+        return f"cannot open the kernel's channels at {self.config.ws_url}: {exc!r}"
 
     async def _rest_state(self) -> str | None:
         """``missing``/``dead``/the execution state, or None if the gateway did not answer."""
@@ -570,10 +600,8 @@ class GatewayKernel(Kernel):
                 **options,
             )
         except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
-            raise KernelStartError(
-                f"cannot open the kernel's channels at {self.config.ws_url}: {exc!r}",
-                kernel_id=self.kernel_id,
-            ) from exc
+            problem = await self._channels_problem(exc)
+            raise KernelStartError(problem, kernel_id=self.kernel_id) from exc
         self._ws, self._session, self._outbox = ws, session, asyncio.Queue()
         self._last_check = time.monotonic()
         name = f"gateway-{self.kernel_id}"

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kernel_env.kernel.modes import SANDBOX_MODES
+from kernel_env.kernel.modes import DEFAULT_KERNEL_USERNAME, SANDBOX_MODES
 
 __all__ = ["ENV_PREFIX", "LOG_LEVELS", "ServerSettings"]
 
@@ -32,13 +32,15 @@ def _flag(
     metavar: str | None = None,
     choices: tuple[str, ...] | None = None,
     secret: bool = False,
+    repeat: bool = False,
 ) -> Any:
     """A setting that is also a ``kernel-env serve`` flag (``--name-with-dashes``): the CLI
-    builds its flags from these fields, and its help names the default."""
+    builds its flags from these fields, and its help names the default. ``repeat``: a list
+    flag that may also be given once per item."""
     return field(
         default=default,
         repr=not secret,
-        metadata={"help": help, "metavar": metavar, "choices": choices},
+        metadata={"help": help, "metavar": metavar, "choices": choices, "repeat": repeat},
     )
 
 
@@ -119,6 +121,14 @@ class ServerSettings:
     gateway_kernel_name: str | None = _flag(
         None, "the gateway's kernel spec (none: the gateway's python3)", metavar="NAME"
     )
+    gateway_env: tuple[str, ...] = _flag(
+        (),
+        "KERNEL_* variables every gateway kernel is started with (Enterprise Gateway reads "
+        f"KERNEL_USERNAME, KERNEL_NAMESPACE, ...; KERNEL_USERNAME={DEFAULT_KERNEL_USERNAME} "
+        "unless given); repeatable",
+        metavar="NAME=VALUE",
+        repeat=True,
+    )
     # The model behind the kernels' llm_query (an OpenAI-compatible endpoint). A reset with an
     # hf_token uses Hugging Face's router with that token for that episode instead.
     llm_base_url: str | None = _flag(
@@ -197,6 +207,8 @@ class ServerSettings:
             raise ValueError(f"max_kernels must be >= 1, got {self.max_kernels}")
         if self.sandbox not in SANDBOX_MODES:
             raise ValueError(f"sandbox must be auto, bwrap or none, got {self.sandbox!r}")
+        object.__setattr__(self, "gateway_env", tuple(self.gateway_env))  # a CLI list
+        gateway_env_problem(self.gateway_env)
         if self.llm_base_url and not self.llm_model:
             raise ValueError("llm_base_url needs llm_model (the model name to request)")
         for name in ("llm_max_calls", "llm_max_tokens"):
@@ -267,6 +279,17 @@ def _secrets_from_files(environ: Mapping[str, str]) -> dict[str, str]:
         if not values[variable]:
             raise ValueError(f"{variable}_FILE: {path} is empty")
     return values
+
+
+def gateway_env_problem(entries: tuple[str, ...]) -> None:
+    """Raise ValueError unless every entry is ``KERNEL_<NAME>=VALUE``."""
+    for entry in entries:
+        name, equals, _ = entry.partition("=")
+        if not equals or not name.startswith("KERNEL_") or not name[7:]:
+            raise ValueError(
+                f"gateway_env: expected KERNEL_<NAME>=VALUE, got {entry!r} (gateways pass only "
+                "KERNEL_* variables to kernels)"
+            )
 
 
 def _parse(name: str, type_name: str, raw: str) -> Any:
