@@ -5,19 +5,22 @@
 
 P8  trivial step (`x = 1`) through KernelEnvironment: local backend, gateway backend with our
     client-side TCP_QUICKACK fix, without it (the 40 ms delayed-ACK stall), and without it
-    against a second gateway running deploy/gateway/kg_nodelay.py (the gateway-side fix);
+    against a second gateway running deploy/gateway/kg_nodelay.py (the gateway-side fix); and
+    an Enterprise Gateway (3.3.0, its own venv) with and without the client fix;
     interleaved in rounds so that drift on a noisy machine hits all alike; also an llm_query
     round trip (the kernel asks the host over the stdin channel).
 P9  reset with a 100 MB context (staged as a file; via the gateway, sent in 8 MiB binary
     chunks), next to a reset with an empty context (kernel start + setup) on the same backend.
 
-Real `jupyter kernelgateway` processes run on free loopback ports (tests/gateway.py starts them).
+Real `jupyter kernelgateway` and Enterprise Gateway processes run on free loopback ports
+(tests/gateway.py starts them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -27,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from gateway import GatewayProcess  # tests/gateway.py
+from gateway import EnterpriseGatewayProcess, GatewayProcess  # tests/gateway.py
 
 from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.kernel import GatewayConfig
@@ -120,6 +123,7 @@ async def main(args: argparse.Namespace) -> None:
             "kg_nodelay.NoDelayWebsocketConnection",
         )
         nodelay.env["PYTHONPATH"] = str(ROOT / "deploy" / "gateway")
+        enterprise = EnterpriseGatewayProcess(Path(tmp) / "enterprise")
         try:
             gw.start()
             sources = {
@@ -131,19 +135,25 @@ async def main(args: argparse.Namespace) -> None:
             }
             if not args.skip_p8:
                 nodelay.start()
+                enterprise.start()
+                eg = GatewayConfig(url=enterprise.url, token=enterprise.token)
                 p8_sources = sources | {
                     "gateway, gateway fix": gateway_source(
                         GatewayConfig(url=nodelay.url, token=nodelay.token, quickack=False)
-                    )
+                    ),
+                    "EG, client fix": gateway_source(eg),
+                    "EG, no fix": gateway_source(dataclasses.replace(eg, quickack=False)),
                 }
                 rounds, per_round = (3, 20) if args.quick else (10, 40)
                 await p8(p8_sources, rounds, per_round)
                 nodelay.stop()
+                enterprise.stop()
             if not args.skip_p9:
                 await p9(sources, args.context_mb * MB, 1 if args.quick else 3)
         finally:
             gw.stop()
             nodelay.stop()
+            enterprise.stop()
 
 
 if __name__ == "__main__":
