@@ -621,7 +621,7 @@ def write_readme(text: str, readme: Path = README) -> None:
 def backends_to_measure() -> dict[str, Any]:
     """The default local backend and the unsandboxed one (just one when they are the same)."""
     from kernel_env.kernel.factory import local_source
-    from kernel_env.kernel.sandbox import sandbox_problem
+    from kernel_env.kernel.isolation.sandbox import sandbox_problem
 
     problem = sandbox_problem()
     if problem is not None:

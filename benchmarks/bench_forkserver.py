@@ -28,8 +28,8 @@ from typing import Any
 from bench_server import RawKernel, Server, descendants, ms, pct, ws_request
 from websockets.asyncio.client import connect
 
-from kernel_env.kernel.forkserver import ForkServer
-from kernel_env.kernel.sandbox import SandboxedKernel
+from kernel_env.kernel.fork.server import ForkServer
+from kernel_env.kernel.sandboxed import SandboxedKernel
 
 PARTS = ("p12", "memory", "p1", "p11")
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from bench_server import descendants
 
 from kernel_env.kernel import Kernel, LocalKernel
-from kernel_env.kernel.sandbox import SandboxedKernel, sandbox_problem
+from kernel_env.kernel.isolation.sandbox import sandbox_problem
+from kernel_env.kernel.sandboxed import SandboxedKernel
 
 
 def _rss_kib(pid: int) -> int:
@@ -102,8 +103,8 @@ async def main(count: int) -> None:
 # kernel, forked and cold, trivial (x = 1) and busy with system calls (2,000 os.stat).
 ROUND = """\
 import asyncio, json, statistics, sys, time
-from kernel_env.kernel.forkserver import ForkServer
-from kernel_env.kernel.sandbox import SandboxedKernel
+from kernel_env.kernel.fork.server import ForkServer
+from kernel_env.kernel.sandboxed import SandboxedKernel
 STEPS = {"trivial": "x = 1", "syscalls": "import os\\nfor _ in range(2000): os.stat('.')"}
 
 async def steps(kernel, out, kind):

@@ -137,10 +137,12 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(shell: Any) -> None:
-    """``%load_ext kernel_env``: the agent helpers in your own notebook."""
-    from kernel_env import kernel_side
+    """``%load_ext kernel_env``: the agent helpers in your own notebook (and the per-cell
+    tuning of ipykernel, :mod:`kernel_env.kernel_tuning`)."""
+    from kernel_env import kernel_side, kernel_tuning
 
     kernel_side.install(shell)
+    kernel_tuning.tune(shell)
 
 
 def unload_ipython_extension(shell: Any) -> None:

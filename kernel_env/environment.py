@@ -3,7 +3,8 @@
 The async core that the local client and the server share. ``reset`` takes a fresh kernel (a
 used kernel never serves another episode), loads ``context`` without pasting it into code, and
 configures the in-kernel helpers; ``step`` runs one action, reads the episode state the kernel
-reports in the same reply, detects a final answer, and scores it.
+reports in the same reply, detects a final answer, and scores it. ``rlm_query``'s child
+episodes run here too (``ChildEpisodes``, each a ``KernelEnvironment`` of its own).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import time
 import typing
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -49,13 +50,20 @@ from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPL
 from kernel_env.notebook import cells_match
 from kernel_env.outputs import OutputBudget, truncate
 from kernel_env.record import EpisodeRecord, StepRecord
-from kernel_env.recursion import BackendForToken, ChildEpisodes, ChildSolver, ParentLink
+from kernel_env.recursion import BackendForToken, ParentLink
 from kernel_env.rubric import Rewards, Rubric, StepRubric, as_rubric, is_step_rubric, score_final
 from kernel_env.text import shorten
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Counters", "EnvConfig", "KernelEnvironment", "KernelSource"]
+__all__ = [
+    "ChildEpisodes",
+    "ChildSolver",
+    "Counters",
+    "EnvConfig",
+    "KernelEnvironment",
+    "KernelSource",
+]
 
 # Starts (or takes from a pool) a ready kernel for a new episode.
 
@@ -112,6 +120,50 @@ class Counters:
     def add(self, other: Counters) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+# Solves one child episode: (its environment, not yet reset; the model's backend; the prompt,
+# which becomes the child's context; the model name; the link to the root) -> its answer.
+ChildSolver = Callable[
+    ["KernelEnvironment", LLMBackend, str, "str | None", "ParentLink"], Awaitable["str | None"]
+]
+
+
+class ChildEpisodes:
+    """Runs the child episodes of one parent episode."""
+
+    def __init__(
+        self,
+        config: EnvConfig,
+        kernel_source: KernelSource,
+        backend: LLMBackend,
+        link: ParentLink,
+        solver: ChildSolver,
+    ) -> None:
+        self.config = config
+        self.kernel_source = kernel_source
+        self.backend = backend
+        self.link = link
+        self.solver = solver
+
+    async def run(self, prompt: str, model: str | None) -> tuple[str, list[Any]]:
+        """The child's answer and its record (one child episode per call)."""
+        link = self.link.child()
+        environment = KernelEnvironment(
+            self.config,
+            kernel_source=self.kernel_source,
+            llm_backend=self.backend,
+            parent=link,
+            child_solver=self.solver,
+        )
+        try:
+            answer = await self.solver(environment, self.backend, prompt, model, link)
+        finally:
+            await environment.close()
+        record = environment.record
+        if record is not None:
+            record.depth = link.depth
+        return answer or "", [record] if record is not None else []
 
 
 async def _start_local_kernel() -> Kernel:
@@ -535,7 +587,7 @@ class KernelEnvironment:
 
         Where the kernel runs on this host (unsandboxed), each copy is a **live fork** of its
         process: copy-on-write, ready in tens of milliseconds whatever the state holds
-        (:mod:`kernel_env.kernel.livefork`). Elsewhere (a gateway's or a sandboxed kernel, or
+        (:mod:`kernel_env.kernel.fork.live`). Elsewhere (a gateway's or a sandboxed kernel, or
         one running a thread or child process of its own) it is a **replay**: a fresh kernel
         re-runs the recorded steps, with ``llm_query`` answered from the record (never asked
         again); steps that timed out or killed their kernel are not re-run.

@@ -617,7 +617,6 @@ def load_ipython_extension(shell: Any) -> None:
     kernel = getattr(shell, "kernel", None)
     if not already and kernel is not None:
         _insist_on_a_stdin_peer(kernel)
-        _wake_iopub_through_its_loop(kernel)
         _take_setup_from_requests(kernel)
 
 
@@ -642,93 +641,8 @@ def install(shell: Any) -> None:
     shell.events.register("pre_run_cell", _pre_run_cell)
     shell.events.register("post_execute", _finish_streams)
     shell.set_custom_exc((HostCallError,), _show_host_call_error)
-    _ask_once_per_cell(shell)
     # A user's own notebook may name an endpoint; episode kernels never see these variables.
     episode.local_llm = _llm_from_environ()
-
-
-def _ask_once_per_cell(shell: Any) -> None:
-    """What ipykernel and IPython work out twice for every cell, worked out once.
-
-    For each ``execute_request``, ipykernel's ``do_execute`` transforms the cell (IPython's
-    input transformers, which tokenize it twice) to ask whether it needs the asyncio runner,
-    then calls ``shell.run_cell``, which transforms the same string again and asks the same
-    question again (a ``compile`` of the whole cell each time); and it reads
-    ``run_cell_async``'s signature with ``inspect`` to learn which arguments it takes. That
-    is ~0.1-0.2 ms of a short cell's ~1.5 ms of kernel CPU, and grows with the cell's length.
-
-    The shell keeps the answer of its last transform and of its last question, for the very
-    same string object (``is``, not ``==``), until the call that asks again or the end of
-    the cell (``post_execute``); the signature's answer is kept for each function. Nothing
-    is kept from one cell to the next, so a cell that changes the transformers or the
-    shell's methods changes the next cell's answers, as before (idempotent)."""
-    if getattr(shell, "_kernel_env_asks_once", False):
-        return
-    shell._kernel_env_asks_once = True
-    _remember_within_the_cell(shell, "transform_cell", _raw_cell)
-    _remember_within_the_cell(shell, "should_run_async", _transformed_cell)
-    _remember_signatures()
-
-
-def _remember_within_the_cell(
-    shell: Any, name: str, argument_of: Callable[[tuple[Any, ...], dict[str, Any]], Any]
-) -> None:
-    """Wrap ``shell.<name>`` so that a second call with the same argument object (the one
-    ``argument_of`` picks; ``None`` is never kept) in the same cell returns the first call's
-    result. The call that hits forgets it; so does the end of the cell."""
-    compute = getattr(shell, name)
-    last: list[Any] = []  # [argument, result] of this cell's last call, or empty
-
-    def remembered(*args: Any, **kwargs: Any) -> Any:
-        argument = argument_of(args, kwargs)
-        if last and last[0] is argument and argument is not None:
-            result = last[1]
-            last.clear()
-            return result
-        result = compute(*args, **kwargs)
-        last[:] = [argument, result]
-        return result
-
-    setattr(shell, name, remembered)
-    shell.events.register("post_execute", last.clear)
-
-
-def _raw_cell(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return args[0] if args else kwargs.get("raw_cell", kwargs.get("cell"))
-
-
-def _transformed_cell(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if kwargs.get("preprocessing_exc_tuple") is not None:
-        return None  # the answer is "no" then, and is not kept
-    return kwargs.get("transformed_cell")
-
-
-def _remember_signatures() -> None:
-    """ipykernel's ``_accepts_parameters(method, names)``, answered once per function."""
-    try:
-        from ipykernel import ipkernel
-    except ImportError:  # an IPython shell without ipykernel
-        return
-    accepts = getattr(ipkernel, "_accepts_parameters", None)
-    if accepts is None or getattr(accepts, "_kernel_env", False):
-        return
-
-    @functools.lru_cache(maxsize=64)
-    def answer(function: Any, names: tuple[str, ...]) -> dict[str, bool]:
-        return accepts(function, list(names))
-
-    def accepts_parameters(method: Any, names: list[str]) -> dict[str, bool]:
-        # A bound method is a new object each time: its function is what the signature is of.
-        function = getattr(method, "__func__", method)
-        if getattr(method, "__self__", None) is None or not callable(function):
-            return accepts(method, names)
-        try:
-            return dict(answer(function, tuple(names)))
-        except TypeError:  # an unhashable callable
-            return accepts(method, names)
-
-    accepts_parameters._kernel_env = True  # type: ignore[attr-defined]
-    ipkernel._accepts_parameters = accepts_parameters
 
 
 def _take_setup_from_requests(kernel: Any) -> None:
@@ -773,30 +687,6 @@ def _setup_once(params_json: str) -> None:
         episode.setup_token, episode.setup_error = token, None
 
 
-def _wake_iopub_through_its_loop(kernel: Any) -> None:
-    """Hand work to ipykernel's iopub thread through its event loop's own wake-up.
-
-    Everything the kernel sends on iopub (outputs, the status, each stream's flush) is a
-    function for that thread to run. ipykernel queues it and wakes the thread with an empty
-    message on a zmq socket of its own per sending thread, which the thread then reads
-    through a ZMQStream: half of the iopub thread's CPU for a short cell (~0.2 ms of ~0.45).
-    The thread's loop (tornado's, on asyncio) has a thread-safe ``add_callback`` that runs
-    functions in the order given, as the queue did, and wakes the loop through its own pipe.
-    As before, a thread that is not running (a subprocess forked by a cell) runs the
-    function itself, and a function given once the loop has closed is dropped."""
-    thread = getattr(kernel, "iopub_thread", None)
-    if thread is None or not all(hasattr(thread, n) for n in ("schedule", "io_loop", "thread")):
-        return  # not an ipykernel this knows
-
-    def schedule(function: Callable[[], Any]) -> None:
-        if thread.thread.is_alive():
-            thread.io_loop.add_callback(function)
-        else:
-            function()
-
-    thread.schedule = schedule
-
-
 def after_fork() -> None:
     """In a live fork's copy, once ipykernel's streams are its own: wrap those (the parent's
     are abandoned) and drop a lock a parent's thread may have held at the fork."""
@@ -809,7 +699,6 @@ def after_fork() -> None:
     _install_streams(episode)
     kernel = getattr(episode.shell, "kernel", None)
     _refuse_unseen_stdin_peers(kernel)
-    _wake_iopub_through_its_loop(kernel)  # the copy's iopub thread is a new one
 
 
 def _insist_on_a_stdin_peer(kernel: Any) -> None:
@@ -926,7 +815,9 @@ def _publish_only_what_the_host_reads(kernel: Any) -> None:
     owns the kernel's iopub asks for this."""
     if kernel is None or getattr(kernel, "_kernel_env_quiet", False):
         return
-    publish_status = kernel._publish_status
+    publish_status = getattr(kernel, "_publish_status", None)
+    if publish_status is None or not hasattr(kernel, "_publish_execute_input"):
+        return  # an ipykernel this does not know: it sends the whole protocol, as before
 
     def _publish_status(status: str, *args: Any, **kwargs: Any) -> None:
         if status != "busy":

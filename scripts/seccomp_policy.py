@@ -1,7 +1,8 @@
 #!/usr/bin/python3
-"""Build the sandboxed kernels' seccomp programs from the policy in kernel_env/kernel/seccomp.py.
+"""Build the sandboxed kernels' seccomp programs from the policy in
+kernel_env/kernel/isolation/seccomp.py.
 
-    /usr/bin/python3 scripts/seccomp_policy.py          # write kernel_env/kernel/seccomp/
+    /usr/bin/python3 scripts/seccomp_policy.py          # write kernel_env/kernel/isolation/seccomp/
     /usr/bin/python3 scripts/seccomp_policy.py --check  # exit 1 if the checked-in files differ
 
 It runs under the system's python3 with libseccomp's own bindings (Debian: python3-seccomp; they
@@ -9,7 +10,7 @@ are not on PyPI), and imports nothing else beyond the standard library; the poli
 loaded by path. For each machine (x86_64, aarch64) it writes:
 
 - ``<machine>.bpf``: the program, a ``struct sock_filter`` array, as ``bwrap --seccomp FD`` and
-  ``kernel_env.kernel.seccomp.apply`` take it;
+  ``kernel_env.kernel.isolation.seccomp.apply`` take it;
 - ``<machine>.pfc``: the same filter in libseccomp's pseudo filter code, to read and review;
 - ``programs.json``: the libseccomp version and machine that built them, the policy's digest
   (a quick test compares it with the policy's), and per program what it could not refuse.

@@ -32,7 +32,7 @@ from kernel_env.errors import (
     UnknownSession,
 )
 from kernel_env.kernel.factory import local_source
-from kernel_env.pool import KernelPool
+from kernel_env.kernel.pool import KernelPool
 from kernel_env.remote import fetch_export
 
 pytestmark = pytest.mark.integration  # kernels and a server

@@ -32,11 +32,13 @@ from procs import child_pids, comm
 from serverkit import ServeProcess, serve_process
 
 from kernel_env import AsyncKernelEnv, KernelEnv
-from kernel_env.kernel import Kernel, seccomp
-from kernel_env.kernel.cgroups import available_controllers
-from kernel_env.kernel.forkserver import ForkServer
-from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
-from kernel_env.kernel.spawner import SPAWNER_NAME
+from kernel_env.kernel import Kernel
+from kernel_env.kernel.fork.server import ForkServer
+from kernel_env.kernel.fork.spawner import SPAWNER_NAME
+from kernel_env.kernel.isolation import seccomp
+from kernel_env.kernel.isolation.cgroups import available_controllers
+from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
+from kernel_env.kernel.sandboxed import SandboxedKernel
 
 pytestmark = [
     pytest.mark.integration,

@@ -22,8 +22,8 @@ from serverkit import small_settings, thread_server
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.kernel import GatewayConfig, Kernel, LocalKernel
 from kernel_env.kernel.factory import gateway_source, local_source
-from kernel_env.kernel.forkserver import ForkServer
-from kernel_env.kernel.sandbox import sandbox_problem
+from kernel_env.kernel.fork.server import ForkServer
+from kernel_env.kernel.isolation.sandbox import sandbox_problem
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
@@ -92,7 +92,8 @@ class _LateStdin(LocalKernel):
 
     def _start_client(self) -> None:
         super()._start_client()
-        stdin = self._sockets["stdin"]
+        assert self._client is not None
+        stdin = self._client._sockets["stdin"]
         endpoint = stdin.getsockopt(zmq.LAST_ENDPOINT).decode()
         stdin.disconnect(endpoint)
         asyncio.get_running_loop().call_later(0.5, stdin.connect, endpoint)

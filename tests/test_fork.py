@@ -22,9 +22,9 @@ from websockets.asyncio.client import connect
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.errors import ForkRefused, InvalidInput, LiveForkUnavailable
 from kernel_env.kernel import GatewayConfig
-from kernel_env.kernel.cgroups import available_controllers
 from kernel_env.kernel.factory import gateway_source, local_source
-from kernel_env.kernel.sandbox import sandbox_problem
+from kernel_env.kernel.isolation.cgroups import available_controllers
+from kernel_env.kernel.isolation.sandbox import sandbox_problem
 from kernel_env.remote import ws_url
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes

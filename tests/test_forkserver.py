@@ -18,12 +18,13 @@ from procs import child_pids, comm, descendants
 
 from kernel_env import AsyncKernelEnv
 from kernel_env.kernel import Kernel
-from kernel_env.kernel.cgroups import available_controllers
-from kernel_env.kernel.forkserver import ForkServer
+from kernel_env.kernel.fork.server import ForkServer
+from kernel_env.kernel.fork.spawner import SPAWNER_NAME
+from kernel_env.kernel.fork.zygote import KERNEL_NAME
+from kernel_env.kernel.isolation.cgroups import available_controllers
+from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
 from kernel_env.kernel.local import LocalKernel
-from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
-from kernel_env.kernel.spawner import SPAWNER_NAME
-from kernel_env.kernel.zygote import KERNEL_NAME
+from kernel_env.kernel.sandboxed import SandboxedKernel
 
 pytestmark = [
     pytest.mark.integration,
@@ -424,7 +425,7 @@ async def test_a_kernel_forked_early_joins_only_its_own_sandbox(forkserver: Fork
     sandbox's PID namespace looks at that sandbox's placeholder and at a sibling's."""
     if os.geteuid() != 0:
         pytest.skip("pointing a fork into another PID namespace needs root")
-    from kernel_env.kernel.zygote import _CLONE_NEWPID, _Sandbox, _set_namespace
+    from kernel_env.kernel.fork.zygote import _CLONE_NEWPID, _Sandbox, _set_namespace
 
     kernels = [SandboxedKernel(forkserver=forkserver) for _ in range(2)]
     try:
@@ -670,7 +671,7 @@ def test_the_spawner_wakes_when_the_placeholder_program_runs(tmp_path: Path) -> 
     """The spawner waits for a sandbox's placeholder on inotify, not by polling /proc: an exec
     of the watched program wakes it, nothing else does; a program it cannot watch has no
     descriptor (the spawner then looks at /proc every millisecond)."""
-    from kernel_env.kernel.spawner import _ExecWatch
+    from kernel_env.kernel.fork.spawner import _ExecWatch
 
     program = tmp_path / "placeholder"  # a file of its own: nothing else on the host runs it
     program.write_bytes(Path(shutil.which("true") or "/bin/true").read_bytes())

@@ -28,7 +28,8 @@ from gateway import free_port
 from procs import descendants
 
 from kernel_env import KernelEnv
-from kernel_env.kernel import factory, privilege, sandbox
+from kernel_env.kernel import factory
+from kernel_env.kernel.isolation import privilege, sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

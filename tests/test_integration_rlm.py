@@ -23,7 +23,7 @@ from serverkit import small_settings, thread_server
 from kernel_env.integrations.rlm import KernelREPL, register
 from kernel_env.kernel import GatewayConfig
 from kernel_env.kernel.factory import gateway_source
-from kernel_env.kernel.sandbox import sandbox_problem
+from kernel_env.kernel.isolation.sandbox import sandbox_problem
 
 pytestmark = [
     pytest.mark.integration,  # kernels, servers or other processes

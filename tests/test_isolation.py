@@ -27,9 +27,11 @@ from serverkit import make_client, serve_process, wait_until
 
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.environment import EnvConfig
-from kernel_env.kernel import Kernel, cgroups, privilege
-from kernel_env.kernel.runtime import sweep_dead_parents, write_file
-from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
+from kernel_env.kernel import Kernel
+from kernel_env.kernel.isolation import cgroups, privilege
+from kernel_env.kernel.isolation.runtime import sweep_dead_parents, write_file
+from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
+from kernel_env.kernel.sandboxed import SandboxedKernel
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
@@ -390,7 +392,7 @@ def test_4_the_sandbox_runs_without_a_system_bwrap(tmp_path: Path) -> None:
     script = (
         "from kernel_env import KernelEnv\n"
         "from kernel_env.kernel.factory import local_source\n"
-        "from kernel_env.kernel.sandbox import bwrap_path\n"
+        "from kernel_env.kernel.isolation.sandbox import bwrap_path\n"
         "print(bwrap_path())\n"
         "with KernelEnv(kernel_source=local_source('bwrap')) as env:\n"
         "    env.reset()\n"
@@ -522,7 +524,7 @@ def test_6_runtime_dirs_of_a_killed_server_are_swept() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     left = Path(out.stdout.strip())
     assert out.stdout and left.is_dir(), out.stderr  # the kill left it behind
-    from kernel_env.kernel.runtime import RuntimeParent
+    from kernel_env.kernel.isolation.runtime import RuntimeParent
 
     live = RuntimeParent(str(tmp_path))  # a parent whose lock is held stays
     removed = sweep_dead_parents(str(tmp_path))
@@ -723,7 +725,7 @@ UNPRIVILEGED_SERVER = """\
 import os, sys
 from kernel_env import KernelEnv
 from kernel_env.kernel.factory import local_source
-from kernel_env.kernel.forkserver import ForkServer
+from kernel_env.kernel.fork.server import ForkServer
 forked = {"forkserver": ForkServer(python=sys.argv[2])} if len(sys.argv) > 2 else {}
 source = local_source("bwrap", extra_env={"PYTHONPATH": os.environ["PYTHONPATH"]}, **forked)
 with KernelEnv(kernel_source=source, step_timeout=30) as env:

@@ -126,7 +126,8 @@ async def test_the_hosts_channels_retry_every_few_ms_and_have_room_for_many_kern
     ms after its launch) tries again within 5 ms, not zmq's 100 ms, and without backing off;
     and the host's zmq context holds more than zmq's default of 1023 sockets (3 a kernel)."""
     async with LocalKernel() as kernel:
-        for name, sock in kernel._sockets.items():
+        assert kernel._client is not None
+        for name, sock in kernel._client._sockets.items():
             retry = (sock.getsockopt(zmq.RECONNECT_IVL), sock.getsockopt(zmq.RECONNECT_IVL_MAX))
             assert retry == (5, 0), name
         context = kernel._km.context
@@ -139,8 +140,8 @@ async def test_each_kernel_signs_with_a_key_of_its_own() -> None:
     async with LocalKernel() as a, LocalKernel() as b:
         keys = [json.loads(Path(k._km.connection_file).read_text())["key"] for k in (a, b)]
         assert all(len(key) >= 32 for key in keys) and keys[0] != keys[1]
-        assert [k._session.key.decode() for k in (a, b)] == keys
-        assert all(k._session.auth is not None for k in (a, b))
+        assert [k._client.session.key.decode() for k in (a, b) if k._client] == keys
+        assert all(k._client and k._client.session.auth is not None for k in (a, b))
         assert (await a.execute("1 + 1")).stdout == "2\n"
 
 

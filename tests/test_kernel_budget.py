@@ -15,7 +15,7 @@ import pytest
 from fake_openai import FakeOpenAI
 from serverkit import small_settings, thread_server
 
-from kernel_env.kernel.zygote import KERNEL_NAME
+from kernel_env.kernel.fork.zygote import KERNEL_NAME
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

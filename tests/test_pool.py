@@ -10,7 +10,7 @@ import pytest
 
 from kernel_env.errors import KernelError, KernelStartError
 from kernel_env.kernel import Kernel, LocalKernel
-from kernel_env.pool import KernelPool
+from kernel_env.kernel.pool import KernelPool
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 

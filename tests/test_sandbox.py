@@ -16,7 +16,9 @@ from serverkit import make_client, serve_process, wait_until
 
 from kernel_env import KernelEnv
 from kernel_env.kernel import Kernel, LocalKernel
-from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, launch_guard, sandbox_problem
+from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
+from kernel_env.kernel.launch import launch_guard
+from kernel_env.kernel.sandboxed import SandboxedKernel
 
 pytestmark = [
     pytest.mark.integration,
@@ -216,7 +218,7 @@ def test_a_dead_servers_cgroups_are_swept() -> None:
     """The cgroups of a server killed with SIGKILL (its parent is named by its pid) are
     removed by the next server's sweep, and whatever still ran in them is killed; a live
     server's cgroups are left alone."""
-    from kernel_env.kernel import cgroups
+    from kernel_env.kernel.isolation import cgroups
 
     if "pids" not in cgroups.available_controllers():
         pytest.skip("no writable pids cgroup here")
@@ -269,7 +271,7 @@ def test_launch_guard_ties_the_kernel_to_its_parent() -> None:
     a command whose parent is not the expected one does not start."""
     script = (
         "import os, signal, subprocess, sys\n"
-        "from kernel_env.kernel.sandbox import launch_guard\n"
+        "from kernel_env.kernel.launch import launch_guard\n"
         "child = subprocess.Popen([*launch_guard(), 'sleep', '60'])\n"
         "print(child.pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"

@@ -1,5 +1,5 @@
 """The sandboxed kernels' seccomp filter: its policy, the checked-in programs, and what a program
-does to a process that loads it (kernel_env/kernel/seccomp.py, scripts/seccomp_policy.py).
+does to a process that loads it (kernel_env/kernel/isolation/seccomp.py, scripts/seccomp_policy.py).
 
 The integration tests run this file as a script in a fresh interpreter (``--child``), which
 tries the refused system calls before and after ``apply()``, each in a fork of its own (a call
@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from kernel_env.kernel import seccomp
+from kernel_env.kernel.isolation import seccomp
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATOR = ROOT / "scripts" / "seccomp_policy.py"

@@ -17,14 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kernel_env.kernel import privilege
 from kernel_env.kernel.base import Kernel, KernelSource
-from kernel_env.kernel.forkserver import ForkServer
+from kernel_env.kernel.fork.server import ForkServer
+from kernel_env.kernel.isolation import privilege
+from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
+from kernel_env.kernel.isolation.sandbox import describe_limits as sandbox_limits
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.local import describe_isolation as unsandboxed_limits
 from kernel_env.kernel.modes import SANDBOX_MODES, SandboxMode
-from kernel_env.kernel.sandbox import SandboxedKernel, SandboxLimits, sandbox_problem
-from kernel_env.kernel.sandbox import describe_limits as sandbox_limits
+from kernel_env.kernel.sandboxed import SandboxedKernel
 
 if TYPE_CHECKING:  # the gateway backend (httpx, websockets) loads only when it is chosen
     from kernel_env.kernel.gateway import GatewayConfig

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from kernel_env.pool import KernelPool
+from kernel_env.kernel.pool import KernelPool
 from kernel_env.server.sessions import SessionManager
 
 __all__ = ["collect", "process_rss"]

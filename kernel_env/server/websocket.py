@@ -37,7 +37,7 @@ from kernel_env.server.sessions import CapacityReached, Session, SessionError, U
 from kernel_env.streaming import OutputStream
 
 if TYPE_CHECKING:
-    from kernel_env.server.app import Runtime
+    from kernel_env.server.runtime import Runtime
 
 __all__ = ["websocket_endpoint"]
 

@@ -3,7 +3,7 @@ fork cheaply.
 
 A forked kernel's *launch* is what a cold kernel's launch command starts (bubblewrap, or for an
 unsandboxed kernel the process alone), with a placeholder process (``sleep``) in the kernel's
-place; :mod:`kernel_env.kernel.zygote` then forks the kernel into it. Forking each launch from
+place; :mod:`kernel_env.kernel.fork.zygote` then forks the kernel into it. Forking each launch from
 the zygote would copy the zygote's page tables (tens of megabytes of imported modules) for a
 process that execs at once, and unmap them again: ~5 ms of CPU per kernel. The zygote instead
 runs this file once, as a fresh interpreter that imports only the standard library, and asks it
@@ -316,8 +316,8 @@ def say(message: str) -> None:
 
 def join_cgroups(files: list[str]) -> None:
     """Move this process into a kernel's cgroups: ``0`` written to each of the kernel's join
-    files (:attr:`kernel_env.kernel.cgroups.KernelCgroup.join_files`), while it has one thread
-    (a forkserver's launch or kernel, a live fork's copy)."""
+    files (:attr:`kernel_env.kernel.isolation.cgroups.KernelCgroup.join_files`), while it has
+    one thread (a forkserver's launch or kernel, a live fork's copy)."""
     for path in files:
         with open(path, "w") as f:
             f.write("0")

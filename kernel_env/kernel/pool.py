@@ -16,7 +16,7 @@ import time
 from collections import deque
 
 from kernel_env.errors import KernelCapacity, KernelError
-from kernel_env.kernel import Kernel, KernelSource
+from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.text import shorten
 
 __all__ = ["KernelCapacity", "KernelPool"]

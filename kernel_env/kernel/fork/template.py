@@ -38,7 +38,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KernelTemplate", "grow_descriptor_table", "reseed"]
+__all__ = ["KernelTemplate", "grow_descriptor_table", "missing_internals", "reseed"]
+
+# What the template calls of ipykernel beyond its documented API (IPKernelApp.initialize's
+# steps, the kernel's port and topic helpers): checked before a zygote builds anything, so
+# that a release without one starts kernels cold instead of failing them.
+_INTERNALS = {
+    "ipykernel.kernelapp.IPKernelApp": (
+        "_bind_socket", "_run_cmd_line_code", "_run_exec_files", "_run_exec_lines",
+        "_run_module", "_run_startup_files", "init_blackhole", "init_control",
+        "init_extensions", "init_gui_pylab", "init_io", "init_path", "init_pdb", "init_shell",
+        "init_signal", "init_sockets", "load_connection_file", "write_connection_file",
+        "kernel_class", "default_extensions",
+    ),
+    "ipykernel.ipkernel.IPythonKernel": ("_topic", "record_ports"),
+}  # fmt: skip
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -237,6 +251,23 @@ class KernelTemplate:
             **{f"{name}_dir": path for name, path in dirs.items()},
         )
         app.profile_dir = kernel.profile_dir = kernel.shell.profile_dir = profile
+
+
+def missing_internals() -> str | None:
+    """The first of ipykernel's internals the template needs that this ipykernel lacks, in
+    words, or None."""
+    import importlib
+
+    for where, names in _INTERNALS.items():
+        module_name, _, class_name = where.rpartition(".")
+        try:
+            owner = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            return f"this ipykernel has no {where}"
+        for name in names:
+            if not hasattr(owner, name):
+                return f"this ipykernel's {class_name} has no {name}"
+    return None
 
 
 def _mkdir(path: str, mode: int) -> bool:

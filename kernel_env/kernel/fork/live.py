@@ -16,7 +16,7 @@ execution count) and none of the parent's channels:
   environment, reseeds its random generators (unless the episode's reset gave a seed), and
   ends when the server does;
 - it makes new sockets, threads, session id and event loop
-  (:meth:`kernel_env.kernel.template.KernelTemplate.connect`) and serves its own connection
+  (:meth:`kernel_env.kernel.fork.template.KernelTemplate.connect`) and serves its own connection
   file. The cell that forked it never returns in the copy.
 
 ipykernel's threads do not survive a fork (ipykernel#1261, jupyter_client#1031); a copy never
@@ -36,9 +36,9 @@ import sys
 import threading
 from typing import Any
 
-from kernel_env import kernel_side
-from kernel_env.kernel.spawner import join_cgroups
-from kernel_env.kernel.template import KernelTemplate, grow_descriptor_table, reseed
+from kernel_env import kernel_side, kernel_tuning
+from kernel_env.kernel.fork.spawner import join_cgroups
+from kernel_env.kernel.fork.template import KernelTemplate, grow_descriptor_table, reseed
 
 __all__ = ["fork_copies", "restore_random"]
 
@@ -170,6 +170,7 @@ def _become_copy(app: Any, request: dict[str, Any]) -> None:
         template.connect()
         template.own_directory()
         kernel_side.after_fork()
+        kernel_tuning.after_fork(getattr(app, "kernel", None))
         if request["reseed"]:
             reseed()
         else:  # restored once the host has its kernel_info (IPython's banner draws a tip)

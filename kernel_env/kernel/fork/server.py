@@ -2,10 +2,10 @@
 
 A cold kernel start spends ~0.2 s of CPU importing ipykernel, IPython, zmq and jupyter_client.
 The forkserver imports them once, in a process that starts no thread (the *zygote*,
-:mod:`kernel_env.kernel.zygote`), and forks a child per kernel; the child makes its sockets,
+:mod:`kernel_env.kernel.fork.zygote`), and forks a child per kernel; the child makes its sockets,
 threads and connection info after the fork.
 
-Isolation is unchanged. The zygote's *spawner* (:mod:`kernel_env.kernel.spawner`, a small
+Isolation is unchanged. The zygote's *spawner* (:mod:`kernel_env.kernel.fork.spawner`, a small
 process) launches what a cold kernel's launch command starts: in the kernel's cgroups, as its
 own uid, with its rlimits and, when sandboxed, the same bubblewrap sandbox; only the process
 inside is a placeholder (``sleep``). The zygote forks the kernel into the sandbox's PID
@@ -18,8 +18,9 @@ cold kernel.
 docs/security.md gives the design and its threat model.
 
 Lifecycle: ``await ForkServer(preload=...).start()``, then ``close()``. A forkserver that could
-not start (a preload failed or started a thread, no fork on this platform) says why in
-``status``; kernels then start cold.
+not start (a preload failed or started a thread, no fork on this platform, an ipykernel or
+jupyter_client release it was not tested with: :mod:`kernel_env.kernel.versions`) says why in
+``status`` and, once, in the log; kernels then start cold.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kernel_env.kernel.spawner import Lines, send_line
+from kernel_env.kernel import versions
+from kernel_env.kernel.fork.spawner import Lines, send_line
+from kernel_env.kernel.launch import forked_kernel_flags, minimal_environ
 
 __all__ = ["ForkServer", "ForkServerError"]
 
@@ -107,7 +110,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._process = subprocess.Popen(
-                [*_tied_to_this_process(), self.python, "-m", "kernel_env.kernel.zygote",
+                [*_tied_to_this_process(), self.python, "-m", "kernel_env.kernel.fork.zygote",
                  str(theirs.fileno()), json.dumps(self._config())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
@@ -144,12 +147,14 @@ class ForkServer:
 
     def _config(self) -> dict[str, Any]:
         """What the zygote prepares: the preloads, and the kernel its forks start from."""
-        from kernel_env.kernel.local import forked_kernel_flags
-
-        return {"preload": list(self.preload), "flags": forked_kernel_flags()}
+        return {
+            "preload": list(self.preload),
+            "flags": forked_kernel_flags(),
+            "tested": versions.TESTED,
+        }
 
     async def fork(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Launch and fork a kernel as ``request`` says (see :mod:`kernel_env.kernel.zygote`);
+        """Launch and fork a kernel as ``request`` says (see :mod:`kernel_env.kernel.fork.zygote`);
         the pids of the kernel (``pid``), its launch (``launcher``: ending it ends the kernel),
         its sandbox's init (``init``, or None) and its placeholder. Requests overlap: the
         zygote answers each once its launch runs, and no thread waits for the answer."""
@@ -287,8 +292,6 @@ def _tied_to_this_process() -> list[str]:
 def _zygote_environ(python: str) -> dict[str, str]:
     """The kernels' minimal environment (the zygote holds no secret), with native thread
     pools kept at one thread so that a preloaded numpy starts none."""
-    from kernel_env.kernel.local import minimal_environ
-
     env = minimal_environ("/", python)
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = "1"

@@ -1,15 +1,16 @@
 """The kernel forkserver's process: import what a kernel needs once, then fork fresh kernels.
 
-Run by :class:`kernel_env.kernel.forkserver.ForkServer` as ``python -m kernel_env.kernel.zygote
-FD CONFIG_JSON``, FD being its end of a socket pair and the config giving the operator's
-preload list and the kernels' ipykernel flags. It imports ipykernel, IPython, zmq and
+Run by :class:`kernel_env.kernel.fork.server.ForkServer` as
+``python -m kernel_env.kernel.fork.zygote FD CONFIG_JSON``, FD being its end of a socket pair
+and the config giving the operator's preload list, the kernels' ipykernel flags and the
+releases the host tested (:mod:`kernel_env.kernel.versions`). It imports ipykernel, IPython, zmq and
 kernel_env's in-kernel module (and the preloads), builds the kernel every fork starts from
-(:mod:`kernel_env.kernel.template`: the kernel object and its shell, no socket yet), checks
+(:mod:`kernel_env.kernel.fork.template`: the kernel object and its shell, no socket yet), checks
 that no thread was started (forking a threaded process copies locks held by threads that do
 not exist in the child), starts its spawner, says ``ready`` and serves fork requests, one JSON
 line each, answered by id as each kernel is forked (requests overlap). For each request:
 
-1. the spawner (:mod:`kernel_env.kernel.spawner`, a small process of its own) starts what a
+1. the spawner (:mod:`kernel_env.kernel.fork.spawner`, a small process of its own) starts what a
    cold kernel's launch command would, with a placeholder process (``sleep``) in the kernel's
    place: in the kernel's cgroups, with the paths the kernel's uid cannot reach bound in a
    private mount namespace, as the kernel's uid, with its rlimits, and for a sandboxed kernel
@@ -33,7 +34,7 @@ line each, answered by id as each kernel is forked (requests overlap). For each 
    ends the kernel.
 
 The kernel then drops every capability, sets no-new-privileges, installs the seccomp filter
-(a sandboxed kernel: :mod:`kernel_env.kernel.seccomp`), applies its rlimits, closes every
+(a sandboxed kernel: :mod:`kernel_env.kernel.isolation.seccomp`), applies its rlimits, closes every
 descriptor it still holds, takes its minimal environment, reseeds its random generators, and
 finishes the template into its own ipykernel: sockets, threads, connection info and session
 id are all made after the fork.
@@ -64,9 +65,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kernel_env.kernel import seccomp
-from kernel_env.kernel import spawner as spawning
-from kernel_env.kernel.template import KernelTemplate, grow_descriptor_table, reseed
+from kernel_env.kernel import versions
+from kernel_env.kernel.fork import spawner as spawning
+from kernel_env.kernel.fork.template import (
+    KernelTemplate,
+    grow_descriptor_table,
+    missing_internals,
+    reseed,
+)
+from kernel_env.kernel.isolation import seccomp
 
 # The modules every kernel imports while it starts: loaded once here, shared copy-on-write.
 KERNEL_MODULES = (
@@ -90,6 +97,7 @@ KERNEL_MODULES = (
     "faulthandler",
     "pdb",
     "kernel_env.kernel_side",
+    "kernel_env.kernel_tuning",
 )
 
 # The processes' names (``ps -o comm``, /proc/<pid>/comm): a forked kernel keeps the zygote's
@@ -120,7 +128,9 @@ def main() -> None:
         del sys.path[0]  # what ``-m`` added, as ipykernel_launcher does: kernels add their own
     control = socket.socket(fileno=int(sys.argv[1]))
     config = json.loads(sys.argv[2])
-    problem = _preload_kernel_modules() or _preload(config["preload"])
+    problem = (
+        _preload_kernel_modules() or _untested(config.get("tested")) or _preload(config["preload"])
+    )
     if problem is None and "numpy" in sys.modules:
         problem = _preload(["numpy.random"])  # what reseed() draws on in every kernel
     if problem is None and (threads := len(os.listdir("/proc/self/task"))) > 1:
@@ -167,6 +177,14 @@ def _preload_kernel_modules() -> str | None:
             del sys.modules["debugpy"]
 
 
+def _untested(tested: dict[str, Any] | None) -> str | None:
+    """Why this zygote must not build kernels from ipykernel's internals: a release the host
+    did not test (``tested``, :data:`kernel_env.kernel.versions.TESTED`), or an internal the
+    template needs that is gone. Kernels then start cold."""
+    why = versions.untested(tested) or missing_internals()
+    return f"was not used: {why}" if why is not None else None
+
+
 def _preload(modules: list[str]) -> str | None:
     """Import ``modules``; the first failure, in words, or None."""
     for name in modules:
@@ -189,7 +207,7 @@ def _build_template(flags: list[str]) -> tuple[KernelTemplate | None, str | None
 
 
 class _Spawner:
-    """The zygote's end of its spawner (:mod:`kernel_env.kernel.spawner`): launch requests
+    """The zygote's end of its spawner (:mod:`kernel_env.kernel.fork.spawner`): launch requests
     out, and their answers (by ``id``, in the order the launches come to run) back."""
 
     def __init__(self, process: subprocess.Popen[bytes], control: socket.socket) -> None:

@@ -1,4 +1,4 @@
-"""A local kernel inside a bubblewrap sandbox, with limits for the whole kernel.
+"""The bubblewrap sandbox of a local kernel, and its limits for the whole kernel.
 
 Each kernel runs through ``bwrap`` in its own PID, mount, network, IPC, UTS and user
 namespaces, over a read-only root, with no network unless asked for. What it can write is
@@ -9,13 +9,13 @@ bound **read-only**: no host path is writable from inside, so nothing the kernel
 redirect a host write, and nothing it writes lands on the host's disk.
 
 When the server runs as root, the launcher first drops to a uid of the kernel's own
-(:mod:`kernel_env.kernel.privilege`), so the user namespace maps the sandbox's "nobody" to
+(:mod:`.privilege`), so the user namespace maps the sandbox's "nobody" to
 that unprivileged uid, never to host root. Paths the interpreter needs that such a uid cannot
 reach (an interpreter under ``/root``, say) are bind-mounted, as root, into a private mount
 namespace made for the launch, then bound back read-only in the sandbox.
 
 Limits: memory (the kernel with all its processes and tmpfs pages), process count and CPU
-through a cgroup per kernel (:mod:`kernel_env.kernel.cgroups`), where the host lets us make
+through a cgroup per kernel (:mod:`.cgroups`), where the host lets us make
 one; address space, open files, file size and CPU time per process through rlimits
 (``prlimit``) everywhere. Tearing the kernel down kills the namespace's init, which takes
 every process of the episode with it, ``setsid`` ones included; whatever is still in the
@@ -23,11 +23,13 @@ kernel's cgroup, or runs as its uid, is killed too.
 
 It is not a VM: the kernel shares the host's Linux kernel. For hostile multi-tenant use, run
 kernels through Enterprise Gateway on gVisor or Kata nodes.
+
+Here: whether the sandbox works on this host, bubblewrap's command line and the limits; the
+kernel backend that launches through it is :class:`kernel_env.kernel.sandboxed.SandboxedKernel`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import hashlib
@@ -41,28 +43,19 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from jupyter_client.kernelspec import KernelSpec
-
-from kernel_env.errors import KernelStartError
-from kernel_env.kernel import privilege, seccomp
-from kernel_env.kernel.cgroups import KernelCgroup, available_controllers, cgroup_version
-from kernel_env.kernel.local import (
-    SECCOMP_FD,
-    LocalKernel,
-    _KernelManager,
-    launch_guard,
-    placeholder_argv,
-)
-from kernel_env.kernel.runtime import runtime_parent
+from kernel_env.kernel.isolation import privilege, seccomp
+from kernel_env.kernel.isolation.cgroups import available_controllers, cgroup_version
 
 __all__ = [
+    "INSIDE_IPC_DIR",
     "SandboxLimits",
-    "SandboxedKernel",
+    "bwrap_command",
     "bwrap_path",
     "describe_limits",
-    "launch_guard",
+    "keep_root",
+    "keep_visible",
+    "limit_values",
     "sandbox_problem",
 ]
 
@@ -73,7 +66,7 @@ GiB = 1024**3
 MiB = 1024**2
 
 # Where the kernel's IPC sockets live inside the sandbox (on its private /tmp tmpfs).
-_INSIDE_IPC_DIR = "/tmp/.kernel-env"
+INSIDE_IPC_DIR = "/tmp/.kernel-env"
 
 # What is not the kernel's, in the (otherwise readable) host filesystem: masked inside, each
 # directory behind an empty tmpfs, each file behind /dev/null. Every home directory
@@ -374,226 +367,7 @@ def _size(value: int | None) -> str:
     return f"{value / GiB:g} GiB" if value >= GiB else f"{value / MiB:g} MiB"
 
 
-class _SandboxManager(_KernelManager):
-    """The kernel binds its sockets in its own ``/tmp``; the host reaches them through
-    ``/proc/<sandbox init>/root``, found after each launch."""
-
-    inside_ip = f"{_INSIDE_IPC_DIR}/kernel-ipc"
-    sandbox_init: int | None = None  # the host pid of the sandbox's init, once launched
-
-    async def _async_pre_start_kernel(self, **kw: Any) -> Any:
-        self.ip = self.inside_ip  # what the connection file (the kernel's view) says
-        return await super()._async_pre_start_kernel(**kw)
-
-    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
-        # independent: no JPY_PARENT_PID (the server's pid) in the kernel's environment; the
-        # kernel watches no parent (parent_handle=1), --die-with-parent ties it to the server.
-        await super()._async_launch_kernel(kernel_cmd, **kw, independent=True)
-        # A forkserver launch knows its init; a cold launch is looked up.
-        init = getattr(self.provisioner, "sandbox_init", None)
-        if init is None:
-            init = await _sandbox_init(self.provisioner.process)  # type: ignore[union-attr]
-        self.sandbox_init = init
-        self.ip = f"/proc/{init}/root{self.inside_ip}"
-
-    def cleanup_ipc_files(self) -> None:
-        """The sockets vanish with the sandbox's tmpfs; the /proc path may name another
-        process by now."""
-
-
-async def _sandbox_init(process: Any, timeout: float = 20.0) -> int:
-    """The host pid of the sandbox's init: bwrap's child (the launcher execs into bwrap)."""
-    pid = process.pid
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if process.poll() is not None:
-            raise KernelStartError(f"the sandbox exited at launch (status {process.returncode})")
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            for child in children:
-                if Path(f"/proc/{child}/comm").read_text().strip() == "bwrap":
-                    return int(child)
-        except OSError:
-            pass
-        await asyncio.sleep(0.002)
-    raise KernelStartError("the sandbox did not start its init in time")
-
-
-class SandboxedKernel(LocalKernel):
-    """A :class:`LocalKernel` launched through bubblewrap, with limits."""
-
-    _manager_class = _SandboxManager
-
-    def __init__(self, *, limits: SandboxLimits | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.limits = limits or SandboxLimits()
-        self._staging: dict[int, str] | None = None  # see _staged
-
-    # -- launch command -----------------------------------------------------------------
-
-    def _kernel_spec(self) -> KernelSpec:
-        # Interrupt through the control channel: a signal to the process group would reach
-        # bwrap itself and end the sandbox instead of the cell.
-        return KernelSpec(
-            argv=[] if self.forked else self._command(),  # a forked kernel's: the spawner's
-            language="python",
-            display_name="kernel_env",
-            interrupt_mode="message",
-        )
-
-    def _environ(self) -> dict[str, str]:
-        env = super()._environ()
-        env["TMPDIR"] = "/tmp"
-        return env
-
-    def _command(self) -> list[str]:
-        # ipykernel exits when its parent pid changes; inside the PID namespace its parent is
-        # bwrap's reaper, pid 1, which the kernel app treats as "no parent to watch".
-        # --die-with-parent ends the sandbox with the server instead.
-        kernel = [*self._argv, "--IPKernelApp.parent_handle=1"]
-        binds = self._binds()
-        staged = self._staged(binds)
-        program = seccomp.program_path()
-        guard = launch_guard(
-            self._cgroup_joins(),
-            staged=[(binds[i][0], keep) for i, keep in staged.items()],
-            seccomp=program,
-        )
-        bwrap = self._bwrap(binds, staged, filtered=program is not None)
-        return [*guard, *self._drop(), *self._prlimit(), *bwrap, *kernel]
-
-    def _binds(self) -> list[tuple[str, str]]:
-        """Read-only binds ``(host path, path inside)``: what the kernel needs from hidden or
-        private places, then its runtime dir (the connection file and staged files)."""
-        paths = [*_keep_visible(), *self.limits.extra_ro_binds, str(self.runtime_dir)]
-        return [(path, path) for path in paths]
-
-    def _staged(self, binds: list[tuple[str, str]]) -> dict[int, str]:
-        """The binds whose host path the kernel's own uid cannot reach, each with the mount
-        point (under a directory it can reach) the launch guard binds it on first, as root;
-        found once for the kernel's launches, and its shutdown removes those mount points."""
-        if self._lease is None:
-            return {}
-        if self._staging is None:
-            keep = runtime_parent(str(_keep_root())).path
-            self._staging = {
-                i: str(keep / f"{self.kernel_id}-{i}")
-                for i, (source, _) in enumerate(binds)
-                if not privilege.reachable(source)
-            }
-        return self._staging
-
-    def _bwrap(
-        self, binds: list[tuple[str, str]], staged: dict[int, str], *, filtered: bool = False
-    ) -> list[str]:
-        """bubblewrap's command line; ``filtered``: the kernel's seccomp program is on
-        :data:`SECCOMP_FD` (a forked kernel installs it on itself instead)."""
-        work = str(self.workdir)
-        size = str(self.limits.workspace_bytes)
-        args = [
-            bwrap_path() or "bwrap",
-            *(["--seccomp", str(SECCOMP_FD)] if filtered else []),
-            "--die-with-parent",
-            "--unshare-all",
-            *(["--share-net"] if self.limits.network else []),
-            "--unshare-user", "--uid", _NOBODY, "--gid", _NOBODY,
-            "--disable-userns",  # no nested namespace to regain capabilities in
-            "--ro-bind", "/", "/",
-            "--dev", "/dev",
-            "--size", size, "--tmpfs", "/dev/shm",
-            "--proc", "/proc",  # this namespace's processes only
-            "--size", size, "--tmpfs", "/tmp",  # hides every other kernel's runtime dir
-            "--dir", _INSIDE_IPC_DIR,  # the kernel's sockets
-            *_hide_dirs(self.limits.hidden_paths),  # homes, secrets, the host's kernels
-            # the interpreter and packages if hidden or private, then the runtime dir
-            *[arg for i, (source, inside) in enumerate(binds)
-              for arg in ("--ro-bind", staged.get(i, source), inside)],
-            # secret files, password hashes
-            *_mask_files([inside for _, inside in binds], self.limits.hidden_paths),
-            "--size", size, "--tmpfs", work,  # the capped, private workspace
-            "--chdir", work,
-        ]  # fmt: skip
-        return [*args, "--"]
-
-    def _limit_values(self) -> dict[str, int | None]:
-        limits = self.limits
-        return {
-            "as": limits.address_space_bytes or limits.memory_bytes,
-            "cpu": limits.cpu_seconds,
-            "nofile": limits.open_files,
-            "fsize": limits.file_size_bytes,
-        }
-
-    def _prlimit(self) -> list[str]:
-        args = [f"--{name}={value}" for name, value in self._limit_values().items() if value]
-        return [shutil.which("prlimit") or "prlimit", *args, "--"] if args else []
-
-    def _rlimits(self) -> dict[str, int]:
-        # Set by the forkserver's launch on the placeholder, and by the forked kernel on itself.
-        return {f"RLIMIT_{name.upper()}": v for name, v in self._limit_values().items() if v}
-
-    def _launch_spec(self) -> dict[str, Any]:
-        """The forkserver's spawner runs the placeholder in this kernel's sandbox, after
-        binding what its uid cannot reach, as the cold launch guard does."""
-        binds = self._binds()
-        staged = self._staged(binds)
-        placeholder = placeholder_argv()
-        return {
-            "launch": [*self._bwrap(binds, staged), *placeholder],
-            "sandboxed": True,
-            "placeholder": placeholder[0],  # the program the spawner watches for (see spawner)
-            "staged": [[binds[i][0], keep] for i, keep in staged.items()],
-        }
-
-    def _live_fork_problem(self) -> str | None:
-        return (
-            "a copy of a sandboxed kernel would stay in its parent's namespaces (its /tmp, "
-            "workspace and processes), and leaving them needs a user namespace of its own, "
-            "which the sandbox forbids"
-        )
-
-    # -- lifecycle ----------------------------------------------------------------------
-
-    async def _launch(self) -> None:
-        problem = sandbox_problem()
-        if problem is not None:
-            raise RuntimeError(f"sandbox unavailable: {problem}")
-        await super()._launch()
-
-    def _lease_uid(self) -> privilege.UidLease | None:
-        # Always, when root: what the uid cannot reach is bound in by the launch guard.
-        return privilege.lease_uid() if privilege.privileged() else None
-
-    def _make_cgroup(self) -> KernelCgroup:
-        return KernelCgroup(
-            self.kernel_id,
-            memory_bytes=self.limits.memory_bytes,
-            processes=self.limits.processes,
-            cpus=self.limits.cpus,
-        )
-
-    def _prepare_dirs(self) -> None:
-        # The workspace is a tmpfs inside; its mount point, and those of the staged binds,
-        # are empty directories the kernel cannot write (the runtime dir is bound read-only).
-        self.workdir.mkdir()
-        for keep in self._staged(self._binds()).values():
-            Path(keep).mkdir(parents=True)
-
-    async def _terminate(self) -> None:
-        runtime = self.runtime_dir
-        keeps = list(self._staged(self._binds()).values()) if runtime is not None else []
-        self._staging = None
-        await super()._terminate()
-        for keep in keeps:  # empty mount points: the binds lived in the launch's namespace
-            with contextlib.suppress(OSError):
-                os.rmdir(keep)
-
-    def _ipc_prefix(self) -> str:
-        return _SandboxManager.inside_ip
-
-
-def _keep_root() -> Path:
+def keep_root() -> Path:
     """Where a privileged server's launches bind what a kernel's uid cannot reach: a
     root-owned tree every uid can traverse, with a runtime parent per server (locked while
     it lives, swept once it died: it holds empty mount points only)."""
@@ -643,7 +417,7 @@ def secret_files(environ: dict[str, str] | None = None) -> list[str]:
 
 
 @functools.cache
-def _keep_visible() -> tuple[str, ...]:
+def keep_visible() -> tuple[str, ...]:
     """What the kernel needs from a hidden directory (an interpreter under ~/.pyenv, a
     virtualenv or a checkout in /tmp or a home), which would otherwise vanish."""
     import kernel_env
@@ -666,3 +440,52 @@ def _keep_visible() -> tuple[str, ...]:
         if not any(path.startswith(k + "/") for k in kept):  # a parent is already bound
             kept.append(path)
     return tuple(kept)
+
+
+def bwrap_command(
+    limits: SandboxLimits,
+    workdir: str,
+    binds: list[tuple[str, str]],
+    staged: dict[int, str],
+    *,
+    seccomp_fd: int | None = None,
+) -> list[str]:
+    """bubblewrap's command line, up to the command it runs: ``binds`` are read-only
+    ``(host path, path inside)`` pairs, those whose index is in ``staged`` taken from the mount
+    point given there; ``seccomp_fd``: where the kernel's seccomp program is open (a forked
+    kernel installs it on itself instead)."""
+    size = str(limits.workspace_bytes)
+    args = [
+        bwrap_path() or "bwrap",
+        *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
+        "--die-with-parent",
+        "--unshare-all",
+        *(["--share-net"] if limits.network else []),
+        "--unshare-user", "--uid", _NOBODY, "--gid", _NOBODY,
+        "--disable-userns",  # no nested namespace to regain capabilities in
+        "--ro-bind", "/", "/",
+        "--dev", "/dev",
+        "--size", size, "--tmpfs", "/dev/shm",
+        "--proc", "/proc",  # this namespace's processes only
+        "--size", size, "--tmpfs", "/tmp",  # hides every other kernel's runtime dir
+        "--dir", INSIDE_IPC_DIR,  # the kernel's sockets
+        *_hide_dirs(limits.hidden_paths),  # homes, secrets, the host's kernels
+        # the interpreter and packages if hidden or private, then the runtime dir
+        *[arg for i, (source, inside) in enumerate(binds)
+          for arg in ("--ro-bind", staged.get(i, source), inside)],
+        # secret files, password hashes
+        *_mask_files([inside for _, inside in binds], limits.hidden_paths),
+        "--size", size, "--tmpfs", workdir,  # the capped, private workspace
+        "--chdir", workdir,
+    ]  # fmt: skip
+    return [*args, "--"]
+
+
+def limit_values(limits: SandboxLimits) -> dict[str, int | None]:
+    """The per-process limits (``prlimit``'s names) of a sandboxed kernel."""
+    return {
+        "as": limits.address_space_bytes or limits.memory_bytes,
+        "cpu": limits.cpu_seconds,
+        "nofile": limits.open_files,
+        "fsize": limits.file_size_bytes,
+    }

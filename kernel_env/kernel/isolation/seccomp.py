@@ -11,10 +11,10 @@ machine's own (i386's ``int 0x80`` and x32 numbers on x86_64, AArch32 on aarch64
 
 The programs (classic BPF, ``struct sock_filter`` arrays, one per machine) are built from this
 data with libseccomp by ``scripts/seccomp_policy.py`` and checked in under
-``kernel_env/kernel/seccomp/``; nothing here needs libseccomp at run time. bubblewrap loads them
-(``bwrap --seccomp FD``); a process that is not started by bubblewrap loads one with
-:func:`apply`. This module imports only the standard library and little of it: a forked kernel
-calls it.
+``kernel_env/kernel/isolation/seccomp/``; nothing here needs libseccomp at run time.
+bubblewrap loads them (``bwrap --seccomp FD``); a process that is not started by bubblewrap
+loads one with :func:`apply`. This module imports only the standard library and little of it:
+a forked kernel calls it.
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ POLICY: dict[str, str] = _policy()
 
 def policy_digest() -> str:
     """SHA-256 of the policy's data: the checked-in programs record the digest of the policy
-    they were built from (``kernel_env/kernel/seccomp/programs.json``)."""
+    they were built from (``kernel_env/kernel/isolation/seccomp/programs.json``)."""
     import hashlib
     import json
 

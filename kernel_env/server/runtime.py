@@ -1,0 +1,121 @@
+"""What a running server owns: its kernel pool, its sessions, its model and its forkserver.
+
+The HTTP routes (:mod:`.app`) and the WebSocket (:mod:`.websocket`) both reach it through
+``app.state.runtime``; it is created in the app's lifespan, on the app's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kernel_env.agent import solve_child
+from kernel_env.environment import EnvConfig, KernelEnvironment
+from kernel_env.kernel.base import KernelSource
+from kernel_env.kernel.fork.server import ForkServer
+from kernel_env.kernel.pool import KernelPool
+from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
+from kernel_env.recursion import BackendForToken
+from kernel_env.server.sessions import SessionManager
+from kernel_env.server.settings import ServerSettings
+
+__all__ = ["Runtime", "llm_backend_from"]
+
+
+def llm_backend_from(settings: ServerSettings) -> LLMBackend | None:
+    """The server's model for ``llm_query``, when ``llm_base_url`` is set."""
+    if not settings.llm_base_url or not settings.llm_model:
+        return None
+    return OpenAIBackend(settings.llm_base_url, settings.llm_model, api_key=settings.llm_api_key)
+
+
+def _token_backends(settings: ServerSettings) -> BackendForToken:
+    """A reset's ``hf_token`` -> that episode's backend: Hugging Face's router (or
+    ``hf_router_url``) with the token as key. The token lives in that backend only."""
+
+    def build(token: str, model: str | None) -> LLMBackend:
+        # As OpenEnv's repl_env: without llm_model, its default model (the reset's
+        # observation metadata says which model was used).
+        model = model or settings.llm_model or HF_DEFAULT_MODEL
+        if settings.hf_router_url is None:
+            return huggingface_router(token, model)
+        return OpenAIBackend(settings.hf_router_url, model, api_key=token)
+
+    return build
+
+
+class Runtime:
+    """Everything the app owns while it runs; created in the lifespan, on the app's loop."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        kernel_factory: KernelSource,
+        forkserver: ForkServer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.forkserver = forkserver
+        self.pool = KernelPool(
+            kernel_factory,
+            size=settings.pool_size,
+            max_kernels=settings.kernel_limit,
+        )
+        self.llm = llm_backend_from(settings)
+        config = EnvConfig(
+            step_timeout=settings.step_timeout,
+            max_code_chars=settings.max_code_chars,
+            max_context_chars=settings.max_context_chars,
+            llm_max_calls=settings.llm_max_calls,
+            llm_max_tokens=settings.llm_max_tokens,
+            llm_allowed_models=settings.llm_allowed_models,
+            max_prompt_chars=settings.max_prompt_chars,
+            no_model_hint="the server's operator must start it with --llm-base-url and "
+            "--llm-model (or KERNEL_ENV_LLM_BASE_URL and KERNEL_ENV_LLM_MODEL); or pass your "
+            "own hf_token to reset()",
+        )
+        self._config = config
+        self._token_backends = _token_backends(settings)
+        self.sessions = SessionManager(
+            self.new_environment,
+            max_sessions=settings.max_sessions,
+            idle_ttl=settings.idle_ttl,
+            claim_ttl=settings.claim_ttl,
+            max_sessions_per_tenant=settings.max_sessions_per_tenant,
+        )
+        self.started = time.monotonic()
+
+    def new_environment(self, llm_backend: LLMBackend | None = None) -> KernelEnvironment:
+        """A session's environment: the server's limits and kernels; ``llm_backend`` answers
+        its ``llm_query`` instead of the server's model (a Ray host's caller lends its own)."""
+        return KernelEnvironment(
+            self._config,
+            kernel_source=self.pool.acquire,
+            llm_backend=llm_backend or self.llm,
+            backend_for_token=self._token_backends,
+            child_solver=solve_child,
+        )
+
+    async def start(self) -> None:
+        await self.pool.start()
+        await self.sessions.start()
+
+    async def drain(self) -> None:
+        """Graceful shutdown: in-flight steps answer (or are cancelled), then kernels go."""
+        await self.sessions.drain(self.settings.drain_timeout)
+        await self.pool.close()
+
+    async def close(self) -> None:
+        await self.sessions.close()
+        await self.pool.close()
+        if self.forkserver is not None:
+            await self.forkserver.close()
+        if self.llm is not None:
+            await self.llm.aclose()
+
+    @property
+    def start_mode(self) -> str:
+        """How the server's kernels start, in words (for /health and /metadata)."""
+        if self.forkserver is not None:
+            return self.forkserver.status
+        if self.settings.gateway_url:
+            return "started by the gateway"
+        return "cold start (a new interpreter per kernel; forkserver off)"
