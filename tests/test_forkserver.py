@@ -5,6 +5,7 @@ starts, said in its status."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import select
 import shutil
@@ -17,7 +18,7 @@ import pytest
 from procs import child_pids, comm, descendants
 
 from kernel_env import AsyncKernelEnv
-from kernel_env.kernel import Kernel
+from kernel_env.kernel import Kernel, versions
 from kernel_env.kernel.fork.server import ForkServer
 from kernel_env.kernel.fork.spawner import SPAWNER_NAME
 from kernel_env.kernel.fork.zygote import KERNEL_NAME
@@ -362,6 +363,26 @@ async def test_a_preload_that_fails_means_cold_starts() -> None:
             await env.reset()
             assert "2" in await _run(env, "print(1 + 1)")
             assert not env.environment.kernel.forked  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("package", ["ipykernel", "jupyter_client"])
+async def test_an_untested_release_means_cold_starts_said_once(
+    package: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With an ipykernel or jupyter_client release outside the tested ones (faked: the
+    tested range is moved past the installed release), the zygote builds nothing, the log
+    says why in one line, and kernels start cold and work."""
+    monkeypatch.setitem(versions.TESTED, package, ((99, 0), (99, 1)))
+    caplog.set_level(logging.WARNING, logger="kernel_env.kernel.fork.server")
+    async with ForkServer() as server:
+        assert not server.ready
+        assert f"{package} " in server.status and "tested with (99.0 to 99.1)" in server.status
+        async with AsyncKernelEnv(kernel_source=_source(server, LocalKernel)) as env:
+            await env.reset()
+            assert "2" in await _run(env, "print(1 + 1)")
+            assert not env.environment.kernel.forked  # type: ignore[union-attr]
+    said = [r.getMessage() for r in caplog.records if "cold" in r.getMessage()]
+    assert len(said) == 1 and package in said[0], said
 
 
 class _UnlaunchableKernel(LocalKernel):

@@ -320,3 +320,21 @@ async def test_a_kernel_that_welcomes_its_subscribers_is_not_asked_for_kernel_in
     async with asking:
         assert (await asking.execute("1 + 1")).stdout == "2\n"
     assert "kernel_info_request" in asking.sent  # a cold start outlasts the first 50 ms
+
+
+@pytest.mark.parametrize("switch", [None, "off"])
+async def test_the_per_cell_tuning_switches_off_and_cells_behave_the_same(
+    switch: str | None,
+) -> None:
+    """An episode kernel is tuned (kernel_env.kernel_tuning) unless KERNEL_ENV_TUNING=off is
+    in its environment; either way a cell's result, a top-level await and an error are the
+    same."""
+    extra = {"KERNEL_ENV_TUNING": switch} if switch is not None else {}
+    async with LocalKernel(extra_env=extra) as kernel:
+        name = await kernel.execute("get_ipython().transform_cell.__name__")
+        assert name.stdout == ("'remembered'\n" if switch is None else "'transform_cell'\n")
+        awaited = await kernel.execute("import asyncio\nawait asyncio.sleep(0)\nx = 5\nx * 2")
+        assert (awaited.status, awaited.stdout) == ("ok", "10\n")
+        failed = await kernel.execute("1/0")
+        assert failed.error is not None and failed.error["ename"] == "ZeroDivisionError"
+        assert (await kernel.execute("x")).stdout == "5\n"

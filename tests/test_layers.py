@@ -14,6 +14,7 @@ included, so a call-time import cannot hide a dependency.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -194,6 +195,7 @@ def _packages(path: Path, *, runtime_only: bool = False) -> set[str]:
     return names - {"kernel_env"}
 
 
+@functools.cache
 def _graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """Every module under ``root`` -> the kernel_env modules it imports."""
     return {

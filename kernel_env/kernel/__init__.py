@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from kernel_env.kernel.local import LocalKernel
     from kernel_env.kernel.pool import KernelPool
     from kernel_env.kernel.sandboxed import SandboxedKernel
-    from kernel_env.kernel.scripted import Cell, ScriptedKernel
+    from kernel_env.kernel.scripted import Cell, ScriptedKernel, ScriptedSource
 
 __all__ = [
     "Cell",
@@ -51,6 +51,7 @@ __all__ = [
     "SandboxLimits",
     "SandboxedKernel",
     "ScriptedKernel",
+    "ScriptedSource",
     "StdinHandler",
 ]
 
@@ -67,6 +68,7 @@ _HOMES = {
     "SandboxLimits": "isolation.sandbox",
     "SandboxedKernel": "sandboxed",
     "ScriptedKernel": "scripted",
+    "ScriptedSource": "scripted",
     "StdinHandler": "base",
 }
 

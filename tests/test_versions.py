@@ -1,0 +1,66 @@
+"""The releases kernel_env was tested with (kernel_env/kernel/versions.py) and what it does
+with others: the forkserver's fallback is in tests/test_forkserver.py, the tuning's in
+tests/test_kernel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_env.kernel import versions
+from kernel_env.kernel.fork.template import missing_internals
+
+TESTED = {"ipykernel": ((6, 29), (7, 4)), "jupyter_client": ((8, 6), (8, 10))}
+
+
+@pytest.mark.parametrize(
+    ("found", "why"),
+    [
+        ({"ipykernel": (7, 4, 0), "jupyter_client": (8, 10, 0)}, None),
+        ({"ipykernel": (6, 29, 5), "jupyter_client": (8, 6, 0)}, None),
+        (
+            {"ipykernel": (7, 5, 0), "jupyter_client": (8, 10, 0)},
+            "ipykernel 7.5.0 is not a release kernel_env was tested with (6.29 to 7.4)",
+        ),
+        (
+            {"ipykernel": (7, 4), "jupyter_client": (9, 0)},
+            "jupyter_client 9.0 is not a release kernel_env was tested with (8.6 to 8.10)",
+        ),
+        ({"ipykernel": (6, 28, 9), "jupyter_client": (8, 6)}, "ipykernel 6.28.9 is not"),
+        ({"ipykernel": None, "jupyter_client": (8, 6)}, "ipykernel is not installed"),
+    ],
+)
+def test_a_release_outside_the_tested_ones_is_named(
+    found: dict[str, tuple[int, ...] | None], why: str | None
+) -> None:
+    """Each package's major.minor must lie in its tested span, both ends included."""
+    problem = versions.untested(TESTED, found)
+    assert problem == why if why is None else (problem or "").startswith(why)
+
+
+def test_this_environment_is_one_kernel_env_was_tested_with() -> None:
+    """The versions CI installs are tested ones, and this ipykernel has every internal the
+    forkserver's template touches."""
+    assert versions.untested() is None
+    assert missing_internals() is None
+
+
+def test_release_numbers_are_read_leniently() -> None:
+    """Pre-releases and local versions keep their leading numbers."""
+    assert versions._parse("7.4.0rc1") == (7, 4, 0)
+    assert versions._parse("8.10.0+local") == (8, 10, 0)
+    assert versions._parse("dev") == ()
+
+
+def test_the_tuning_is_off_for_an_untested_ipykernel_or_when_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kernel_tuning tunes only a tested ipykernel, and KERNEL_ENV_TUNING=off turns it off."""
+    from kernel_env import kernel_tuning
+
+    monkeypatch.delenv(kernel_tuning.SWITCH, raising=False)
+    assert kernel_tuning.enabled()
+    monkeypatch.setenv(kernel_tuning.SWITCH, "off")
+    assert not kernel_tuning.enabled()
+    monkeypatch.delenv(kernel_tuning.SWITCH)
+    monkeypatch.setitem(versions.TESTED, "ipykernel", ((99, 0), (99, 1)))
+    assert not kernel_tuning.enabled()
