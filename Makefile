@@ -3,6 +3,8 @@
 #   make test    install what is needed, then run the whole test suite (what CI runs)
 #   make check   the edit loop: lint, types and the quick tests (no kernels), under a minute
 #   make bench   run the server benchmarks (prints a table); benchmarks/README.md has the rest
+#   make test-lowest  the kernel tests against the lowest ipykernel and jupyter_client
+#                pyproject.toml admits, in a venv of their own (CI's second job, .ci/lowest)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -17,7 +19,8 @@ QUICK  := -m "not integration and not slow and not soak"
 # The test and lint tools, and everything they pull in, at the versions CI runs.
 CONSTRAINTS := constraints.txt
 
-.PHONY: serve test check lint format bench install install-dev system-deps test-deps clean
+.PHONY: serve test check lint format bench install install-dev system-deps test-deps clean \
+	test-lowest
 
 $(BIN)/python:
 	@echo "== creating the virtualenv $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
@@ -86,6 +89,27 @@ test: $(VENV)/.installed-dev test-deps
 check: lint
 	$(BIN)/python -m pytest -q $(QUICK) $(PYTEST_ARGS)
 
+# The kernel layer against the lowest releases of ipykernel and jupyter_client that
+# pyproject.toml admits (make test runs the newest, as constraints.txt pins them): every other
+# pin as constraints.txt has it. Its own venv, so the dev venv keeps the newest. About 6
+# minutes here (benchmarks/README.md), so not part of make test.
+LOWEST       := ipykernel==6.29.0 jupyter_client==8.6.0
+LOWEST_VENV  := $(VENV)-lowest
+KERNEL_TESTS := tests/test_kernel.py tests/test_forkserver.py tests/test_sandbox.py \
+	tests/test_isolation.py tests/test_fork.py tests/test_pool.py tests/test_episode.py \
+	tests/test_versions.py tests/test_kernel_driver.py tests/test_environment.py
+
+$(LOWEST_VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	@echo "== installing kernel_env with $(LOWEST) into $(LOWEST_VENV)"
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	grep -viE '^(ipykernel|jupyter_client)==' $(CONSTRAINTS) > $(LOWEST_VENV)/constraints.txt
+	printf '%s\n' $(LOWEST) >> $(LOWEST_VENV)/constraints.txt
+	$(LOWEST_VENV)/bin/pip install -c $(LOWEST_VENV)/constraints.txt -e '.[dev]'
+	touch $@
+
+test-lowest: $(LOWEST_VENV)/.installed test-deps
+	$(LOWEST_VENV)/bin/python -m pytest $(KERNEL_TESTS) $(PYTEST_ARGS)
+
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check kernel_env tests benchmarks examples scripts
 	$(BIN)/ruff format --check kernel_env tests benchmarks examples scripts
@@ -104,7 +128,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/bench_server.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) .pytest_cache build dist *.egg-info
 
 # Build the Docker image with no network and run episodes in it (scripts/docker-smoke.sh);
 # exits 77 with a "SKIP:" line where Docker itself cannot run.

@@ -65,7 +65,8 @@ def _ask_once_per_cell(shell: Any) -> None:
     then calls ``shell.run_cell``, which transforms the same string again and asks the same
     question again (a ``compile`` of the whole cell each time); and it reads
     ``run_cell_async``'s signature with ``inspect`` to learn which arguments it takes. That
-    is ~0.1-0.2 ms of a short cell's ~1.5 ms of kernel CPU, and grows with the cell's length.
+    is a tenth of a short cell's kernel CPU (``benchmarks/README.md``), and grows with the cell's
+    length.
 
     The shell keeps the answer of its last transform and of its last question, for the very
     same string object (``is``, not ``==``), until the call that asks again or the end of
@@ -147,7 +148,7 @@ def _wake_iopub_through_its_loop(kernel: Any) -> None:
     Everything the kernel sends on iopub (outputs, the status, each stream's flush) is a
     function for that thread to run. ipykernel queues it and wakes the thread with an empty
     message on a zmq socket of its own per sending thread, which the thread then reads
-    through a ZMQStream: half of the iopub thread's CPU for a short cell (~0.2 ms of ~0.45).
+    through a ZMQStream: half of the iopub thread's CPU for a short cell (``benchmarks/README.md``).
     The thread's loop (tornado's, on asyncio) has a thread-safe ``add_callback`` that runs
     functions in the order given, as the queue did, and wakes the loop through its own pipe.
     As before, a thread that is not running (a subprocess forked by a cell) runs the

@@ -42,6 +42,21 @@ def test_local_episodes_do_not_load_the_gateway_backend() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.integration
+def test_the_cli_help_loads_neither_the_server_nor_jupyter_client() -> None:
+    """``kernel-env --help`` (and the parsing every command starts with) loads neither
+    FastAPI nor jupyter_client."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from kernel_env import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    cli.main(['--help'])\n"
+        "print(sorted(m for m in ('fastapi', 'jupyter_client') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_clients_reset_keywords_are_the_reset_options() -> None:
     """reset()'s keywords on the client are exactly ResetOptions' fields: one vocabulary."""
     from kernel_env.models import ResetOptions
