@@ -103,8 +103,12 @@ async def main(count: int) -> None:
 # kernel, forked and cold, trivial (x = 1) and busy with system calls (2,000 os.stat).
 ROUND = """\
 import asyncio, json, statistics, sys, time
-from kernel_env.kernel.fork.server import ForkServer
-from kernel_env.kernel.sandboxed import SandboxedKernel
+try:  # the kernel layer by role and process (kernel/fork/, kernel/sandboxed.py)
+    from kernel_env.kernel.fork.server import ForkServer
+    from kernel_env.kernel.sandboxed import SandboxedKernel
+except ImportError:  # a checkout from before it
+    from kernel_env.kernel.forkserver import ForkServer
+    from kernel_env.kernel.sandbox import SandboxedKernel
 STEPS = {"trivial": "x = 1", "syscalls": "import os\\nfor _ in range(2000): os.stat('.')"}
 
 async def steps(kernel, out, kind):
