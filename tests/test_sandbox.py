@@ -244,13 +244,15 @@ def test_a_server_in_another_pid_namespace_leaves_this_ones_cgroups_alone() -> N
     """A server whose PID namespace cannot see this process (a container's, a Ray node's)
     shares the cgroup tree: its sweep must not take this live server for dead and remove the
     cgroup a kernel of this one is about to join (its start would fail)."""
-    from kernel_env.kernel import cgroups
+    from kernel_env.kernel.isolation import cgroups
 
     if "pids" not in cgroups.available_controllers() or shutil.which("unshare") is None:
         pytest.skip("no writable pids cgroup or no unshare here")
     cgroup = cgroups.KernelCgroup("k-other-ns", memory_bytes=None, processes=64, cpus=None)
     try:
-        sweep = "from kernel_env.kernel import cgroups; print(cgroups.sweep_dead_servers())"
+        sweep = (
+            "from kernel_env.kernel.isolation import cgroups; print(cgroups.sweep_dead_servers())"
+        )
         other = subprocess.run(
             ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", sweep],
             capture_output=True,

@@ -26,9 +26,10 @@ import ray
 
 from kernel_env.errors import CapacityReached
 from kernel_env.llm import CallableBackend, LLMBackend
-from kernel_env.server.app import Runtime, create_app
+from kernel_env.server.app import create_app
 from kernel_env.server.auth import DEFAULT_TENANT, Tenant
 from kernel_env.server.runner import DrainingServer, build_server
+from kernel_env.server.runtime import Runtime
 from kernel_env.server.settings import ServerSettings
 
 __all__ = ["LLM", "KernelEnvHost"]
