@@ -41,8 +41,8 @@ from typing import IO, NamedTuple
 import seccomp
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICY_MODULE = ROOT / "kernel_env" / "kernel" / "seccomp.py"
-OUT = ROOT / "kernel_env" / "kernel" / "seccomp"
+POLICY_MODULE = ROOT / "kernel_env" / "kernel" / "isolation" / "seccomp.py"
+OUT = ROOT / "kernel_env" / "kernel" / "isolation" / "seccomp"
 ARCHES = {"x86_64": seccomp.Arch.X86_64, "aarch64": seccomp.Arch.AARCH64}
 # The machine libseccomp runs on (its architecture tokens: as signed or unsigned 32-bit ints).
 NATIVE = {a & 0xFFFFFFFF: m for m, a in ARCHES.items()}.get(seccomp.system_arch() & 0xFFFFFFFF, "")
