@@ -200,15 +200,30 @@ async def test_start_errors_are_clear(gateway: GatewayProcess, options: dict, me
         await GatewayKernel(config).start()
 
 
-def test_refused_kernel_is_a_clear_error(tmp_path: Path) -> None:
-    """A gateway at its max_kernels refuses the next kernel: reset raises a clear error."""
-    gw = GatewayProcess(tmp_path, "--KernelGatewayApp.max_kernels=1")
+@pytest.mark.parametrize(
+    ("gateway_class", "limit", "message"),
+    [
+        (GatewayProcess, "--KernelGatewayApp.max_kernels=1", "max_kernels"),
+        (
+            EnterpriseGatewayProcess,
+            "--EnterpriseGatewayApp.max_kernels_per_user=1",
+            "per-user kernel limit is reached",
+        ),
+    ],
+    ids=["gateway", "enterprise_gateway"],
+)
+def test_refused_kernel_is_a_clear_error(
+    tmp_path: Path, gateway_class: type[GatewayProcess], limit: str, message: str
+) -> None:
+    """A gateway at its kernel limit (Kernel Gateway's max_kernels, Enterprise Gateway's per
+    user) refuses the next kernel: reset raises one clear line; the first episode goes on."""
+    gw = gateway_class(tmp_path, limit)
     gw.start()
     try:
         source = gateway_source(_config(gw))
         with KernelEnv(kernel_source=source) as first, KernelEnv(kernel_source=source) as second:
             first.reset()
-            with pytest.raises(KernelStartError, match="max_kernels"):
+            with pytest.raises(KernelStartError, match=message):
                 second.reset()
             assert _stdout(first, "print(1 + 1)") == "2\n"
     finally:
@@ -312,21 +327,6 @@ async def test_eg_refuses_root_and_the_error_says_how_to_name_a_user(
     said = str(refused.value)
     assert "User 'root' is not authorized" in said and "for user 'root'" in said
     assert "--gateway-env KERNEL_USERNAME=NAME" in said and "\n" not in said
-
-
-def test_eg_per_user_kernel_limit_is_one_clear_line(tmp_path: Path) -> None:
-    """An Enterprise Gateway allowing one kernel per user refuses the second: reset says so."""
-    gw = EnterpriseGatewayProcess(tmp_path, "--EnterpriseGatewayApp.max_kernels_per_user=1")
-    gw.start()
-    try:
-        source = gateway_source(_config(gw))
-        with KernelEnv(kernel_source=source) as first, KernelEnv(kernel_source=source) as second:
-            first.reset()
-            with pytest.raises(KernelStartError, match="per-user kernel limit is reached"):
-                second.reset()
-            assert _stdout(first, "print(1 + 1)") == "2\n"
-    finally:
-        gw.stop()
 
 
 def test_eg_culls_an_idle_kernel_and_the_next_step_says_so(tmp_path: Path) -> None:
