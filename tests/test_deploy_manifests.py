@@ -1,0 +1,53 @@
+"""The Kubernetes manifests in deploy/: every resource is valid against the Kubernetes API's
+own schemas (kubernetes-validate, offline, strict: an unknown field is an error), and the
+kustomization lists exactly the manifests beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+KUBERNETES = "1.31"  # the oldest release still supported upstream when these were written
+KUSTOMIZATIONS = sorted(DEPLOY.rglob("kustomization.yaml"))
+MANIFESTS = sorted(
+    p for p in DEPLOY.rglob("*.yaml") if "kubernetes" in p.parts and p.name != "kustomization.yaml"
+)
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_there_are_manifests_to_check() -> None:
+    assert MANIFESTS and KUSTOMIZATIONS
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_resource_is_valid_for_the_api(path: Path) -> None:
+    for document in _documents(path):
+        kubernetes_validate.validate(document, KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_the_kustomization_lists_the_manifests_beside_it(path: Path) -> None:
+    (kustomization,) = _documents(path)
+    listed = {path.parent / name for name in kustomization["resources"]}
+    assert listed == {p for p in MANIFESTS if p.parent == path.parent}
+
+
+def test_the_check_sees_a_broken_resource() -> None:
+    """A misspelt field and a wrong type are both refused."""
+    deployment = next(
+        doc for p in MANIFESTS for doc in _documents(p) if doc["kind"] == "Deployment"
+    )
+    misspelt = {**deployment, "spec": {**deployment["spec"], "replica": 1}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(misspelt, KUBERNETES, strict=True)
+    wrong_type = {**deployment, "spec": {**deployment["spec"], "replicas": "two"}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong_type, KUBERNETES, strict=True)
