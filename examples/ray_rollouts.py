@@ -91,8 +91,9 @@ class NodeEnder:
         os.kill(os.getppid(), signal.SIGKILL)
 
 
-async def end_a_host_node(cluster: KernelEnvCluster, after: float) -> str | None:
-    """After ``after`` seconds, end the node (not the head) with the most episodes placed."""
+async def node_enders() -> dict[str, Any]:
+    """A :class:`NodeEnder` on every host node but the head (ending it ends the cluster),
+    ready."""
     heads = {n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"]}
     enders = {
         node: NodeEnder.options(  # type: ignore[attr-defined]
@@ -102,6 +103,13 @@ async def end_a_host_node(cluster: KernelEnvCluster, after: float) -> str | None
         if node not in heads
     }
     await asyncio.gather(*(ender.__ray_ready__.remote() for ender in enders.values()))
+    return enders
+
+
+async def end_a_host_node(
+    cluster: KernelEnvCluster, enders: dict[str, Any], after: float
+) -> str | None:
+    """After ``after`` seconds, end the host node with the most episodes placed."""
     await asyncio.sleep(after)
     candidates = [node for node in cluster.placed if node in enders]
     if not candidates:
@@ -130,7 +138,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     killer = None
     if args.kill_node_after is not None:
-        killer = asyncio.create_task(end_a_host_node(cluster, args.kill_node_after))
+        enders = await node_enders()  # placed before the clock starts
+        killer = asyncio.create_task(end_a_host_node(cluster, enders, args.kill_node_after))
     started = time.perf_counter()
     groups = []
     for first in range(0, args.episodes, args.group_size):
