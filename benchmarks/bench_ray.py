@@ -335,6 +335,9 @@ def inside(args: argparse.Namespace) -> None:
         ray.init(address=cluster.address, log_to_driver=False, logging_level="warning")
         figures = asyncio.run(run(args, cluster))
         sys.stdout.flush()
+        from kernel_env.ray import stop_hosts
+
+        stop_hosts(timeout=15)  # kernels shut down (their cgroups removed) before all ends
         ray.shutdown()
         print(json.dumps(figures), flush=True)
         code = 0

@@ -109,7 +109,10 @@ async def node_enders() -> dict[str, Any]:
 async def end_a_host_node(
     cluster: KernelEnvCluster, enders: dict[str, Any], after: float
 ) -> str | None:
-    """After ``after`` seconds, end the host node with the most episodes placed."""
+    """``after`` seconds after the first episode is placed, end the host node with the most
+    episodes placed."""
+    while not any(node in enders for node in cluster.placed):
+        await asyncio.sleep(0.05)
     await asyncio.sleep(after)
     candidates = [node for node in cluster.placed if node in enders]
     if not candidates:
@@ -148,7 +151,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         groups.append([one(task, i) for i in range(size)])
     results = await asyncio.gather(*(asyncio.gather(*group) for group in groups))
     took = time.perf_counter() - started
-    killed = await killer if killer is not None else None
+    killed = None
+    if killer is not None:
+        killer.cancel()  # done already, unless the run ended before a node could be
+        with contextlib.suppress(asyncio.CancelledError):
+            killed = await killer
     completed = [[r for r in group if r is not None] for group in results]
     for rollouts in completed:
         if len(rollouts) > 1:  # a group's advantages, over the rollouts that completed

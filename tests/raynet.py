@@ -110,6 +110,18 @@ class RayNetns:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        _sweep_cgroups()
+
+
+def _sweep_cgroups() -> None:
+    """The kernel cgroups of hosts that ended without shutting down (killed with their node, or
+    by Ray): named by a pid of the namespace, which the usual sweep (by pid, in this one) may
+    take for a live process; any server's that no live process holds the lock of goes."""
+    from kernel_env.kernel.isolation import cgroups
+
+    for tree in cgroups._server_trees():
+        for server in [p for p in tree.iterdir() if p.is_dir() and p.name.isdigit()]:
+            cgroups._sweep(server)
 
 
 class Driver:
@@ -163,7 +175,12 @@ def _serve(spec: dict[str, Any]) -> None:
         except BaseException:
             reply = {"error": traceback.format_exc()}
         answer.write(json.dumps(reply) + "\n")
-    os._exit(0)  # the namespace's first process: its end ends every process in it
+    try:  # the hosts shut their kernels down (and remove their cgroups) before all ends
+        from kernel_env.ray import stop_hosts
+
+        stop_hosts(timeout=15)
+    finally:
+        os._exit(0)  # the namespace's first process: its end ends every process in it
 
 
 if __name__ == "__main__":

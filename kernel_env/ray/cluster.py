@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _REFRESH_S = 1.0  # how old the hosts' loads may be when placing
-_PROBE_TIMEOUT = 10.0  # a host's first answer includes its server's start
+_PROBE_TIMEOUT = 10.0  # a host that answers no load query in this long is left out
+_START_WAIT = 1.0  # how long a look waits for a host that is still starting
 _OPEN_TIMEOUT = 10.0
 _WAIT_STEP = 0.2  # seconds between looks for room while the cluster is full
 _STEP_GRACE = 10.0  # past the step timeout: the timeout ladder's interrupt and restart
@@ -65,6 +66,13 @@ class ClusterEpisode(AsyncKernelEnv):
     # Set while the session has answered nothing: a host that refuses it for want of room
     # (another client filled it since the last look) sends it to another host.
     _placer: KernelEnvCluster | None = None
+    _counted: KernelEnvCluster | None = None  # the client that counts this session as open
+
+    async def close(self) -> None:
+        counted, self._counted = self._counted, None
+        if counted is not None:  # its slot is free again before the next look says so
+            counted._released(self.node_id)
+        await super().close()
 
     async def _call(self, op: Callable[[Any], Awaitable[T]]) -> T:
         try:
@@ -86,10 +94,14 @@ class ClusterEpisode(AsyncKernelEnv):
 
     async def _move(self, placer: KernelEnvCluster) -> None:
         """To a session on another host (this one is full, and closed it)."""
+        counted, self._counted = self._counted, None
+        if counted is not None:
+            counted._released(self.node_id)
         placer._mark_full(self.node_id)
         other = await placer.episode()
         old, self._session = self._session, other._session
         self._remote, self.node_id, self._placer = other._remote, other.node_id, other._placer
+        self._counted, other._counted = other._counted, None
         if old is not None:
             await old.close()
 
@@ -149,6 +161,7 @@ class KernelEnvCluster:
         self._own = own if prefer_own_node else None
         self._hosts: dict[str, ActorHandle] = {}
         self._endpoints: dict[str, dict[str, Any]] = {}
+        self._starting: dict[str, asyncio.Future[Any]] = {}  # endpoints asked, not answered
         self._loads: dict[str, HostLoad] = {}
         self._looked = 0.0
         self._lock = asyncio.Lock()
@@ -215,9 +228,14 @@ class KernelEnvCluster:
             self._forget(node, exc)
             return None
         episode = _episode(session, remote, node)
+        episode._counted = self
         if session_id is None:
             episode._placer = self
         return episode
+
+    def _released(self, node: str) -> None:
+        if (load := self._loads.get(node)) is not None and load.sessions > 0:
+            self._loads[node] = HostLoad(node, load.sessions - 1, load.slots)
 
     def _mark_full(self, node: str) -> None:
         if (load := self._loads.get(node)) is not None:
@@ -246,6 +264,8 @@ class KernelEnvCluster:
             for node in set(self._hosts) - set(nodes):
                 self._hosts.pop(node, None)
                 self._endpoints.pop(node, None)
+                if (starting := self._starting.pop(node, None)) is not None:
+                    starting.cancel()
             for node, slots in nodes.items():
                 if node not in self._hosts:
                     self._hosts[node] = await asyncio.to_thread(
@@ -258,14 +278,27 @@ class KernelEnvCluster:
     async def _probe(self, node: str) -> HostLoad | None:
         host = self._hosts[node]
         try:
-            if node not in self._endpoints:
-                endpoint = await asyncio.wait_for(_ref(host.endpoint.remote()), _PROBE_TIMEOUT)
-                self._endpoints[node] = endpoint
+            if node not in self._endpoints and not await self._started(node, host):
+                return None  # still starting (a new node's): placement goes on without it
             load = await asyncio.wait_for(_ref(host.load.remote()), _PROBE_TIMEOUT)
         except (RayError, TimeoutError) as exc:
             self._forget(node, exc)
             return None
         return HostLoad(node, int(load["sessions"]), int(load["slots"]))
+
+    async def _started(self, node: str, host: ActorHandle) -> bool:
+        """Whether the host's server serves (its endpoint then known); a host still starting
+        is waited for a moment only, its start going on between looks."""
+        starting = self._starting.get(node)
+        if starting is None:
+            starting = asyncio.ensure_future(_ref(host.endpoint.remote()))
+            self._starting[node] = starting
+        await asyncio.wait({starting}, timeout=_START_WAIT)
+        if not starting.done():
+            return False
+        del self._starting[node]
+        self._endpoints[node] = starting.result()  # raises what the host's start raised
+        return True
 
     def _forget(self, node: str, why: BaseException) -> None:
         """A host that did not answer: no episodes until it does again; its endpoint is asked
@@ -274,6 +307,8 @@ class KernelEnvCluster:
         self._loads.pop(node, None)
         self._endpoints.pop(node, None)
         self._hosts.pop(node, None)
+        if (starting := self._starting.pop(node, None)) is not None:
+            starting.cancel()
 
     async def load(self) -> dict[str, dict[str, Any]]:
         """Every host's load, by node id, in one call: sessions, slots, kernels, warm kernels,
