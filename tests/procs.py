@@ -59,8 +59,9 @@ def cmdline(pid: int) -> bytes:
 
 def kernel_pids(pid: int) -> set[int]:
     """The kernels that ``pid`` started: the processes it launched for cold kernels (their
-    command line names ipykernel), and its forkserver's kernels (named ``ke-kernel``)."""
-    cold = {child for child in child_pids(pid) if b"ipykernel" in cmdline(child)}
+    command line runs ipykernel_launcher; the zygote's names ipykernel too, in its settings),
+    and its forkserver's kernels (named ``ke-kernel``)."""
+    cold = {child for child in child_pids(pid) if b"ipykernel_launcher" in cmdline(child)}
     return cold | {p for p in descendants(pid) if comm(p) == "ke-kernel"}
 
 
