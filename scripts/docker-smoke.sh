@@ -179,24 +179,42 @@ make_base_image() {
         BASE=$DOCKER_SMOKE_BASE_IMAGE
         return
     fi
-    command -v debootstrap >/dev/null 2>&1 || install_packages debootstrap
-    local rootfs="$WORK/rootfs" suite mirror start
+    local suite mirror start tarball
     suite=${DOCKER_SMOKE_SUITE:-$(host_suite)}
     mirror=${DOCKER_SMOKE_MIRROR:-$(host_mirror)}
     start=$(now)
-    say "debootstrap $suite from $mirror"
-    debootstrap --variant=minbase --include=python3,python3-venv,bubblewrap,tini \
+    tarball=$(base_tarball "$suite" "$mirror")
+    BASE_TAG="$RUN_ID-base:latest"
+    docker import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        "$tarball" "$BASE_TAG" >/dev/null
+    say "base image $BASE_TAG in $(since "$start") s"
+    BASE=$BASE_TAG
+}
+
+# The debootstrapped Debian as a tarball, kept in the user's cache for a week (like pip's own
+# cache: a fresh machine makes it; DOCKER_SMOKE_FRESH_BASE=1 makes it again). Prints its path.
+base_tarball() {
+    local suite=$1 mirror=$2 packages="python3,python3-venv,bubblewrap,tini" cache key rootfs
+    cache="${XDG_CACHE_HOME:-$HOME/.cache}/kernel-env/docker-smoke"
+    key=$(printf '%s %s %s' "$suite" "$mirror" "$packages" | sha256sum | cut -c1-12)
+    local tarball="$cache/debian-$suite-$key.tar"
+    if [ -z "${DOCKER_SMOKE_FRESH_BASE:-}" ] && [ -n "$(find "$tarball" -mtime -7 2>/dev/null)" ]; then
+        say "debootstrapped $suite from the cache ($tarball)" >&2
+        echo "$tarball"
+        return
+    fi
+    command -v debootstrap >/dev/null 2>&1 || install_packages debootstrap >&2
+    mkdir -p "$cache"
+    rootfs="$WORK/rootfs"
+    say "debootstrap $suite from $mirror" >&2
+    debootstrap --variant=minbase --include="$packages" \
         "$suite" "$rootfs" "$mirror" >"$WORK/debootstrap.log" 2>&1 ||
         { tail -5 "$WORK/debootstrap.log" >&2; die "debootstrap"; }
     rm -rf "$rootfs"/var/cache/apt/* "$rootfs"/var/lib/apt/lists/* \
         "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/locale/*
-    BASE_TAG="$RUN_ID-base:latest"
-    tar --numeric-owner -C "$rootfs" -c . | docker import \
-        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-        - "$BASE_TAG" >/dev/null
+    tar --numeric-owner -C "$rootfs" -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
     rm -rf "$rootfs"
-    say "base image $BASE_TAG in $(since "$start") s"
-    BASE=$BASE_TAG
+    echo "$tarball"
 }
 
 # Sets FACTS; the first container of the run, so it also proves containers start here.
