@@ -214,7 +214,7 @@ def _claim(server: Path) -> Path:
             fd = os.open(server, os.O_RDONLY | os.O_DIRECTORY)
             fcntl.flock(fd, fcntl.LOCK_SH)
             # A sweep that locked it first may have removed it meanwhile: then make it again.
-            if os.fstat(fd).st_nlink > 0 and _same_file(fd, server):
+            if _same_file(fd, server):
                 _claimed[server] = fd
                 return server
             os.close(fd)
