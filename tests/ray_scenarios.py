@@ -91,6 +91,10 @@ def features(driver: Any, export_dir: str) -> dict[str, Any]:
                 out["fork_x"] = (await copy.run("x += 1; print(x)")).stdout.strip()
             out["x_after_fork"] = (await env.run("print(x)")).stdout.strip()
             out["kernel_env"] = (await env.run("import os; print(dict(os.environ))")).stdout
+            out["sandbox_fds"] = (await env.run(_DESCRIPTORS)).stdout
+            ray_dir = os.environ["RAY_TMPDIR"]
+            out["ray_dir"] = ray_dir
+            out["sees_ray_dir"] = (await env.run(f"print(os.path.exists({ray_dir!r}))")).stdout
             final = await env.step(REPLAction(code="FINAL(context.split().count('a'))"))
             out["reward"], out["done"] = final.reward, final.done
             out["state"] = (await env.state()).model_dump_json()
@@ -237,6 +241,27 @@ def example(driver: Any, args: list[str], seconds: float) -> dict[str, Any]:
     except ValueError:
         raise AssertionError(f"the last line is not JSON:\n{done.stdout[-3000:]}") from None
     return {"summary": summary, "seconds": took, "stderr": done.stderr[-3000:]}
+
+
+# What every process a cell can see holds open, as {pid: {fd: target}} (a host's Ray worker
+# must pass nothing of its own: its log files, its sockets to the raylet).
+_DESCRIPTORS = """
+import json, os
+held, unreadable = {}, []
+for pid in (p for p in os.listdir('/proc') if p.isdigit()):
+    held[pid] = {}
+    try:
+        fds = os.listdir(f'/proc/{pid}/fd')
+    except OSError:
+        unreadable.append(pid)
+        continue
+    for fd in fds:
+        try:
+            held[pid][fd] = os.readlink(f'/proc/{pid}/fd/{fd}')
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+print(json.dumps({"held": held, "unreadable": unreadable, "me": str(os.getpid())}))
+"""
 
 
 def loads(driver: Any) -> dict[str, Any]:

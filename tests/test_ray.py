@@ -84,6 +84,16 @@ def test_an_episode_does_what_a_kernel_env_episode_does(cluster: RayNetns, tmp_p
         for place in ("kernel_env", "state", "notebook"):
             assert secret not in got[place], place
     assert got["ray_logs_with_a_secret"] == []
+    # Nothing of the host's Ray worker inside the sandbox: no descriptor of its files (logs,
+    # session dir), and its session dir is not even visible.
+    audit = json.loads(got["sandbox_fds"])
+    held = audit["held"]
+    assert audit["unreadable"] == [] and len(held[audit["me"]]) > 3  # the kernel's own too
+    targets = [t for fds in held.values() for t in fds.values()]
+    assert not [t for t in targets if got["ray_dir"] in t or "/ray/" in t], targets
+    stdio = [fds[n] for fds in held.values() for n in "012" if n in fds]
+    assert all(t == "/dev/null" or t.startswith("pipe:") for t in stdio), stdio
+    assert got["sees_ray_dir"].strip() == "False"
 
 
 @pytest.mark.integration
