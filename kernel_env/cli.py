@@ -186,7 +186,8 @@ def _serve(args: argparse.Namespace) -> int:
     return_freed_memory()
     # The event loop gives up the GIL in every zmq and socket call, and a worker thread (a
     # uid lease, a cgroup's removal, a fork request) may then hold it for a whole switch
-    # interval, 5 ms by default: at 0.5 ms, a reset under load is ~4 ms shorter (p50).
+    # interval (5 ms by default); a tenth of that shortens resets under load (figures:
+    # benchmarks/README.md, "The figures behind the code's choices").
     sys.setswitchinterval(0.0005)
     _guard_secrets()
     print(_status_line(settings), file=sys.stderr, flush=True)

@@ -333,7 +333,7 @@ class KernelEnvironment:
     async def _prepare_setup(self) -> None:
         """Make the episode's setup (staging a long context in the kernel's runtime dir),
         which the episode's next request to the kernel carries (``_carried_setup``): a cell of
-        its own would cost each reset a round trip to the kernel and ~5 ms of CPU."""
+        its own would cost each reset a round trip to the kernel and its CPU."""
         record, kernel = self._require()
         params: dict[str, Any] = {
             "token": uuid.uuid4().hex,
@@ -772,7 +772,7 @@ class KernelEnvironment:
             await kernel.shutdown()
 
     def _discard_in_background(self) -> None:
-        """A reset's old kernel shuts down (~0.1 s) while the new episode starts; ``close``
+        """A reset's old kernel shuts down while the new episode starts; ``close``
         waits for it."""
         kernel, self._kernel = self._kernel, None
         if kernel is not None:

@@ -650,10 +650,10 @@ def _take_setup_from_requests(kernel: Any) -> None:
     (``SETUP_METADATA``), before its code runs, whatever the code (an empty cell included).
 
     A host that resets an episode sends its setup with the episode's first request rather
-    than as a cell of its own: a cell is a round trip and ~5 ms of CPU, the kernel's and the
-    host's, in an episode of a few steps. Each setup carries a token, applied once: a
-    request that carries it again (the host asking for the state after a failed cell) does
-    not set the episode up a second time. ``state()`` names the last token applied, or why
+    than as a cell of its own: a cell is a round trip and CPU, the kernel's and the host's,
+    in an episode of a few steps. Each setup carries a token, applied once: a request that
+    carries it again (the host asking for the state after a failed cell) does not set the
+    episode up a second time. ``state()`` names the last token applied, or why
     it failed."""
     do_execute = getattr(kernel, "do_execute", None)
     get_parent = getattr(kernel, "get_parent", None)  # ipykernel 6 and later
@@ -810,7 +810,7 @@ def _publish_only_what_the_host_reads(kernel: Any) -> None:
     """No ``busy`` status and no ``execute_input`` broadcast. A kernel_env host reads a cell's
     outputs, its ``idle`` status and its reply; the other two are half of a trivial cell's
     messages, each a hop through ipykernel's iopub thread and a message for the host to take
-    in (~1.5 ms of CPU a cell, the kernel's and the host's). A notebook's kernel, or one a
+    in (CPU every cell, the kernel's and the host's). A notebook's kernel, or one a
     gateway watches (its culling reads ``busy``), keeps the whole protocol: only a host that
     owns the kernel's iopub asks for this."""
     if kernel is None or getattr(kernel, "_kernel_env_quiet", False):

@@ -57,8 +57,8 @@ def new_code_cell(
     execution_count: int | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> NotebookNode:
-    # nbformat's own constructors validate every cell against the schema: 2 ms a cell, most
-    # of a 200-step export. Cells are built plainly here and the notebook validated once.
+    # nbformat's own constructors validate every cell against the schema: most of a long
+    # export's time. Cells are built plainly here and the notebook validated once.
     return NotebookNode(
         id=generate_corpus_id(),
         cell_type="code",

@@ -15,6 +15,11 @@ LINK = re.compile(r"\[[^\]]*\]\((?!https?:|mailto:|#)([^)\s#]+)(?:#[^)]*)?\)")
 # an acceptance id as cited: F3, B1, S5, P12 (a letter, then a number; a word of its own)
 ACCEPTANCE_ID = re.compile(r"(?<![\w-])([FBSP])(\d{1,2})(?![\w-])")
 DEFINED_ID = re.compile(r"^\| ([FBSP]\d{1,2}) \|", re.M)
+# a measured time as the code's comments once cited them: "~5 ms", "0.17 ms of", "0.2 s of CPU"
+MEASURED_TIME = re.compile(
+    r"~ ?\d[\d.]* ?(?:ms|s|µs)\b|\d[\d.]* ?ms (?:of|a|per|against|instead|less|sooner)\b"
+    r"|\d[\d.]* ?s of CPU"
+)
 
 
 def _text_files() -> list[Path]:
@@ -69,6 +74,18 @@ def test_every_cited_acceptance_id_is_defined() -> None:
     assert len(cited) > 20  # the pattern still finds the ids the code cites
 
 
+def test_no_measured_time_in_the_code() -> None:
+    """The code says why; the figures that decided it live in benchmarks/README.md ("The
+    figures behind the code's choices"), where a run on another machine can correct them."""
+    cited = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in sorted((ROOT / "kernel_env").rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if MEASURED_TIME.search(line)
+    ]
+    assert cited == []
+
+
 def test_the_checks_see_broken_references(tmp_path: Path) -> None:
     """The patterns catch what they are for, and pass over URLs and plain words."""
     assert DOC_PATH.findall("see docs/nowhere.md, https://x.org/docs/a.md") == ["docs/nowhere.md"]
@@ -76,6 +93,9 @@ def test_the_checks_see_broken_references(tmp_path: Path) -> None:
         "missing.md",
         "ok.md",
     ]
+    assert MEASURED_TIME.findall(
+        "costs ~5 ms; 0.17 ms of it; ~0.4 s; 0.2 s of CPU; a 5 ms default; timeout=1.5"
+    ) == ["~5 ms", "0.17 ms of", "~0.4 s", "0.2 s of CPU"]
     assert ACCEPTANCE_ID.findall("F3: killed; (P12) and S5, not PF3 or F3a or x-F1") == [
         ("F", "3"),
         ("P", "12"),

@@ -12,10 +12,10 @@ interprets messages lives in this module, so every backend behaves the same:
 - an execute is complete when both the shell ``execute_reply`` and the iopub ``idle`` for its
   ``msg_id`` arrived; output for another parent (a thread printing late) is kept aside, never
   put into the next cell;
-- a liveness watcher races each execute, so a dead kernel is reported in ~0.2 s, not after the
+- a liveness watcher races each execute, so a dead kernel is reported at once, not after the
   timeout; the kernel is then restarted and the result says state was lost;
-- on timeout: interrupt, wait ``interrupt_grace`` (1 s; a Python-level interrupt lands in
-  ~15 ms, 0.55 s at worst with 16 busy kernels) for the cell to end, else restart.
+- on timeout: interrupt, wait ``interrupt_grace`` (1 s, twice the longest a Python-level
+  interrupt took to land with 16 busy kernels) for the cell to end, else restart.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ _STDIN_PROBE = {
     "allow_stdin": True,
     "stop_on_error": False,
 }
-# The probe's request is usually the one lost (stdin connects ~0-100 ms after shell): a short
-# tick answers it soon after the connection is up. Spare answers are cheap and harmless.
+# The probe's request is usually the one lost (stdin connects up to a zmq retry after shell):
+# a short tick answers it soon after the connection is up. Spare answers are cheap and harmless.
 _STDIN_TICK = 0.01
 _READY_RECHECK = 0.05  # is the starting kernel alive; send kernel_info until iopub shows
 _WELCOME_OVERDUE = 2.0  # when a kernel that welcomes its subscribers is asked for kernel_info
@@ -264,7 +264,7 @@ class Kernel(ABC):
         deadline = loop.time() + self.ready_timeout
         recheck = loop.time() + _READY_RECHECK
         # A kernel that welcomes every subscriber needs no kernel_info request, which costs it
-        # ~3 ms of CPU once it serves its shell, one for every 50 ms its start took (under
+        # CPU once it serves its shell, one for every 50 ms its start took (under
         # load, three a kernel): only a welcome long overdue asks.
         ask_from = loop.time() + (
             _WELCOME_OVERDUE if self._welcomes_subscribers else _READY_RECHECK
@@ -319,7 +319,7 @@ class Kernel(ABC):
           asks is purged), and every 50 ms until then, in case iopub missed its start.
 
         The probe's reply proves shell too: one round trip to the kernel, and no kernel_info
-        request to serve first (~3 ms of a forked kernel's start) unless iopub is late.
+        request to serve first (a share of a forked kernel's start) unless iopub is late.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ready_timeout

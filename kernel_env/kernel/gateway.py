@@ -8,10 +8,10 @@ reader task hands every message to the driver's per-channel queues, one writer t
 threads. What the gateways do, measured on Kernel Gateway 3.0.1, that shapes this module:
 
 - **Delayed ACKs.** The gateway never sets TCP_NODELAY, so each reply frame after the first waits
-  for our ACK of the previous one, and Linux delays that ACK by 40 ms: 48 ms per trivial step.
+  for our ACK of the previous one, and Linux delays that ACK by 40 ms, on every step.
   asyncio already sets TCP_NODELAY on our side (that changes nothing); re-arming TCP_QUICKACK on
-  our socket whenever data arrives sends the ACK at once and removes the stall (8.5 ms against
-  6.5 ms for a local kernel: ``benchmarks/bench_gateway.py``).
+  our socket whenever data arrives sends the ACK at once and removes the stall (a step then
+  costs little more than a local kernel's: ``benchmarks/bench_gateway.py``).
 - **A dead kernel** is noticed by the gateway's restarter (every ``KernelRestarter.time_to_dead``,
   3 s by default), which auto-restarts it and sends ``status: restarting`` (no parent) on the
   socket; a failed restart sends ``status: dead``. The REST model keeps saying ``busy``, so the
@@ -119,7 +119,7 @@ class GatewayConfig:
     request_timeout: float = 30.0  # REST calls other than starting a kernel
     start_timeout: float = 120.0  # starting or restarting a kernel (a pod may need pulling)
     check_interval: float = 2.0  # REST liveness check, per kernel
-    ping_interval: float | None = 5.0  # WebSocket pings: a vanished host is noticed in ~10 s
+    ping_interval: float | None = 5.0  # WebSocket pings: a vanished host is noticed in two
     ping_timeout: float | None = 5.0
     max_message_bytes: int | None = 512 * _MiB  # one message from the gateway
     stage_chunk_bytes: int = 8 * _MiB  # below the gateway's 10 MiB message limit

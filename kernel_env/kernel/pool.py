@@ -1,6 +1,6 @@
 """``KernelPool``: kernels started ahead of time, so that a reset does not wait for one.
 
-A kernel start costs ~0.5 s (0.24 s of it importing ipykernel); taking a warm kernel costs a
+A kernel start takes a cold kernel's import of ipykernel and more; taking a warm kernel costs a
 deque pop. The pool keeps ``size`` kernels warm or starting, refilling in the background after
 each ``acquire``. A kernel leaves the pool for good: the episode that took it shuts it down,
 so no state ever crosses from one episode to the next.
@@ -63,20 +63,18 @@ class KernelPool:
         self._out: set[Kernel] = set()
         self._acquiring = 0
         self.refused = 0  # acquires refused at max_kernels
-        # A kernel boot is ~0.4 s of CPU. Refilling 8 at once on 2 cores made the resets that
-        # triggered them 5x slower (50 ms instead of 11 ms); one boot per two cores keeps a
-        # core free for the server and the episodes, at nearly the same refill throughput.
-        # Forked kernels too: four refills at once on 2 cores made back-to-back resets ~1.4x
-        # slower than one (p50 19-28 ms against 15-20), for no more episodes/s under load (an
-        # acquire that finds the pool empty starts its own kernel, within max_starts).
+        # One boot per two cores keeps a core free for the server and the episodes, at nearly
+        # the same refill throughput: more refills at once made the resets that triggered
+        # them slower, cold or forked, for no more episodes/s under load (an acquire that
+        # finds the pool empty starts its own kernel, within max_starts). Figures:
+        # benchmarks/README.md, "The figures behind the code's choices".
         self.start_concurrency = start_concurrency or max(1, (os.cpu_count() or 2) // 2)
         # Kernel starts in flight at most, refills and acquires that found the pool empty
         # together; an acquire past it waits for a start to end, and takes the kernel a
         # refill placed, if one did. Under sustained load (8 sessions resetting back to back
         # on 2 cores) the acquires' own starts piled up and every start took more of the
-        # machine's CPU: alternated runs, 58-87 ms an episode and 23-34 episodes/s (29 on
-        # average) unbounded, 59-68 ms and 29-33/s (31.5) with at most 3 starts (one at a
-        # time left the CPUs idle). See benchmarks/README.md.
+        # machine's CPU; a bound of cores + 1 gave more episodes/s (one at a time left the
+        # CPUs idle). See benchmarks/README.md.
         self.max_starts = max_starts or max((os.cpu_count() or 2) + 1, self.start_concurrency)
         if self.max_starts < self.start_concurrency:
             raise ValueError(
@@ -195,7 +193,7 @@ class KernelPool:
             await asyncio.gather(filler, return_exceptions=True)
         if self._starts:
             # A start is not cancelled half-way (that could orphan a kernel process): it
-            # finishes (~0.5 s) and, seeing the pool closed, shuts its kernel down itself.
+            # finishes and, seeing the pool closed, shuts its kernel down itself.
             _, pending = await asyncio.wait(set(self._starts), timeout=self.close_timeout)
             for task in pending:
                 task.cancel()

@@ -95,8 +95,8 @@ def build_server(
         else uvicorn.config.LOGGING_CONFIG,
         ws_max_size=settings.max_message_bytes,  # bigger frames: close 1009, never buffered
         timeout_graceful_shutdown=2,  # after our own drain, only stragglers are left
-        # No permessage-deflate: it cost ~0.3 ms of server CPU per step (measured, P6 is
-        # CPU-bound), and it would deflate a 100 MB state frame on the event loop.
+        # No permessage-deflate: it costs server CPU on every step (P6 is CPU-bound; see
+        # benchmarks/README.md), and it would deflate a 100 MB state frame on the event loop.
         ws_per_message_deflate=False,
     )
     return DrainingServer(config, app), sock, settings

@@ -76,7 +76,7 @@ Kind = Literal["ws", "http"]
 
 _SHUTTING_DOWN = "the server is shutting down; the session was closed"
 _REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rather than "unknown"
-_CLOSE_TIMEOUT = 5.0  # a kernel shutdown takes ~0.1 s
+_CLOSE_TIMEOUT = 5.0  # far longer than a kernel's shutdown takes
 _UNCLAIMED = "session expired: it was never claimed (no request carried its id) and was "
 
 

@@ -1,6 +1,6 @@
 """A kernel forkserver: fresh local kernels in milliseconds instead of a cold start.
 
-A cold kernel start spends ~0.2 s of CPU importing ipykernel, IPython, zmq and jupyter_client.
+A cold kernel start spends most of its CPU importing ipykernel, IPython, zmq and jupyter_client.
 The forkserver imports them once, in a process that starts no thread (the *zygote*,
 :mod:`kernel_env.kernel.fork.zygote`), and forks a child per kernel; the child makes its sockets,
 threads and connection info after the fork.

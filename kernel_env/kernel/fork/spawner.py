@@ -5,7 +5,7 @@ A forked kernel's *launch* is what a cold kernel's launch command starts (bubble
 unsandboxed kernel the process alone), with a placeholder process (``sleep``) in the kernel's
 place; :mod:`kernel_env.kernel.fork.zygote` then forks the kernel into it. Forking each launch from
 the zygote would copy the zygote's page tables (tens of megabytes of imported modules) for a
-process that execs at once, and unmap them again: ~5 ms of CPU per kernel. The zygote instead
+process that execs at once, and unmap them again, for every kernel. The zygote instead
 runs this file once, as a fresh interpreter that imports only the standard library, and asks it
 for each launch over a socket pair, one JSON line each way, tagged with the request's id: a
 launch is answered once it runs, and launches overlap (a sandbox's setup is mostly waiting). A
@@ -77,8 +77,8 @@ def main() -> None:
 class _Spawner:
     """The spawner's loop: launch requests from the zygote, each answered (by its ``id``) once
     its launch runs, so that launches whose sandboxes are being set up overlap (bubblewrap's
-    setup takes ~10-40 ms, most of it waiting, which one launch at a time made every kernel's
-    start wait for the kernels' before it)."""
+    setup is mostly waiting, which one launch at a time made every kernel's start wait for
+    the kernels' before it)."""
 
     def __init__(self, control: socket.socket) -> None:
         self.control = control

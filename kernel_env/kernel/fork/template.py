@@ -1,7 +1,7 @@
 """An ipykernel built in the zygote up to its first socket, finished in each forked kernel.
 
-A kernel's start after the fork used to be ipykernel's whole ``IPKernelApp.initialize``:
-~70 ms of CPU, two thirds of it parsing the command line, reading config and building the
+A kernel's start after the fork used to be ipykernel's whole ``IPKernelApp.initialize``,
+most of it parsing the command line, reading config and building the
 kernel object and its ``InteractiveShell`` (magics, aliases, formatters, completer). None of
 that needs a socket, a thread or anything of one kernel's own, so the zygote does it once
 (:meth:`KernelTemplate.build`) and every forked kernel inherits the result, copy-on-write.
@@ -98,7 +98,7 @@ class KernelTemplate:
             app.init_gui_pylab()
             # A silent cell, as every kernel's first (the readiness probe) is: what a cell
             # compiles and caches on first use (tokenize's patterns, IPython's transforms and
-            # compiler) is then built once here, not in each kernel (~3 ms of its CPU). Silent:
+            # compiler) is then built once here, not in each kernel. Silent:
             # no history, no execution count, no output; tests compare the namespace.
             app.kernel.shell.run_cell("pass\n", store_history=False, silent=True)
             # The display formatters, built on first use (every step formats the state the
@@ -108,7 +108,7 @@ class KernelTemplate:
             app.log.setLevel(min((h.level for h in app.log.handlers), default=app.log_level))
             # IPython's own extensions (storemagic: magics, no state of a kernel's own), named
             # by their modules: the kernel's init_extensions then finds them loaded (by the
-            # short name it would first look for a module "storemagic" on sys.path, ~1 ms)
+            # short name it would first look for a module "storemagic" on sys.path)
             # and loads only kernel_env's.
             manager = app.kernel.shell.extension_manager
             for name in app.default_extensions:
@@ -202,7 +202,7 @@ class KernelTemplate:
         hiding the initial namespace, flushing), with the zygote's set of the names in
         ``sys.modules`` (what ``%reset -f --aggressive`` keeps) when no module came since: a
         new set of those names touches strings on ~480 pages of the zygote's memory, which
-        copy-on-write then copies into every kernel (~1.3 ms of its CPU)."""
+        copy-on-write then copies into every kernel."""
         app, shell = self.app, self.app.kernel.shell
         app._run_startup_files()
         app._run_exec_lines()
@@ -242,7 +242,7 @@ class KernelTemplate:
                 readme = Path(get_ipython_package_dir(), "core", "profile", "README_STARTUP")
                 with contextlib.suppress(OSError):
                     shutil.copyfile(readme, os.path.join(path, "README"))
-        # Built in the zygote, when there is one: making a traitlets object costs ~0.4 ms.
+        # Built in the zygote, when there is one: making a traitlets object is not cheap.
         profile = self.blank_profile if self.blank_profile is not None else ProfileDir()
         profile._trait_values.update(  # the values ProfileDir(location=...) sets
             location=location,
@@ -286,9 +286,9 @@ def _without_debugger() -> None:
     """This process's kernel has no debugger. ipykernel's (debugpy's) serves a Jupyter
     frontend's debug requests, and nothing reaches a forked kernel's control channel but its
     host, which sends none. Without it a kernel makes two sockets, a connection to its own
-    shell socket, a debugger object and a task on its control thread fewer (~1 ms of its
-    CPU); its ``kernel_info`` offers no debugger, and a debug request gets an empty reply, as
-    in an ipykernel without debugpy."""
+    shell socket, a debugger object and a task on its control thread fewer; its
+    ``kernel_info`` offers no debugger, and a debug request gets an empty reply, as in an
+    ipykernel without debugpy."""
     import importlib
 
     for name in ("ipykernel.debugger", "ipykernel.ipkernel", "ipykernel.kernelbase"):
@@ -305,7 +305,7 @@ def _init_control_alone(app: Any, context: Any) -> None:
     Control messages are served on the iopub thread's event loop (``_connect_kernel``): what
     a control thread is for is answering while the main thread runs a cell (an interrupt
     request), and the iopub thread is free then too; its handlers are short. A thread and an
-    event loop fewer to make: ~1 ms of a kernel's CPU.
+    event loop fewer to make.
 
     Shell messages go straight to the main thread. ipykernel 7 relays each one through a
     thread of its own, for subshells (concurrent cells, which an episode does not run): a
@@ -333,7 +333,7 @@ def _start_on_one_cpu() -> Callable[[], None]:
     iopub's, the threads it starts and waits for), and copies pages from the zygote while
     those threads run. Spread over CPUs, each hand-off wakes another CPU and each copied page
     flushes the other CPUs' TLBs (an interrupt each, costly in a virtual machine). On one CPU
-    a forked kernel's start took ~5 ms less of its CPU and its first reply came ~4 ms sooner
+    a forked kernel's start takes less CPU and its first reply comes sooner
     (``benchmarks/README.md``). Call while this process has one thread."""
     allowed = os.sched_getaffinity(0)
     cpu = _libc.sched_getcpu()
@@ -389,7 +389,7 @@ def _serve_shell_on_the_main_thread(kernel: Any) -> None:
 @functools.cache
 def _without_subshells(kernel_class: Any) -> type:
     """``kernel_class``, saying it has no subshells: a subclass, made once in the zygote
-    (making a class with traits costs a kernel ~2 ms), or the class itself when it says so
+    (making a class with traits is not cheap), or the class itself when it says so
     already (a live fork's copy of a forked kernel)."""
     if kernel_class.__dict__.get("_supports_kernel_subshells", None) is False:
         return kernel_class
@@ -420,9 +420,9 @@ def grow_descriptor_table(size: int = 1024) -> None:
     """Make room for ``size`` descriptors now, while this process has one thread.
 
     Linux grows a process's descriptor table when a new descriptor does not fit (past 64,
-    then 128...) and, when threads share the table, only after an RCU grace period: ~8 ms
-    here, on the first new descriptor of a live fork's copy (its parent's ~60 fill the
-    table it inherits) and in a forked kernel's first cells. A table never shrinks, so
+    then 128...) and, when threads share the table, only after an RCU grace period
+    (milliseconds), on the first new descriptor of a live fork's copy (its parent's ~60 fill
+    the table it inherits) and in a forked kernel's first cells. A table never shrinks, so
     growing it once up front costs a few kilobytes and no wait."""
     top = min(size, resource.getrlimit(resource.RLIMIT_NOFILE)[0]) - 1
     if top > 2:

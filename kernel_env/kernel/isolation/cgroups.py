@@ -159,7 +159,7 @@ class KernelCgroup:
 
         On v1 that is ``tasks``: it moves the calling thread alone, which for a launcher
         (one thread) is the whole process, and Linux then skips the lock that every
-        whole-process move takes: ~7 ms of waiting for an RCU grace period per start. On v2
+        whole-process move takes: waiting for an RCU grace period, every start. On v2
         it is ``cgroup.procs``."""
         name = "tasks" if cgroup_version() == 1 else "cgroup.procs"
         return [p / name for p in self.paths]

@@ -103,7 +103,7 @@ class UidLease:
 
 _lease_lock = threading.Lock()
 # The uids this process released, clean: leased again first (their lock files exist, and
-# making one costs ~1 ms where /run is on a disk), the latest first.
+# making one costs a disk write where /run is on a disk), the latest first.
 _released: collections.deque[int] = collections.deque(maxlen=1024)
 
 
