@@ -21,13 +21,18 @@ from websockets.asyncio.client import connect
 
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.errors import ForkRefused, InvalidInput, LiveForkUnavailable
-from kernel_env.kernel import GatewayConfig
+from kernel_env.kernel import GatewayConfig, versions
 from kernel_env.kernel.factory import gateway_source, local_source
 from kernel_env.kernel.isolation.cgroups import available_controllers
 from kernel_env.kernel.isolation.sandbox import sandbox_problem
 from kernel_env.remote import ws_url
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
+# A live fork relies on ipykernel's internals: with a release kernel_env was not tested with
+# (make test-lowest) every fork replays, and the tests of what a live copy is do not apply.
+LIVE = pytest.mark.skipif(
+    versions.untested() is not None, reason=f"forks replay here: {versions.untested()}"
+)
 
 LOCAL = local_source("none")
 SETUP = (
@@ -56,6 +61,7 @@ def _out(env: KernelEnv, code: str) -> str:
     return result.stdout.strip()
 
 
+@LIVE
 def test_a_fork_before_the_first_step_copies_the_set_up_episode() -> None:
     """The setup a reset leaves for the first request is carried in before the kernel is
     copied: a live copy made right after the reset has the context and the seed's draws."""
@@ -69,7 +75,7 @@ def test_a_fork_before_the_first_step_copies_the_set_up_episode() -> None:
             assert _out(parent, probe) == "ctx True"
 
 
-@pytest.mark.parametrize("sandbox", ["none", "bwrap"])
+@pytest.mark.parametrize("sandbox", [pytest.param("none", marks=LIVE), "bwrap"])
 def test_children_hold_the_state_then_change_only_their_own(sandbox: str) -> None:
     """Also in the sandbox (each copy its own kernel, uid, /tmp and workspace), as root."""
     if sandbox == "bwrap" and sandbox_problem() is not None:
@@ -130,6 +136,7 @@ def test_live_copies_of_a_seeded_episode_keep_its_random_state() -> None:
     assert len(draws) == 1
 
 
+@LIVE
 def test_a_live_copy_has_channels_of_its_own() -> None:
     """What a copy prints, from Python or from a subprocess writing to its descriptors, is
     its own output; the parent's next step shows none of it. A copy's files are copies."""
@@ -161,6 +168,7 @@ def test_a_live_copy_has_channels_of_its_own() -> None:
             assert len(workdirs) == 2
 
 
+@LIVE
 def test_a_live_copy_runs_a_cell_with_top_level_await() -> None:
     """A copy serves shell on its main thread: a cell with top-level ``await`` replies."""
     with KernelEnv(kernel_source=LOCAL) as parent:
@@ -172,6 +180,7 @@ def test_a_live_copy_runs_a_cell_with_top_level_await() -> None:
             assert _out(parent, code) == "awaited"
 
 
+@LIVE
 def test_a_live_copy_grows_its_descriptor_table_before_it_has_threads() -> None:
     """A copy inherits a table its parent's ~60 descriptors fill; grown on the copy's first
     new descriptor, with its threads running, the growth would wait ~8 ms for RCU."""
@@ -183,6 +192,7 @@ def test_a_live_copy_grows_its_descriptor_table_before_it_has_threads() -> None:
             assert int(_out(child, fd_size)) >= 1024
 
 
+@LIVE
 def test_a_live_copy_runs_in_a_cgroup_of_its_own() -> None:
     """Closing a copy kills what is in its cgroup: the copy must be there, not in its
     parent's (where closing it would leave the copy's children running)."""
@@ -207,6 +217,7 @@ def _workdir(env: KernelEnv) -> str:
     return _out(env, "import os; print(os.getcwd())")
 
 
+@LIVE
 def test_a_kernel_running_a_thread_of_its_own_is_forked_by_replay() -> None:
     """A thread would be cut in half by a fork: the copy replays instead, and says why."""
     with KernelEnv(kernel_source=LOCAL) as parent:
@@ -221,6 +232,25 @@ def test_a_kernel_running_a_thread_of_its_own_is_forked_by_replay() -> None:
             assert _out(child, "print(threading.active_count() > 1)") == "True"
 
 
+@LIVE
+def test_a_kernel_on_an_untested_release_is_forked_by_replay() -> None:
+    """A live copy relies on ipykernel's internals: a kernel whose releases are not the
+    tested ones (faked here inside it) replays, and says why."""
+    with KernelEnv(kernel_source=LOCAL) as parent:
+        parent.reset()
+        parent.execute(
+            "from kernel_env.kernel import versions\n"
+            "versions.TESTED['ipykernel'] = ((99, 0), (99, 1))"
+        )
+        (child,) = parent.fork()
+        with child:
+            forked = child._async.environment.record.forked_from  # type: ignore[union-attr]
+            assert forked["method"] == "replay"
+            assert "not a release kernel_env was tested with" in forked["live_fork"]
+            assert "UntestedRelease" in forked["live_fork"]
+
+
+@LIVE
 def test_the_method_can_be_chosen() -> None:
     """``method="replay"`` replays an episode that could be copied live; ``"live"`` refuses
     where it cannot be; anything else is refused."""

@@ -106,7 +106,15 @@ PROCESS_RULES: dict[str, Rule] = {
     ),
     "kernel.fork.live": Rule(
         "the kernel",
-        frozenset({"kernel_side", "kernel_tuning", "kernel.fork.spawner", "kernel.fork.template"}),
+        frozenset(
+            {
+                "kernel_side",
+                "kernel_tuning",
+                "kernel.fork.spawner",
+                "kernel.fork.template",
+                "kernel.versions",
+            }
+        ),
         PRELOADS,
     ),
 }

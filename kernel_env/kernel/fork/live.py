@@ -1,11 +1,12 @@
 """A live fork of a running kernel, from inside it: copies of the process, copy-on-write.
 
 Run in the kernel by the host (:meth:`kernel_env.kernel.local.LocalKernel.live_fork`), as a
-silent cell between steps. :func:`fork_copies` checks that the kernel is quiescent: the only
-threads are ipykernel's own (iopub, heartbeat, control, shell channel, output capture), idle
-because no step runs, and the kernel has no child process. It then forks one copy per
-request. A copy holds the whole interpreter state (variables, imports, the shell, the
-execution count) and none of the parent's channels:
+silent cell between steps. :func:`fork_copies` refuses an ipykernel or jupyter_client
+release kernel_env was not tested with (the host then replays), and checks that the kernel
+is quiescent: the only threads are ipykernel's own (iopub, heartbeat, control, shell
+channel, output capture), idle because no step runs, and the kernel has no child process.
+It then forks one copy per request. A copy holds the whole interpreter state (variables,
+imports, the shell, the execution count) and none of the parent's channels:
 
 - it abandons every inherited ipykernel and zmq object without touching it (they share
   sockets, an epoll set and capture pipes with the parent; closing or collecting them could
@@ -37,6 +38,7 @@ import threading
 from typing import Any
 
 from kernel_env import kernel_side, kernel_tuning
+from kernel_env.kernel import versions
 from kernel_env.kernel.fork.spawner import join_cgroups
 from kernel_env.kernel.fork.template import KernelTemplate, grow_descriptor_table, reseed
 
@@ -56,6 +58,12 @@ class NotQuiescent(RuntimeError):
     """The kernel runs something a fork would cut in half (a thread, a child process)."""
 
 
+class UntestedRelease(RuntimeError):
+    """This kernel's ipykernel or jupyter_client is not a release a live fork was tested
+    with (:data:`kernel_env.kernel.versions.TESTED`): its copy would rely on internals that
+    release may not have."""
+
+
 def fork_copies(requests: list[dict[str, Any]]) -> list[int]:
     """Fork one copy of this kernel per request; their pids, in order (in the parent only).
 
@@ -65,6 +73,9 @@ def fork_copies(requests: list[dict[str, Any]]) -> list[int]:
     ``reseed`` (fresh random state, or the parent's when the episode was seeded)."""
     from ipykernel.kernelapp import IPKernelApp
 
+    why = versions.untested()
+    if why is not None:
+        raise UntestedRelease(why)
     app = IPKernelApp.instance()
     _check_quiescent(app)
     for stream in (sys.stdout, sys.stderr):
