@@ -91,8 +91,8 @@ check: lint
 
 # The kernel layer against the lowest releases of ipykernel and jupyter_client that
 # pyproject.toml admits (make test runs the newest, as constraints.txt pins them): every other
-# pin as constraints.txt has it. Its own venv, so the dev venv keeps the newest. About 15
-# minutes on a loaded 2-core machine, so not part of make test.
+# pin as constraints.txt has it. Its own venv, so the dev venv keeps the newest. A few
+# minutes of tests after a few of install, so not part of make test.
 LOWEST       := ipykernel==6.29.0 jupyter_client==8.6.0
 LOWEST_VENV  := $(VENV)-lowest
 KERNEL_TESTS := tests/test_kernel.py tests/test_forkserver.py tests/test_sandbox.py \

@@ -394,6 +394,7 @@ def _server_step(url: str, session: str, code: str) -> dict[str, Any]:
     return reply.json()
 
 
+@LIVE
 def test_fork_over_http_and_attach_a_websocket_to_a_copy() -> None:
     with thread_server(small_settings(sandbox="none", max_sessions=4)) as url:
         parent = httpx.post(f"{url}/reset", json={}, timeout=60).headers["X-Session-Id"]

@@ -27,7 +27,7 @@ from serverkit import make_client, serve_process, wait_until
 
 from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.environment import EnvConfig
-from kernel_env.kernel import Kernel
+from kernel_env.kernel import Kernel, versions
 from kernel_env.kernel.isolation import cgroups, privilege
 from kernel_env.kernel.isolation.runtime import sweep_dead_parents, write_file
 from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
@@ -751,7 +751,18 @@ print(os.getuid(), 'token' if 'unpriv-secret-token' in blob else 'no-token',
 
 
 @needs_sandbox
-@pytest.mark.parametrize("start", ["cold", "forked"])
+@pytest.mark.parametrize(
+    "start",
+    [
+        "cold",
+        pytest.param(
+            "forked",
+            marks=pytest.mark.skipif(
+                versions.untested() is not None, reason="kernels start cold (make test-lowest)"
+            ),
+        ),
+    ],
+)
 def test_unprivileged_server_sandboxes_its_kernels(tmp_path: Path, start: str) -> None:
     """A server run by an ordinary user (here a fresh uid, with Debian's own python3): its
     kernels are "nobody" in their own namespaces, cannot find its token in any process

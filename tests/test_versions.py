@@ -69,6 +69,8 @@ def test_the_tuning_is_off_for_an_untested_ipykernel_or_when_switched_off(
     from kernel_env import kernel_tuning
 
     monkeypatch.delenv(kernel_tuning.SWITCH, raising=False)
+    assert kernel_tuning.enabled() == (versions.untested() is None)
+    monkeypatch.setitem(versions.TESTED, "ipykernel", ((0, 0), (99, 0)))  # 6.29 too
     assert kernel_tuning.enabled()
     monkeypatch.setenv(kernel_tuning.SWITCH, "off")
     assert not kernel_tuning.enabled()
