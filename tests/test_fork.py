@@ -75,6 +75,126 @@ def test_a_fork_before_the_first_step_copies_the_set_up_episode() -> None:
             assert _out(parent, probe) == "ctx True"
 
 
+# Run in a sandboxed kernel by the test below: two processes that confine themselves with
+# Landlock into sibling domains, as a live copy and its parent would have to. A binds a
+# pathname and an abstract UNIX socket and makes a System V segment, then confines itself; B
+# confines itself (everything on the filesystem refused but reading /proc) and tries each.
+LANDLOCK_PROBE = r"""
+import ctypes, errno, json, os, socket, time
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.shmat.restype = ctypes.c_void_p
+CREATE_RULESET, ADD_RULE, RESTRICT_SELF = 444, 445, 446  # alike on x86_64 and aarch64
+abi = libc.syscall(CREATE_RULESET, None, ctypes.c_long(0), ctypes.c_long(1))  # the version
+if abi < 6:  # no scopes (or no Landlock: EPERM would be the seccomp filter's refusal)
+    print(json.dumps({"abi": abi, "errno": errno.errorcode.get(ctypes.get_errno())}))
+    raise SystemExit
+
+
+class PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = (("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32))
+
+
+def confine():
+    fs = (1 << 13) - 1 | (abi >= 2) << 13 | (abi >= 3) << 14 | (abi >= 5) << 15
+    fs |= (abi >= 9) << 16  # LANDLOCK_ACCESS_FS_RESOLVE_UNIX: pathname UNIX sockets
+    attr = (ctypes.c_uint64 * 3)(fs, 0, 0b11)  # scoped: abstract UNIX sockets, signals
+    ruleset = libc.syscall(CREATE_RULESET, attr, ctypes.c_long(24), ctypes.c_long(0))
+    proc = os.open("/proc", os.O_PATH)
+    rule = PathBeneath(1 << 2 | 1 << 3, proc)  # READ_FILE, READ_DIR
+    assert libc.syscall(ADD_RULE, ruleset, 1, ctypes.byref(rule), 0) == 0
+    assert libc.prctl(38, ctypes.c_ulong(1), 0, 0, 0) == 0  # no_new_privs
+    assert libc.syscall(RESTRICT_SELF, ruleset, 0) == 0, ctypes.get_errno()
+
+
+def attempt(action):
+    try:
+        action()
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+    return "ok"
+
+
+def connect(address):
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(address)
+
+
+path = os.path.join(os.environ["TMPDIR"], "probe.sock")
+ready_r, ready_w = os.pipe()
+a = os.fork()
+if a == 0:
+    listening = [socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)]
+    for s, address in zip(listening, (path, "\0kernel-env-probe")):
+        s.bind(address)
+        s.listen()
+    segment = libc.shmget(0, 4096, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT
+    with open(path + ".txt", "w") as f:
+        f.write("A's")
+    confine()
+    os.write(ready_w, str(segment).encode())
+    time.sleep(60)
+    os._exit(0)
+os.close(ready_w)
+segment = int(os.read(ready_r, 32))
+answer_r, answer_w = os.pipe()
+b = os.fork()
+if b == 0:
+    confine()
+    channels = [line.split()[-1] for line in open("/proc/net/unix") if "kernel-ipc" in line]
+    seen = {
+        "signal": attempt(lambda: os.kill(a, 0)),
+        "environ": attempt(lambda: open(f"/proc/{a}/environ", "rb").read()),
+        "abstract socket": attempt(lambda: connect("\0kernel-env-probe")),
+        "pathname socket": attempt(lambda: connect(path)),
+        "kernel channel": attempt(lambda: connect(channels[0] if channels else "")),
+        "file": attempt(lambda: open(path + ".txt").read()),
+        "sysv shm": "ok" if libc.shmat(segment, None, 0) not in (None, 2**64 - 1) else "EPERM",
+    }
+    os.write(answer_w, json.dumps(seen).encode())
+    os._exit(0)
+os.close(answer_w)
+seen = json.loads(os.read(answer_r, 4096))
+seen["signal from the unconfined ancestor"] = attempt(lambda: os.kill(a, 0))
+seen["abi"] = abi
+os.kill(a, 9)
+os.waitpid(a, 0)
+os.waitpid(b, 0)
+print(json.dumps(seen))
+"""
+
+
+def test_why_a_sandboxed_episode_forks_by_replay() -> None:
+    """The facts docs/security.md gives for it, checked in a sandbox: Landlock passes the
+    seccomp filter, and a process confined in a sibling domain cannot signal another, read
+    its /proc/<pid>/environ, connect to its abstract socket or open its files; but before
+    Landlock ABI 9 it connects to its pathname sockets (the kernel's channels included),
+    and nothing keeps it from the System V segments of the IPC namespace both share."""
+    if sandbox_problem() is not None:
+        pytest.skip(f"no sandbox: {sandbox_problem()}")
+    with KernelEnv(kernel_source=local_source("bwrap")) as env:
+        env.reset()
+        code = (
+            "import subprocess, sys\n"
+            f"print(subprocess.run([sys.executable, '-c', {LANDLOCK_PROBE!r}],"
+            " capture_output=True, text=True, check=True).stdout)"
+        )
+        seen = json.loads(_out(env, code))
+    assert seen.get("errno") != "EPERM"  # the seccomp filter lets landlock_* through
+    if seen["abi"] < 6:
+        pytest.skip(f"Landlock ABI {seen['abi']} here: no signal or abstract socket scoping")
+    assert seen["signal"] == "EPERM"
+    assert seen["environ"] == "EACCES"
+    assert seen["abstract socket"] == "EPERM"
+    assert seen["file"] == "EACCES"
+    assert seen["signal from the unconfined ancestor"] == "ok"  # so the parent must confine too
+    assert seen["sysv shm"] == "ok"  # the IPC namespace is theirs alike: Landlock has no say
+    pathname = "ok" if seen["abi"] < 9 else "EACCES"  # LANDLOCK_ACCESS_FS_RESOLVE_UNIX
+    assert seen["pathname socket"] == seen["kernel channel"] == pathname
+
+
 @pytest.mark.parametrize("sandbox", [pytest.param("none", marks=LIVE), "bwrap"])
 def test_children_hold_the_state_then_change_only_their_own(sandbox: str) -> None:
     """Also in the sandbox (each copy its own kernel, uid, /tmp and workspace), as root."""
