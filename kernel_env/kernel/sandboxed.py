@@ -180,8 +180,9 @@ class SandboxedKernel(LocalKernel):
     def _live_fork_problem(self) -> str | None:
         return (
             "a copy of a sandboxed kernel would stay in its parent's namespaces (its /tmp, "
-            "workspace and processes), and leaving them needs a user namespace of its own, "
-            "which the sandbox forbids"
+            "workspace, processes and IPC), and leaving them needs a user namespace of its "
+            "own, which the sandbox forbids; Landlock here does not keep a copy from its "
+            "parent's UNIX sockets (docs/security.md)"
         )
 
     # -- lifecycle ----------------------------------------------------------------------
