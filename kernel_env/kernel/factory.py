@@ -131,11 +131,15 @@ def gateway_source(config: GatewayConfig, **kernel_options: Any) -> KernelSource
 
 
 def kernel_source_from(
-    settings: BackendSettings | None = None, *, forkserver: ForkServer | None = None
+    settings: BackendSettings | None = None,
+    *,
+    forkserver: ForkServer | None = None,
+    username: str | None = None,
 ) -> KernelSource:
     """Local kernels (sandboxed per ``settings.sandbox``, default ``"auto"``), or gateway
     kernels when ``settings.gateway_url`` is set. Local kernels fork from ``forkserver``
-    when one is given and ready.
+    when one is given and ready. ``username``: the ``KERNEL_USERNAME`` gateway kernels start
+    as, over the settings' own (a tenant's; local kernels ignore it).
 
     Optional attributes: ``gateway_kernel_name`` (default ``python3``), and any other
     :class:`GatewayConfig` field prefixed ``gateway_`` (``gateway_start_timeout``, ...).
@@ -159,7 +163,8 @@ def kernel_source_from(
     entries = options.get("env")
     if entries is not None and not isinstance(entries, Mapping):  # a server's "KERNEL_X=v"s
         options["env"] = dict(entry.split("=", 1) for entry in entries)
-    return gateway_source(GatewayConfig(**options))
+    user = {"env": {"KERNEL_USERNAME": username}} if username else {}
+    return gateway_source(GatewayConfig(**options), **user)
 
 
 def describe_backend(settings: BackendSettings | None = None) -> str:

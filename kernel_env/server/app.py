@@ -14,8 +14,9 @@ Unlike OpenEnv's stateless HTTP, ``/reset`` opens a *session*: its id comes back
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -117,6 +118,18 @@ class StepResponse(BaseModel):
     done: bool = False
 
 
+def _tenant_sources(settings: ServerSettings) -> Callable[[str], KernelSource] | None:
+    """With tenants and a gateway: each tenant's kernels start as its own user (Enterprise
+    Gateway's ``KERNEL_USERNAME``), from a pool of its own (:mod:`.tenant_pools`)."""
+    if not (settings.gateway_url and settings.tokens_file):
+        return None
+    return functools.partial(_tenant_source, settings)
+
+
+def _tenant_source(settings: ServerSettings, tenant: str) -> KernelSource:
+    return kernel_source_from(settings, username=tenant)
+
+
 def create_app(
     settings: ServerSettings | None = None, *, kernel_factory: KernelSource | None = None
 ) -> FastAPI:
@@ -128,12 +141,13 @@ def create_app(
     redact_client_secrets_in_logs()
     forkserver = _forkserver_for(settings) if kernel_factory is None else None
     factory = kernel_factory or kernel_source_from(settings, forkserver=forkserver)
+    tenant_sources = _tenant_sources(settings) if kernel_factory is None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for warning in tenants.warnings:
             log.warning(warning)
-        runtime = Runtime(settings, factory, forkserver)
+        runtime = Runtime(settings, factory, forkserver, tenant_sources)
         app.state.runtime = runtime
         await runtime.start()
         try:

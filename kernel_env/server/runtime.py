@@ -6,7 +6,9 @@ The HTTP routes (:mod:`.app`) and the WebSocket (:mod:`.websocket`) both reach i
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 
 from kernel_env.agent import solve_child
 from kernel_env.environment import EnvConfig, KernelEnvironment
@@ -15,8 +17,10 @@ from kernel_env.kernel.fork.server import ForkServer
 from kernel_env.kernel.pool import KernelPool
 from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.recursion import BackendForToken
+from kernel_env.server.auth import DEFAULT_TENANT, Tenant
 from kernel_env.server.sessions import SessionManager
 from kernel_env.server.settings import ServerSettings
+from kernel_env.server.tenant_pools import TenantPools
 
 __all__ = ["Runtime", "llm_backend_from"]
 
@@ -44,19 +48,33 @@ def _token_backends(settings: ServerSettings) -> BackendForToken:
 
 
 class Runtime:
-    """Everything the app owns while it runs; created in the lifespan, on the app's loop."""
+    """Everything the app owns while it runs; created in the lifespan, on the app's loop.
+
+    ``tenant_sources`` (a tenant's name -> kernels started as that user): gateway kernels
+    per tenant, each tenant with a warm pool of its own (:mod:`.tenant_pools`); the shared
+    pool then serves the ``KERNEL_ENV_TOKEN`` operator only, and keeps none warm without one.
+    """
 
     def __init__(
         self,
         settings: ServerSettings,
         kernel_factory: KernelSource,
         forkserver: ForkServer | None = None,
+        tenant_sources: Callable[[str], KernelSource] | None = None,
     ) -> None:
         self.settings = settings
         self.forkserver = forkserver
+        self.tenant_pools = (
+            None
+            if tenant_sources is None
+            else TenantPools(
+                tenant_sources, size=settings.pool_size, max_kernels=settings.kernel_limit
+            )
+        )
+        shared_warm = self.tenant_pools is None or settings.token is not None
         self.pool = KernelPool(
             kernel_factory,
-            size=settings.pool_size,
+            size=settings.pool_size if shared_warm else 0,
             max_kernels=settings.kernel_limit,
         )
         self.llm = llm_backend_from(settings)
@@ -75,7 +93,7 @@ class Runtime:
         self._config = config
         self._token_backends = _token_backends(settings)
         self.sessions = SessionManager(
-            self.new_environment,
+            self._session_environment,
             max_sessions=settings.max_sessions,
             idle_ttl=settings.idle_ttl,
             claim_ttl=settings.claim_ttl,
@@ -83,16 +101,25 @@ class Runtime:
         )
         self.started = time.monotonic()
 
-    def new_environment(self, llm_backend: LLMBackend | None = None) -> KernelEnvironment:
-        """A session's environment: the server's limits and kernels; ``llm_backend`` answers
-        its ``llm_query`` instead of the server's model (a Ray host's caller lends its own)."""
+    def new_environment(
+        self, llm_backend: LLMBackend | None = None, *, tenant: str | None = None
+    ) -> KernelEnvironment:
+        """A session's environment: the server's limits and kernels (``tenant``'s own, when
+        tenants have pools of their own); ``llm_backend`` answers its ``llm_query`` instead
+        of the server's model (a Ray host's caller lends its own)."""
+        source: KernelSource = self.pool.acquire
+        if self.tenant_pools is not None and tenant is not None and tenant != DEFAULT_TENANT:
+            source = self.tenant_pools.source(tenant)
         return KernelEnvironment(
             self._config,
-            kernel_source=self.pool.acquire,
+            kernel_source=source,
             llm_backend=llm_backend or self.llm,
             backend_for_token=self._token_backends,
             child_solver=solve_child,
         )
+
+    def _session_environment(self, owner: Tenant) -> KernelEnvironment:
+        return self.new_environment(tenant=owner.name)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -101,15 +128,21 @@ class Runtime:
     async def drain(self) -> None:
         """Graceful shutdown: in-flight steps answer (or are cancelled), then kernels go."""
         await self.sessions.drain(self.settings.drain_timeout)
-        await self.pool.close()
+        await self._close_pools()
 
     async def close(self) -> None:
         await self.sessions.close()
-        await self.pool.close()
+        await self._close_pools()
         if self.forkserver is not None:
             await self.forkserver.close()
         if self.llm is not None:
             await self.llm.aclose()
+
+    async def _close_pools(self) -> None:
+        closing = [self.pool.close()]
+        if self.tenant_pools is not None:
+            closing.append(self.tenant_pools.close())
+        await asyncio.gather(*closing)
 
     @property
     def start_mode(self) -> str:

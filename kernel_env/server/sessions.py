@@ -275,7 +275,7 @@ class SessionManager:
 
     def __init__(
         self,
-        env_factory: Callable[[], KernelEnvironment],
+        env_factory: Callable[[Tenant], KernelEnvironment],  # a new session's, by its owner
         *,
         max_sessions: int,
         idle_ttl: float = 0.0,
@@ -323,7 +323,7 @@ class SessionManager:
         if self.draining:
             raise SessionClosed(_SHUTTING_DOWN)
         self._make_room(owner, 1)
-        session = Session(self, secrets.token_hex(16), kind, env or self._env_factory(), owner)
+        session = Session(self, secrets.token_hex(16), kind, env or self._env_factory(owner), owner)
         self._sessions[session.id] = session
         self.opened_total += 1
         return session
