@@ -17,11 +17,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import nbformat
 import pytest
 from conftest import STEP_TIMEOUT
 from gateway import SECRET_VAR, EnterpriseGatewayProcess, GatewayProcess
-from serverkit import LoopbackClient, serve_process
+from serverkit import LoopbackClient, serve_process, wait_until
 
 from kernel_env import KernelEnv, KernelError, check_env
 from kernel_env.errors import KernelStartError
@@ -351,6 +352,58 @@ def test_eg_culls_an_idle_kernel_and_the_next_step_says_so(tmp_path: Path) -> No
             assert _stdout(env, "print(context, 'kept' in globals())") == "ctx False\n"
     finally:
         gw.stop()
+
+
+ALICE, BOB = "alice-token-Xq81mTz0", "bob-token-Lp27vNc5"
+KERNEL_USER = "import os; print(os.environ['KERNEL_USERNAME'])"
+
+
+def test_eg_tenants_kernels_start_as_their_own_users(tmp_path: Path) -> None:
+    """With tenants (a tokens file), each tenant's kernels start on Enterprise Gateway as that
+    tenant's KERNEL_USERNAME, warm ones included, so EG's per-user limit stops the tenant who
+    reached it and not the others; no shared pool keeps kernels nobody can take."""
+    gw = EnterpriseGatewayProcess(
+        tmp_path,
+        "--EnterpriseGatewayApp.max_kernels_per_user=2",
+        "--EnterpriseGatewayApp.list_kernels=True",  # off by default; the test counts them
+    )
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice client {ALICE}\nbob client {BOB}\n")
+    tokens.chmod(0o600)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KERNEL_ENV_")},
+        "KERNEL_ENV_GATEWAY_TOKEN": gw.token,
+        "KERNEL_ENV_TOKENS_FILE": str(tokens),
+    }
+    flags = ["--gateway-url", gw.url, "--gateway-kernel-name", "kernel_env", "--pool-size", "1"]
+    gw.start()
+    try:
+        with (
+            serve_process(*flags, env=env) as server,
+            KernelEnv(server.url, token=ALICE) as first,
+            KernelEnv(server.url, token=ALICE) as second,
+            KernelEnv(server.url, token=ALICE) as third,
+            KernelEnv(server.url, token=BOB) as bob,
+        ):
+            first.reset()
+            assert _stdout(first, KERNEL_USER) == "alice\n"
+            # Alice's pool, made at her first session: her episode's kernel and a warm one.
+            assert wait_until(lambda: len(_eg_kernels(gw)) == 2, 60), _eg_kernels(gw)
+            second.reset()  # the warm kernel: hers from its start
+            assert _stdout(second, KERNEL_USER) == "alice\n"
+            with pytest.raises(KernelStartError, match="per-user kernel limit is reached"):
+                third.reset()
+            bob.reset()  # his own user, his own limit
+            assert _stdout(bob, KERNEL_USER) == "bob\n"
+            assert _stdout(first, "print(1 + 1)") == "2\n"
+    finally:
+        gw.stop()
+
+
+def _eg_kernels(gw: GatewayProcess) -> list[dict]:
+    response = httpx.get(f"{gw.url}/api/kernels", headers={"Authorization": f"token {gw.token}"})
+    kernels: list[dict] = response.raise_for_status().json()
+    return kernels
 
 
 PARENT = "import os; print(os.getppid())"  # a gateway kernel is the gateway's child
