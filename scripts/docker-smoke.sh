@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Prove the Dockerfile: build the image with no network, serve it, run one episode in it through
 # the remote client (KernelEnv(base_url) and KernelEnv.from_docker_image), fetch the episode's
-# notebook, and remove everything made on the way.
+# notebook, and remove everything made on the way. Then kernels in containers: build the
+# kernel image of deploy/gateway/kernel-image/ on top of it, offline too, and run
+# tests/test_gateway_docker.py, whose Enterprise Gateway starts each kernel as a container of
+# that image on this daemon (DOCKER_SMOKE_GATEWAY=0 leaves this part out; DOCKER_SMOKE_BENCH=1
+# also runs benchmarks/bench_gateway_docker.py while the daemon and the images are there).
 #
 #   scripts/docker-smoke.sh        (or: make docker-smoke)
 #
@@ -34,6 +38,8 @@ PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 SKIP_STATUS=77
 RUN_ID="kernel-env-smoke-$$"
 IMAGE="$RUN_ID:latest"
+KERNEL_IMAGE="$RUN_ID-kernel:latest"   # deploy/gateway/kernel-image/: kernels for EG
+LAUNCHERS=""           # Enterprise Gateway's kernel launchers, from its release
 BASE=""                # the image to build on
 BASE_TAG=""            # the imported base image, when this run made one
 FACTS=""               # "3.11 2.36 x86_64": the base image's Python, glibc and machine
@@ -233,21 +239,28 @@ print("%d.%d" % sys.version_info[:2], platform.libc_ver()[1], platform.machine()
 
 # Every wheel the offline build needs, for the base image's Python and platform.
 fetch_wheels() {
-    local pyver=$1 glibc=$2 arch=$3 dest=$4 minor platforms=()
-    for minor in $(seq 5 "${glibc#2.}"); do
-        platforms+=(--platform "manylinux_2_${minor}_${arch}")
-    done
-    platforms+=(--platform "manylinux2014_$arch" --platform "manylinux2010_$arch"
-        --platform "manylinux1_$arch")
+    local pyver=$1 glibc=$2 arch=$3 dest=$4
     "$PYTHON" - "$ROOT/pyproject.toml" >"$WORK/requirements.txt" <<'EOF'
 import sys, tomllib
 with open(sys.argv[1], "rb") as f:
     project = tomllib.load(f)
 print("\n".join(project["project"]["dependencies"] + project["build-system"]["requires"]))
 EOF
+    download_wheels "$pyver" "$glibc" "$arch" "$dest" -r "$WORK/requirements.txt"
+}
+
+# download_wheels PYVER GLIBC ARCH DEST REQUIREMENT...: binary wheels for that Python.
+download_wheels() {
+    local pyver=$1 glibc=$2 arch=$3 dest=$4 minor platforms=()
+    shift 4
+    for minor in $(seq 5 "${glibc#2.}"); do
+        platforms+=(--platform "manylinux_2_${minor}_${arch}")
+    done
+    platforms+=(--platform "manylinux2014_$arch" --platform "manylinux2010_$arch"
+        --platform "manylinux1_$arch")
     "$PYTHON" -m pip download --quiet --disable-pip-version-check --dest "$dest" \
         --only-binary=:all: --python-version "$pyver" --implementation cp \
-        --abi "cp${pyver/./}" "${platforms[@]}" -r "$WORK/requirements.txt" \
+        --abi "cp${pyver/./}" "${platforms[@]}" "$@" \
         2>"$WORK/pip.log" || { tail -20 "$WORK/pip.log" >&2; die "pip download"; }
 }
 
@@ -385,6 +398,73 @@ smoke_from_docker_image() {
     "$PYTHON" "$CLIENT" from-image "$IMAGE" >&2 || die "episode through from_docker_image"
 }
 
+# -- kernels in containers, through Enterprise Gateway --------------------------------------
+
+# Enterprise Gateway's kernel launchers: etc/kernel-launchers/ of its source distribution on
+# PyPI, in the version tests/gateway.py runs, kept in the user's cache like the base. Sets
+# LAUNCHERS to the directory that holds their bootstrap/, python/ and docker/.
+eg_launchers() {
+    local version cache sdist
+    version=$(sed -n 's/^EG_VERSION = "\(.*\)"$/\1/p' "$ROOT/tests/gateway.py")
+    [ -n "$version" ] || die "no EG_VERSION in tests/gateway.py"
+    cache="${XDG_CACHE_HOME:-$HOME/.cache}/kernel-env/eg-launchers"
+    LAUNCHERS="$cache/$version"
+    if [ -f "$LAUNCHERS/.complete" ]; then
+        say "Enterprise Gateway $version's kernel launchers from the cache ($LAUNCHERS)"
+        return
+    fi
+    "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps \
+        --no-binary :all: --dest "$WORK/eg-sdist" "jupyter_enterprise_gateway==$version" \
+        2>"$WORK/pip-eg.log" || { tail -20 "$WORK/pip-eg.log" >&2; die "pip download EG"; }
+    sdist=$(find "$WORK/eg-sdist" -name '*.tar.gz' | head -n 1)
+    rm -rf "$LAUNCHERS" && mkdir -p "$LAUNCHERS"
+    tar -xzf "$sdist" -C "$LAUNCHERS" --strip-components=3 --wildcards \
+        '*/etc/kernel-launchers/bootstrap/*' '*/etc/kernel-launchers/python/*' \
+        '*/etc/kernel-launchers/docker/*' || die "no kernel launchers in $sdist"
+    touch "$LAUNCHERS/.complete"
+    say "Enterprise Gateway $version's kernel launchers from its source distribution"
+}
+
+# The kernel image of deploy/gateway/kernel-image/, on top of the image just built, offline.
+build_kernel_image() {
+    local ctx="$WORK/kernel-context" start
+    eg_launchers
+    mkdir -p "$ctx/wheels" "$ctx/launchers/kernel-launchers/python"
+    cp "$ROOT/deploy/gateway/kernel-image/Dockerfile" \
+        "$ROOT/deploy/gateway/kernel-image/ipython_kernel_config.py" "$ctx/"
+    cp "$LAUNCHERS/bootstrap/bootstrap-kernel.sh" "$ctx/launchers/"
+    cp -r "$LAUNCHERS/python/scripts" "$ctx/launchers/kernel-launchers/python/"
+    # shellcheck disable=SC2086  # three words, on purpose
+    download_wheels $FACTS "$ctx/wheels" pycryptodomex
+    start=$(now)
+    docker build --network none --force-rm --build-arg "KERNEL_ENV_IMAGE=$IMAGE" \
+        --tag "$KERNEL_IMAGE" "$ctx" >"$WORK/kernel-build.log" 2>&1 ||
+        { tail -30 "$WORK/kernel-build.log" >&2; die "docker build (kernel image)"; }
+    say "kernel image $KERNEL_IMAGE built offline in $(since "$start") s"
+}
+
+# tests/test_gateway_docker.py against this daemon and the kernel image; its facts (lines
+# starting "[gateway-docker]") go to the log.
+smoke_gateway_docker_kernels() {
+    local start log="$WORK/gateway-docker.log" summary
+    build_kernel_image
+    start=$(now)
+    (cd "$ROOT" && KERNEL_ENV_TEST_EG_KERNEL_IMAGE=$KERNEL_IMAGE \
+        KERNEL_ENV_TEST_EG_LAUNCHERS=$LAUNCHERS \
+        "$PYTHON" -m pytest -q -s -p no:cacheprovider tests/test_gateway_docker.py) \
+        >"$log" 2>&1 || { tail -80 "$log" >&2; die "kernels in containers through EG"; }
+    summary=$(grep -E '^[0-9]+ passed' "$log" | tail -n 1 || true)
+    case "$summary" in
+        *skipped* | "") tail -40 "$log" >&2; die "tests/test_gateway_docker.py did not run" ;;
+    esac
+    grep -E '^\[gateway-docker\]' "$log" >&2 || true
+    say "Enterprise Gateway, kernels in containers: $summary ($(since "$start") s)"
+    if [ -n "${DOCKER_SMOKE_BENCH:-}" ]; then
+        KERNEL_ENV_TEST_EG_KERNEL_IMAGE=$KERNEL_IMAGE KERNEL_ENV_TEST_EG_LAUNCHERS=$LAUNCHERS \
+            "$PYTHON" "$ROOT/benchmarks/bench_gateway_docker.py" >&2 || die "the benchmark"
+    fi
+}
+
 # -- cleanup --------------------------------------------------------------------------------
 
 cleanup() {
@@ -393,7 +473,9 @@ cleanup() {
     if [ -n "$WORK" ] && daemon_answers; then
         docker ps --all --quiet --filter "label=$RUN_ID" | xargs -r docker rm --force >/dev/null
         docker ps --all --quiet --filter "ancestor=$IMAGE" | xargs -r docker rm --force >/dev/null
-        docker image rm --force "$IMAGE" $BASE_TAG >/dev/null 2>&1
+        docker ps --all --quiet --filter "ancestor=$KERNEL_IMAGE" |
+            xargs -r docker rm --force >/dev/null
+        docker image rm --force "$KERNEL_IMAGE" "$IMAGE" $BASE_TAG >/dev/null 2>&1
         comm -13 <(echo "$DANGLING_BEFORE") \
             <(docker images --quiet --filter dangling=true | sort) |
             xargs -r docker image rm --force >/dev/null 2>&1
@@ -433,6 +515,7 @@ main() {
     smoke_default_container
     smoke_sandboxed_container
     smoke_from_docker_image
+    [ "${DOCKER_SMOKE_GATEWAY:-1}" = 0 ] || smoke_gateway_docker_kernels
     say "passed in $(since "$start") s"
 }
 

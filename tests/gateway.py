@@ -194,6 +194,12 @@ class GatewayProcess:
 
 
 EG_VERSION = "3.3.0"
+DOCKER_KERNELSPEC = DEPLOY_KERNELSPEC.parent / "docker" / "kernel.json"
+
+
+def eg_python() -> Path:
+    """The ``python`` of Enterprise Gateway's own venv (made once, cached)."""
+    return cached_venv("enterprise-gateway", [f"jupyter_enterprise_gateway=={EG_VERSION}"])
 
 
 class EnterpriseGatewayProcess(GatewayProcess):
@@ -202,9 +208,8 @@ class EnterpriseGatewayProcess(GatewayProcess):
     Kernels run locally (EG's LocalProcessProxy) with this venv's ipykernel, as above."""
 
     def argv(self) -> list[str]:
-        python = cached_venv("enterprise-gateway", [f"jupyter_enterprise_gateway=={EG_VERSION}"])
         return [
-            str(python),
+            str(eg_python()),
             "-m",
             "enterprise_gateway",
             "--EnterpriseGatewayApp.ip=127.0.0.1",
@@ -214,3 +219,74 @@ class EnterpriseGatewayProcess(GatewayProcess):
             "--KernelRestarter.time_to_dead=1.0",
             *self.args,
         ]
+
+
+def docker_bridge_gateway() -> str:
+    """The host's address on the Docker daemon's default bridge network (its IPAM gateway,
+    which the default bridge leaves out, or the address of its interface)."""
+    inspect = ["docker", "network", "inspect", "bridge", "--format"]
+    template = (
+        "{{range .IPAM.Config}}{{.Gateway}} {{end}}"
+        '|{{index .Options "com.docker.network.bridge.name"}}'
+    )
+    out = subprocess.run(
+        [*inspect, template], capture_output=True, text=True, timeout=30, check=True
+    ).stdout.strip()
+    gateways, _, interface = out.partition("|")
+    if gateways.split():
+        return gateways.split()[0]
+    shown = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "dev", interface],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.split()  # fmt: skip
+    if "inet" not in shown:
+        raise RuntimeError(f"the Docker bridge {interface!r} has no IPv4 address")
+    return shown[shown.index("inet") + 1].split("/")[0]
+
+
+class DockerEnterpriseGateway(EnterpriseGatewayProcess):
+    """Enterprise Gateway whose ``kernel_env_docker`` kernels are containers of ``image`` on
+    the Docker daemon ``docker`` reaches (``DOCKER_HOST``), started by EG's DockerProcessProxy
+    with its own ``launch_docker.py`` (from ``launchers``, EG's release) and the kernelspec of
+    ``deploy/gateway/docker/kernel.json``. Each kernel container sits on the daemon's default
+    bridge network: the starting kernel sends its (encrypted) connection details to the
+    gateway's response address, the bridge's host side, and the gateway then reaches the
+    kernel at its container's address. The gateway's HTTP port stays on loopback, out of the
+    containers' reach."""
+
+    KERNEL_NAME = "kernel_env_docker"
+
+    def __init__(self, workdir: Path, image: str, launchers: Path, *args: str) -> None:
+        super().__init__(workdir, *args)
+        spec = json.loads(DOCKER_KERNELSPEC.read_text())
+        spec["metadata"]["process_proxy"]["config"]["image_name"] = image
+        spec["argv"][:2] = [str(eg_python()), str(launchers / "docker/scripts/launch_docker.py")]
+        spec["env"]["PATH"] = "/usr/bin:/bin"  # launch_docker.py needs one; docker-py, not PATH
+        _write_spec(workdir / "share", self.KERNEL_NAME, spec)
+        self.image = image
+        self.env.update(
+            EG_RESPONSE_IP=docker_bridge_gateway(),
+            EG_RESPONSE_PORT=str(free_port()),
+            EG_DOCKER_NETWORK="bridge",
+        )
+
+    def argv(self) -> list[str]:
+        # launch_docker.py must reach the same daemon: only DOCKER_HOST goes to it.
+        inherited = ["--EnterpriseGatewayApp.inherited_envs=DOCKER_HOST"]
+        return [*super().argv(), *(inherited if "DOCKER_HOST" in self.env else [])]
+
+    def containers(self) -> list[str]:
+        """Names of this image's containers on the daemon (running or not)."""
+        out = subprocess.run(
+            ["docker", "ps", "--all", "--filter", f"ancestor={self.image}",
+             "--format", "{{.Names}}"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        return out.split()
+
+    def stop(self) -> None:
+        """Stop the gateway, then remove any kernel container it left behind."""
+        super().stop()
+        left = self.containers()
+        if left:
+            subprocess.run(["docker", "rm", "--force", *left], capture_output=True, timeout=60)

@@ -1,10 +1,11 @@
 """The Docker image: scripts/docker-smoke.sh end to end, and the wheel its build stage makes.
 
 The smoke script builds the image with no network, serves it, runs episodes in it through the
-remote client and removes everything it made; it exits 77 with a "SKIP:" line where Docker
-itself cannot run, and the test then skips with that reason. The wheel test does what the
-image's first stage does (wheel, fresh virtualenv, install) without Docker, and then runs an
-episode from the installed package with the source tree out of sight.
+remote client, builds the kernel image for Enterprise Gateway on top of it and runs
+tests/test_gateway_docker.py against that, and removes everything it made; it exits 77 with a
+"SKIP:" line where Docker itself cannot run, and the test then skips with that reason. The
+wheel test does what the image's first stage does (wheel, fresh virtualenv, install) without
+Docker, and then runs an episode from the installed package with the source tree out of sight.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def test_image_builds_offline_and_serves_episodes() -> None:
     assert "episode ok:" in log and "kernel uid 65534" in log  # the sandboxed container
     assert "from_docker_image ok:" in log
     assert "image facts:" in log
+    # Kernels in containers through Enterprise Gateway: tests/test_gateway_docker.py ran,
+    # against the kernel image built offline on top of this one, and none of it skipped.
+    assert "kernel image" in log and "built offline" in log
+    ran = re.search(r"Enterprise Gateway, kernels in containers: (\d+) passed", log)
+    assert ran and int(ran.group(1)) >= 2, log[-3000:]
     # The default container: the server as root, the kernel as a uid of its own.
     uids = [int(u) for u in re.findall(r"episode ok: .*?kernel uid (\d+)", log)]
     assert any(uid not in (0, 65534) for uid in uids), uids
