@@ -47,11 +47,6 @@ class TenantPools:
         self._pools: dict[str, KernelPool] = {}
         self._closed = False
 
-    @property
-    def pools(self) -> dict[str, KernelPool]:
-        """The tenants' pools made so far, by tenant name."""
-        return dict(self._pools)
-
     def source(self, tenant: str) -> KernelSource:
         """A kernel source that takes ``tenant``'s kernels from its own pool."""
 
