@@ -89,6 +89,8 @@ def docker_gateway(tmp_path: Path) -> Iterator[DockerEnterpriseGateway]:
 def test_episode_in_docker_kernels_through_enterprise_gateway(
     docker_gateway: DockerEnterpriseGateway, tmp_path: Path
 ) -> None:
+    """An episode on container kernels through `kernel-env serve --gateway-url`: a warm
+    reset, llm_query, a timeout, a killed container, the export; no secret in the log."""
     gw = docker_gateway
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("KERNEL_ENV_")},
