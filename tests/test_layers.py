@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "streaming",
             "models",
             "kernel_side",
+            "envd_side",
             "rubric",
             "llm",
         ),
@@ -81,6 +82,8 @@ class Rule:
 # Every module that runs outside the host process, and those they import. A module reached
 # from one of these must have a rule of its own, so nothing of the host comes in through it.
 PROCESS_RULES: dict[str, Rule] = {
+    # E2B's envd operations, called in an episode's kernel: the standard library alone.
+    "envd_side": Rule("the kernel"),
     # Shipped as source to a remote kernel that lacks the package: nothing of kernel_env.
     "kernel_side": Rule("the kernel", packages=frozenset({"IPython", "ipykernel", "zmq"})),
     "kernel_tuning": Rule(

@@ -49,6 +49,7 @@ from kernel_env.server.auth import (
     redact_client_secrets_in_logs,
     tenant_of,
 )
+from kernel_env.server.e2b import add_e2b
 from kernel_env.server.guard import BrowserGuard, HostPolicy
 from kernel_env.server.limits import BodyLimit
 from kernel_env.server.operator import add_operator_routes
@@ -216,6 +217,7 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
             allow_headers=["*"],
             expose_headers=[SESSION_HEADER],
         )
+    add_e2b(app)  # E2B's SDK: its own token checks, so inside the browser guard only
     hosts = settings.allowed_hosts
     if hosts is None and settings.token:
         # With a token, the token admits, whatever name the server is reached by (a Space, a

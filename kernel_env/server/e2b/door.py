@@ -1,0 +1,129 @@
+"""The E2B front door: ASGI middleware that hands E2B's traffic to its own apps.
+
+With ``E2B_SANDBOX_URL`` set, the SDK sends every request meant for a sandbox to that one
+URL and names the sandbox and the port in headers (``E2b-Sandbox-Id``,
+``E2b-Sandbox-Port``), with the sandbox's access token (``X-Access-Token`` or
+``E2B-Traffic-Access-Token``) instead of an API key. A request that carries
+``E2b-Sandbox-Id`` is therefore the sandbox's, whatever its path: it goes to envd's app
+(port 49983) or the code interpreter's (49999) once the sandbox and its token check out.
+Requests to E2B's API paths (``/sandboxes``, ...) go to the control plane, which checks
+the API key itself. Everything else passes on to kernel_env's own routes, behind
+:class:`~kernel_env.server.auth.AuthGate`.
+
+A sandbox that is gone (killed, timed out, never was) answers 502, as E2B's proxy does: the
+SDK reads that as "the sandbox is not running".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kernel_env.server.e2b.sandboxes import Sandbox, SandboxError, Sandboxes
+
+__all__ = ["SANDBOX_KEY", "E2BDoor"]
+
+SANDBOX_KEY = "kernel_env.e2b.sandbox"  # the checked sandbox, in the request's scope state
+
+
+class E2BDoor:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        control: ASGIApp,
+        control_prefixes: tuple[str, ...],
+        ports: dict[str, ASGIApp],
+        sandboxes: Callable[[], Sandboxes],
+    ) -> None:
+        self.app = app
+        self.control = control
+        self.control_prefixes = control_prefixes
+        self.ports = ports
+        self.sandboxes = sandboxes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        sandbox_id = headers.get("e2b-sandbox-id")
+        if sandbox_id is not None:
+            await self._to_sandbox(sandbox_id, headers, scope, receive, send)
+        elif _under(scope["path"], self.control_prefixes):
+            await self.control(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _to_sandbox(
+        self, sandbox_id: str, headers: dict[str, str], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        port = headers.get("e2b-sandbox-port", "")
+        try:
+            sandbox = self.sandboxes().get(sandbox_id)
+        except SandboxError:
+            await _answer(
+                send,
+                502,
+                {"code": 502, "message": "The sandbox was not found", "sandboxId": sandbox_id},
+            )
+            return
+        token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
+        if not sandbox.admits(token):
+            await _answer(send, 401, {"code": 401, "message": "invalid access token"})
+            return
+        if sandbox.state == "paused":
+            await _answer(
+                send,
+                502,
+                {
+                    "code": 502,
+                    "message": "The sandbox is paused: connect() resumes it",
+                    "sandboxId": sandbox_id,
+                },
+            )
+            return
+        app = self.ports.get(port)
+        if app is None:
+            served = ", ".join(sorted(self.ports))
+            await _answer(
+                send,
+                502,
+                {
+                    "code": 502,
+                    "message": f"port {port!r} is not open in "
+                    f"a kernel_env sandbox (served: {served})",
+                },
+            )
+            return
+        scope.setdefault("state", {})[SANDBOX_KEY] = sandbox
+        await app(scope, receive, send)
+
+
+def sandbox_in(scope: Scope) -> Sandbox:
+    """The sandbox :class:`E2BDoor` checked for this request."""
+    sandbox = scope.get("state", {}).get(SANDBOX_KEY)
+    if not isinstance(sandbox, Sandbox):
+        raise RuntimeError("no sandbox for this request: the route is not behind E2BDoor")
+    return sandbox
+
+
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
+
+
+async def _answer(send: Send, status: int, body: dict[str, object]) -> None:
+    payload = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})

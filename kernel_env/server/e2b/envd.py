@@ -1,0 +1,307 @@
+"""E2B's sandbox daemon, envd (the sandbox's port 49983): its Connect RPC services and HTTP API.
+
+The ``process.Process`` and ``filesystem.Filesystem`` services are served by ``connectrpc``
+(the library E2B's SDK uses for its client side) from code generated from E2B's own
+``.proto`` files (:mod:`kernel_env.server.e2b.proto`); ``/files`` (upload, download) and
+``/health`` are plain HTTP, as envd's are. Every file operation and every command runs in
+the sandbox's kernel (:mod:`.kernelcalls`), so in its sandbox.
+
+A command's output is collected from the kernel between cells, so while a ``run_code`` cell
+runs, a command's output waits for it (the command itself runs on). PTYs and directory
+watches are not served (``unimplemented``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextvars
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from protobuf import Oneof
+from protobuf.wkt import Timestamp
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kernel_env.server.e2b.door import sandbox_in
+from kernel_env.server.e2b.kernelcalls import KernelCallError, in_kernel
+from kernel_env.server.e2b.proto.filesystem import filesystem_pb as fs
+from kernel_env.server.e2b.proto.filesystem.filesystem_connect import (
+    Filesystem,
+    FilesystemASGIApplication,
+)
+from kernel_env.server.e2b.proto.process import process_pb as pb
+from kernel_env.server.e2b.proto.process.process_connect import Process, ProcessASGIApplication
+from kernel_env.server.e2b.sandboxes import Sandbox
+from kernel_env.server.sessions import SessionManager
+
+__all__ = ["ENVD_PORT", "envd_app"]
+
+ENVD_PORT = "49983"
+_CURRENT: contextvars.ContextVar[Sandbox] = contextvars.ContextVar("e2b_sandbox")
+_FIRST_POLL, _LAST_POLL = 0.002, 0.05  # seconds between polls of a command's output
+_TYPES = {"file": fs.FileType.FILE, "dir": fs.FileType.DIRECTORY, "symlink": fs.FileType.SYMLINK}
+
+
+class _Calls:
+    """envd's operations on the current request's sandbox, in its kernel."""
+
+    def __init__(self, sessions: Callable[[], SessionManager]) -> None:
+        self.sessions = sessions
+
+    async def __call__(self, name: str, **args: Any) -> Any:
+        sandbox = _CURRENT.get()
+        manager = self.sessions()
+        try:
+            async with manager.request(sandbox.session):
+                return await in_kernel(sandbox.session, name, **args)
+        except KernelCallError as exc:
+            raise ConnectError(Code(exc.code), exc.message) from None
+
+
+class ProcessService(Process):
+    """``process.Process``: commands, as children of the sandbox's kernel (what is not here
+    answers ``unimplemented``: PTYs, streamed input)."""
+
+    def __init__(self, call: _Calls) -> None:
+        self.call = call
+
+    async def start(self, request: pb.StartRequest, ctx: Any) -> AsyncIterator[pb.StartResponse]:
+        if request.pty is not None:
+            raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not served by kernel_env")
+        config = request.process
+        if config is None or not config.cmd:
+            raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
+        sandbox = _CURRENT.get()
+        pid = await self.call(
+            "proc_start",
+            cmd=config.cmd,
+            args=_without_login(config.cmd, list(config.args)),
+            envs={**sandbox.envs, **dict(config.envs)},
+            cwd=config.cwd or None,
+            stdin=bool(request.stdin),
+            tag=request.tag or None,
+        )
+        yield pb.StartResponse(event=_event("start", pb.ProcessEvent.StartEvent(pid=pid)))
+        async for event in self._follow(pid):
+            yield pb.StartResponse(event=event)
+
+    async def connect(
+        self, request: pb.ConnectRequest, ctx: Any
+    ) -> AsyncIterator[pb.ConnectResponse]:
+        pid = await self._pid(request.process)
+        yield pb.ConnectResponse(event=_event("start", pb.ProcessEvent.StartEvent(pid=pid)))
+        async for event in self._follow(pid):
+            yield pb.ConnectResponse(event=event)
+
+    async def list(self, request: pb.ListRequest, ctx: Any) -> pb.ListResponse:
+        processes = [
+            pb.ProcessInfo(
+                pid=p["pid"],
+                tag=p["tag"],
+                config=pb.ProcessConfig(
+                    cmd=p["config"]["cmd"],
+                    args=p["config"]["args"],
+                    envs=p["config"]["envs"],
+                    cwd=p["config"]["cwd"],
+                ),
+            )
+            for p in await self.call("proc_list")
+        ]
+        return pb.ListResponse(processes=processes)
+
+    async def send_signal(self, request: pb.SendSignalRequest, ctx: Any) -> pb.SendSignalResponse:
+        number = int(request.signal) or 15
+        await self.call("proc_signal", signal_number=number, **_selector(request.process))
+        return pb.SendSignalResponse()
+
+    async def send_input(self, request: pb.SendInputRequest, ctx: Any) -> pb.SendInputResponse:
+        given = request.input.input if request.input is not None else None
+        if given is None or given.field != "stdin":
+            raise ConnectError(Code.UNIMPLEMENTED, "only stdin input is served (no PTYs)")
+        data = base64.b64encode(given.value).decode("ascii")
+        await self.call("proc_input", data=data, **_selector(request.process))
+        return pb.SendInputResponse()
+
+    async def close_stdin(self, request: pb.CloseStdinRequest, ctx: Any) -> pb.CloseStdinResponse:
+        await self.call("proc_close_stdin", **_selector(request.process))
+        return pb.CloseStdinResponse()
+
+    async def _pid(self, selector: pb.ProcessSelector | None) -> int:
+        chosen = _selector(selector)
+        if "pid" in chosen:
+            return int(chosen["pid"])
+        for process in await self.call("proc_list"):
+            if process["tag"] == chosen["tag"]:
+                return int(process["pid"])
+        raise ConnectError(Code.NOT_FOUND, f"process with tag {chosen['tag']} not found")
+
+    async def _follow(self, pid: int) -> AsyncIterator[pb.ProcessEvent]:
+        """The command's output as it comes, then its end."""
+        delay = _FIRST_POLL
+        while True:
+            polled = await self.call("proc_poll", pid=pid)
+            for name, data in polled["output"]:
+                output = pb.ProcessEvent.DataEvent(output=Oneof(name, base64.b64decode(data)))
+                yield _event("data", output)
+            end = polled["end"]
+            if end is not None:
+                yield _event("end", pb.ProcessEvent.EndEvent(**end))
+                return
+            delay = _FIRST_POLL if polled["output"] else min(_LAST_POLL, delay * 2)
+            await asyncio.sleep(delay)
+
+
+def _without_login(cmd: str, args: list[str]) -> list[str]:
+    """The SDK runs a command as ``bash -l -c CMD``: a login shell, whose /etc/profile would
+    reset PATH and lose the kernel's own Python. The command runs in the kernel's environment
+    instead, in a plain ``bash -c``."""
+    if cmd.rsplit("/", 1)[-1] == "bash" and args[:1] == ["-l"]:
+        return args[1:]
+    return args
+
+
+def _event(kind: str, value: Any) -> pb.ProcessEvent:
+    event: Any = Oneof(kind, value)  # one of start, data, end (checked by the message)
+    return pb.ProcessEvent(event=event)
+
+
+def _selector(selector: pb.ProcessSelector | None) -> dict[str, Any]:
+    chosen = selector.selector if selector is not None else None
+    if chosen is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "a process selector (pid or tag) is required")
+    return {chosen.field: chosen.value}
+
+
+class FilesystemService(Filesystem):
+    """``filesystem.Filesystem``: the sandbox's files, through its kernel (directory watches
+    answer ``unimplemented``)."""
+
+    def __init__(self, call: _Calls) -> None:
+        self.call = call
+
+    async def stat(self, request: fs.StatRequest, ctx: Any) -> fs.StatResponse:
+        return fs.StatResponse(entry=_entry(await self.call("stat", path=request.path)))
+
+    async def make_dir(self, request: fs.MakeDirRequest, ctx: Any) -> fs.MakeDirResponse:
+        return fs.MakeDirResponse(entry=_entry(await self.call("make_dir", path=request.path)))
+
+    async def move(self, request: fs.MoveRequest, ctx: Any) -> fs.MoveResponse:
+        moved = await self.call("move", source=request.source, destination=request.destination)
+        return fs.MoveResponse(entry=_entry(moved))
+
+    async def list_dir(self, request: fs.ListDirRequest, ctx: Any) -> fs.ListDirResponse:
+        found = await self.call("list_dir", path=request.path, depth=request.depth or 1)
+        return fs.ListDirResponse(entries=[_entry(e) for e in found])
+
+    async def remove(self, request: fs.RemoveRequest, ctx: Any) -> fs.RemoveResponse:
+        await self.call("remove", path=request.path)
+        return fs.RemoveResponse()
+
+
+def _entry(found: dict[str, Any]) -> fs.EntryInfo:
+    modified = datetime.fromtimestamp(found["modified"], UTC)
+    return fs.EntryInfo(
+        name=found["name"],
+        type=_TYPES[found["type"]],
+        path=found["path"],
+        size=found["size"],
+        mode=found["mode"],
+        permissions=found["permissions"],
+        owner=found["owner"],
+        group=found["group"],
+        modified_time=Timestamp.from_datetime(modified),
+        symlink_target=found.get("symlink_target"),
+    )
+
+
+def envd_app(sessions: Callable[[], SessionManager]) -> Callable[[Scope, Receive, Send], Any]:
+    """envd's ASGI app: the two Connect services and the HTTP routes."""
+    call = _Calls(sessions)
+    rpc: dict[str, ASGIApp] = {
+        "/process.Process/": ProcessASGIApplication(ProcessService(call)),
+        "/filesystem.Filesystem/": FilesystemASGIApplication(FilesystemService(call)),
+    }
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=204)
+
+    async def download(request: Request) -> Response:
+        path = request.query_params.get("path")
+        if not path:
+            return _error(400, "path is required")
+        try:
+            data = await call("read", path=path)
+        except ConnectError as exc:
+            return _error(404 if exc.code == Code.NOT_FOUND else 400, exc.message)
+        return Response(base64.b64decode(data), media_type="application/octet-stream")
+
+    async def upload(request: Request) -> Response:
+        files = await _uploaded(request)
+        if isinstance(files, Response):
+            return files
+        written = []
+        for path, data in files:
+            try:
+                written.append(
+                    await call("write", path=path, data=base64.b64encode(data).decode("ascii"))
+                )
+            except ConnectError as exc:
+                return _error(400, exc.message)
+        return JSONResponse(written)
+
+    http = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/files", download, methods=["GET"]),
+            Route("/files", upload, methods=["POST"]),
+        ]
+    )
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        token = _CURRENT.set(sandbox_in(scope))
+        try:
+            for prefix, service in rpc.items():
+                if scope["path"].startswith(prefix):
+                    await service(scope, receive, send)
+                    return
+            await http(scope, receive, send)
+        finally:
+            _CURRENT.reset(token)
+
+    return app
+
+
+async def _uploaded(request: Request) -> list[tuple[str, bytes]] | Response:
+    """The files of an upload: an octet-stream body for ``?path=``, or multipart parts named
+    ``file`` whose file names are their paths."""
+    path = request.query_params.get("path")
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind == "application/octet-stream":
+        if not path:
+            return _error(400, "path is required")
+        if request.headers.get("content-encoding", "").lower() == "gzip":
+            return _error(400, "gzip uploads are not served; send the file as it is")
+        return [(path, await request.body())]
+    if kind != "multipart/form-data":
+        return _error(400, "send multipart/form-data or application/octet-stream")
+    form = await request.form()
+    files: list[tuple[str, bytes]] = []
+    for _, part in form.multi_items():
+        if isinstance(part, str):
+            continue
+        files.append((path if path and len(form) == 1 else part.filename or "", await part.read()))
+    if not files or not all(p for p, _ in files):
+        return _error(400, "each file needs a path")
+    return files
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)

@@ -1,0 +1,250 @@
+"""E2B's code interpreter API (the sandbox's port 49999): ``POST /execute`` and the contexts.
+
+``/execute`` streams one JSON document a line, as E2B's server does: ``stdout`` / ``stderr``
+(with a timestamp), ``result`` (a MIME bundle spread over E2B's fields: ``text``, ``html``,
+``png``, ``json``, ... and ``is_main_result`` for the cell's value), ``error`` (name, value,
+traceback), ``number_of_executions``, then ``end_of_execution``. The cell is a step of the
+sandbox's episode, so it is in the episode's record and its notebook, and ``llm_query``
+works in it.
+
+The default context is the sandbox's kernel; a context made with ``create_code_context`` is
+a kernel of its own (its own session), so unlike E2B's contexts it does not share the
+default context's files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kernel_env.errors import EpisodeFinished, KernelEnvError
+from kernel_env.models import REPLAction
+from kernel_env.server.e2b.sandboxes import Sandbox
+from kernel_env.server.sessions import Session, SessionManager
+
+__all__ = ["JUPYTER_PORT", "e2b_output", "interpreter_app"]
+
+log = logging.getLogger(__name__)
+
+JUPYTER_PORT = "49999"
+HOME = "/home/user"  # E2B's default cwd, reported for contexts
+
+# MIME type -> E2B's Result field; what is not here goes to ``extra``.
+_FIELDS = {
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "application/pdf": "pdf",
+    "text/latex": "latex",
+    "application/json": "json",
+    "application/javascript": "javascript",
+    "e2b/data": "data",
+    "e2b/chart": "chart",
+}
+
+
+def e2b_output(event: dict[str, Any]) -> dict[str, Any] | None:
+    """E2B's line for one output event (:mod:`kernel_env.streaming`), or None."""
+    kind = event.get("output_type")
+    if kind == "stream":
+        name = event.get("name")
+        if name not in ("stdout", "stderr"):
+            return None
+        return {"type": name, "text": event.get("text") or "", "timestamp": _now()}
+    if kind in ("display_data", "execute_result"):
+        return _result(dict(event.get("data") or {}), kind == "execute_result")
+    if kind == "error":
+        return {
+            "type": "error",
+            "name": event.get("ename") or "",
+            "value": event.get("evalue") or "",
+            "traceback": "\n".join(event.get("traceback") or []),
+        }
+    return None
+
+
+def _result(bundle: dict[str, Any], main: bool) -> dict[str, Any]:
+    line: dict[str, Any] = {"type": "result", "is_main_result": main}
+    extra = {}
+    for mime, value in bundle.items():
+        field = _FIELDS.get(mime)
+        if field is None:
+            extra[mime] = value
+        else:
+            line[field] = value
+    text = line.get("text")
+    # E2B shows a string's value, not its repr: 'abc' -> abc.
+    if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        line["text"] = text[1:-1]
+    if extra:
+        line["extra"] = extra
+    return line
+
+
+def _now() -> int:
+    return time.time_ns()  # the SDK's OutputMessage.timestamp: nanoseconds since the epoch
+
+
+class Contexts:
+    """A sandbox's extra contexts: each a session of its own, closed with the sandbox."""
+
+    def __init__(self) -> None:
+        self.by_sandbox: dict[str, dict[str, tuple[Session, str, str]]] = {}
+
+    def of(self, sandbox: Sandbox) -> dict[str, tuple[Session, str, str]]:
+        return self.by_sandbox.setdefault(sandbox.id, {})
+
+
+def interpreter_app(
+    sandbox_of: Callable[[Request], Sandbox],
+    sessions: Callable[[], SessionManager],
+) -> Starlette:
+    """The code interpreter's routes; ``sandbox_of`` finds (and authorizes) the sandbox."""
+    contexts = Contexts()
+
+    async def execute(request: Request) -> Response:
+        sandbox = sandbox_of(request)
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return PlainTextResponse("the body is not JSON", status_code=400)
+        code = body.get("code")
+        if not isinstance(code, str):
+            return PlainTextResponse("code must be a string", status_code=400)
+        context_id, language = body.get("context_id"), body.get("language")
+        if context_id and language:
+            return PlainTextResponse(
+                "Only one of context_id or language can be provided", status_code=400
+            )
+        if language and str(language).lower() not in ("python", "python3"):
+            return PlainTextResponse(
+                f"language {language!r} is not served here: Python only", status_code=400
+            )
+        session = sandbox.session
+        if context_id and context_id != sandbox.id:
+            found = contexts.of(sandbox).get(context_id)
+            if found is None:
+                return PlainTextResponse(f"Context {context_id} not found", status_code=404)
+            session = found[0]
+        env_vars = body.get("env_vars") or {}
+        if env_vars:
+            return PlainTextResponse(
+                "env_vars per execution are not served here: set envs when the sandbox is created",
+                status_code=400,
+            )
+        return StreamingResponse(_run(session, code, sessions()), media_type="application/x-ndjson")
+
+    async def create_context(request: Request) -> Response:
+        sandbox = sandbox_of(request)
+        body = json.loads(await request.body() or b"{}")
+        language = str(body.get("language") or "python").lower()
+        if language not in ("python", "python3"):
+            return PlainTextResponse(
+                f"language {language!r} is not served here: Python only", status_code=400
+            )
+        cwd = str(body.get("cwd") or HOME)
+        manager = sessions()
+        session = manager.open("http", sandbox.owner)
+        session.claimed = True
+        try:
+            async with manager.request(session):
+                await session.reset({"max_iterations": 100_000})
+        except BaseException:
+            await asyncio.shield(manager.close_soon(session))
+            raise
+        contexts.of(sandbox)[session.id] = (session, "python", cwd)
+        sandbox.on_kill.append(lambda: manager.close_soon(session))
+        return JSONResponse({"id": session.id, "language": "python", "cwd": cwd})
+
+    async def list_contexts(request: Request) -> Response:
+        sandbox = sandbox_of(request)
+        listed = [{"id": sandbox.id, "language": "python", "cwd": HOME}]
+        listed += [
+            {"id": cid, "language": lang, "cwd": cwd}
+            for cid, (session, lang, cwd) in contexts.of(sandbox).items()
+            if session.closed is None
+        ]
+        return JSONResponse(listed)
+
+    async def remove_context(request: Request) -> Response:
+        sandbox = sandbox_of(request)
+        context_id = request.path_params["context_id"]
+        found = contexts.of(sandbox).pop(context_id, None)
+        if found is None:
+            return PlainTextResponse(f"Context {context_id} not found", status_code=404)
+        await sessions().close_session(found[0])
+        return Response(status_code=200)
+
+    async def health(request: Request) -> Response:
+        sandbox_of(request)
+        return JSONResponse("OK")
+
+    return Starlette(
+        routes=[
+            Route("/execute", execute, methods=["POST"]),
+            Route("/contexts", create_context, methods=["POST"]),
+            Route("/contexts", list_contexts, methods=["GET"]),
+            Route("/contexts/{context_id}", remove_context, methods=["DELETE"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )
+
+
+async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIterator[str]:
+    """The cell's lines as they come; the step runs in a task of its own, so a client that
+    goes away interrupts the kernel rather than leaving the cell running unseen."""
+    lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    errored = False
+
+    def tell(event: dict[str, Any]) -> None:
+        nonlocal errored
+        line = e2b_output(event)
+        if line is None or (line["type"] == "error" and errored):
+            return
+        errored = errored or line["type"] == "error"
+        lines.put_nowait(line)
+
+    async def step() -> None:
+        try:
+            async with manager.request(session):
+                obs = await session.step(REPLAction(code=code), on_output=tell)
+            if obs.result.execution_count is not None:
+                lines.put_nowait(
+                    {"type": "number_of_executions", "execution_count": obs.result.execution_count}
+                )
+        except EpisodeFinished:
+            tell(_failure("EpisodeFinished", "the sandbox's episode is over (FINAL was called)"))
+        except KernelEnvError as exc:
+            tell(_failure(type(exc).__name__, str(exc)))
+        finally:
+            lines.put_nowait(None)
+
+    task = asyncio.ensure_future(step())
+    try:
+        while (line := await lines.get()) is not None:
+            yield json.dumps(line) + "\n"
+        yield json.dumps({"type": "end_of_execution"}) + "\n"
+    finally:
+        if not task.done():
+            kernel = session.env.kernel
+            if kernel is not None:
+                with contextlib.suppress(Exception):
+                    await kernel.interrupt()
+        await asyncio.shield(task)
+
+
+def _failure(name: str, value: str) -> dict[str, Any]:
+    return {"output_type": "error", "ename": name, "evalue": value, "traceback": []}

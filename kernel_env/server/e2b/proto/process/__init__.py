@@ -1,0 +1,1 @@
+"""Generated: see kernel_env.server.e2b.proto."""

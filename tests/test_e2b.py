@@ -1,0 +1,261 @@
+"""E2B's own SDK (``e2b``, ``e2b-code-interpreter``), unchanged, against a real ``kernel-env
+serve`` on loopback: configured only through the SDK's settings (API URL, sandbox URL, key)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fake_openai import FakeOpenAI
+from serverkit import ServeProcess, serve_process
+
+e2b = pytest.importorskip("e2b")
+e2b_ci = pytest.importorskip("e2b_code_interpreter")
+
+pytestmark = pytest.mark.integration  # a server and its kernels
+
+TOKEN = "e2b_" + secrets.token_hex(20)  # the SDK checks a key's shape: e2b_ and hex
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServeProcess]:
+    """One server for the module, its llm_query answered by a fake model on loopback."""
+    env = {**os.environ, "KERNEL_ENV_TOKEN": TOKEN}
+    with (
+        FakeOpenAI(lambda request: "the model says hi") as model,
+        serve_process(
+            "--pool-size", "2", "--llm-base-url", model.url, "--llm-model", "m", env=env
+        ) as process,
+    ):
+        yield process
+
+
+@pytest.fixture
+def opts(server: ServeProcess) -> dict[str, Any]:
+    """The SDK's own settings, as constructor arguments."""
+    return {"api_url": server.url, "sandbox_url": server.url, "api_key": TOKEN}
+
+
+def test_run_code_keeps_state_streams_in_order_and_dies_with_kill(opts: dict[str, Any]) -> None:
+    """create -> run_code("x = 1") -> "x + 1" is "2"; callbacks in the order things happened;
+    a matplotlib PNG; an error's name, value and traceback; after kill the sandbox is gone."""
+    sandbox = e2b_ci.Sandbox.create(**opts)
+    try:
+        assert sandbox.run_code("x = 1").error is None
+        assert sandbox.run_code("x + 1").text == "2"
+
+        seen: list[tuple[str, str]] = []
+        execution = sandbox.run_code(
+            "import sys\nprint('a', flush=True)\nprint('b', file=sys.stderr, flush=True)\n"
+            "print('c', flush=True)\n'done'",
+            on_stdout=lambda m: seen.append(("stdout", m.line)),
+            on_stderr=lambda m: seen.append(("stderr", m.line)),
+            on_result=lambda r: seen.append(("result", r.text)),
+        )
+        assert seen == [("stdout", "a\n"), ("stderr", "b\n"), ("stdout", "c\n"), ("result", "done")]
+        assert execution.logs.stdout == ["a\n", "c\n"] and execution.logs.stderr == ["b\n"]
+
+        plot = sandbox.run_code(
+            "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()"
+        )
+        assert plot.error is None, plot.error
+        png = [r.png for r in plot.results if r.png]
+        assert png and base64.b64decode(png[0]).startswith(b"\x89PNG\r\n\x1a\n")
+
+        failed = sandbox.run_code("def f():\n    return 1 / 0\nf()")
+        assert failed.error is not None
+        assert (failed.error.name, failed.error.value) == ("ZeroDivisionError", "division by zero")
+        assert "return 1 / 0" in re.sub(r"\x1b\[[0-9;]*m", "", failed.error.traceback)
+
+        info = e2b_ci.Sandbox.get_info(sandbox.sandbox_id, **opts)
+        assert info.sandbox_id == sandbox.sandbox_id and sandbox.is_running()
+    finally:
+        sandbox.kill()
+    assert not sandbox.is_running()
+    with pytest.raises(e2b.NotFoundException):
+        e2b_ci.Sandbox.get_info(sandbox.sandbox_id, **opts)
+    with pytest.raises(e2b.TimeoutException):
+        sandbox.run_code("x")
+
+
+def test_a_wrong_key_is_refused(opts: dict[str, Any]) -> None:
+    """A key that is not the server's token creates nothing: the SDK's AuthenticationException."""
+    with pytest.raises(e2b.AuthenticationException):
+        e2b_ci.Sandbox.create(**{**opts, "api_key": "e2b_" + "0" * 40})
+
+
+def test_two_sandboxes_cannot_see_each_other(opts: dict[str, Any], server: ServeProcess) -> None:
+    """Each sandbox is its own kernel; one sandbox's token does not open another."""
+    one = e2b_ci.Sandbox.create(**opts)
+    two = e2b_ci.Sandbox.create(**opts)
+    try:
+        one.run_code("secret = 42")
+        seen = two.run_code("secret")
+        assert seen.error is not None and seen.error.name == "NameError"
+        borrowed = httpx.post(
+            f"{server.url}/execute",
+            json={"code": "secret"},
+            headers={
+                "E2b-Sandbox-Id": two.sandbox_id,
+                "E2b-Sandbox-Port": "49999",
+                "X-Access-Token": one._envd_access_token,
+            },
+            timeout=10,
+        )
+        assert borrowed.status_code == 401
+        listed = {s.sandbox_id for s in e2b_ci.Sandbox.list(**opts).next_items()}
+        assert {one.sandbox_id, two.sandbox_id} <= listed
+    finally:
+        one.kill()
+        two.kill()
+
+
+def test_a_sandbox_past_its_timeout_is_gone(opts: dict[str, Any]) -> None:
+    """A sandbox created with timeout=1 is killed a second later, as E2B's are."""
+    sandbox = e2b_ci.Sandbox.create(timeout=1, **opts)
+    assert sandbox.run_code("1 + 1").text == "2"
+    deadline = time.monotonic() + 10
+    while sandbox.is_running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sandbox.is_running()
+    with pytest.raises(e2b.NotFoundException):
+        e2b_ci.Sandbox.get_info(sandbox.sandbox_id, **opts)
+
+
+async def test_async_sdk_runs_code_with_callbacks(opts: dict[str, Any]) -> None:
+    """AsyncSandbox: create, state across run_code calls, an async on_stdout, kill."""
+    sandbox = await e2b_ci.AsyncSandbox.create(**opts)
+    try:
+        await sandbox.run_code("x = 20")
+        lines: list[str] = []
+
+        async def on_stdout(message: Any) -> None:
+            lines.append(message.line)
+
+        execution = await sandbox.run_code("print(x)\nx + 22", on_stdout=on_stdout)
+        assert execution.text == "42" and lines == ["20\n"]
+    finally:
+        await sandbox.kill()
+    assert not await sandbox.is_running()
+
+
+def test_the_sdk_reads_its_environment_variables(server: ServeProcess) -> None:
+    """E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY alone configure the SDK."""
+    import subprocess
+
+    code = (
+        "from e2b_code_interpreter import Sandbox\n"
+        "with Sandbox.create() as sandbox:\n"
+        "    print(sandbox.run_code('6 * 7').text)\n"
+    )
+    env = {
+        **os.environ,
+        "E2B_API_URL": server.url,
+        "E2B_SANDBOX_URL": server.url,
+        "E2B_API_KEY": TOKEN,
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "42"
+
+
+def test_files_in_the_sandbox_workspace(opts: dict[str, Any]) -> None:
+    """write / read / list / exists / make_dir / rename / remove, through envd's protocol;
+    the kernel sees the same files (they are its workspace)."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        info = sandbox.files.write("/home/user/notes/a.txt", "hello")
+        assert info.path == "/home/user/notes/a.txt"
+        assert sandbox.files.read("/home/user/notes/a.txt") == "hello"
+        assert sandbox.files.read("notes/a.txt", format="bytes") == bytearray(b"hello")
+        assert sandbox.run_code("open('notes/a.txt').read()").text == "hello"
+        sandbox.run_code("open('made.txt', 'w').write('by the kernel')")
+        assert sandbox.files.read("/home/user/made.txt") == "by the kernel"
+
+        assert sandbox.files.make_dir("/home/user/d") is True
+        assert sandbox.files.make_dir("/home/user/d") is False  # it exists
+        names = {e.name for e in sandbox.files.list("/home/user")}
+        assert {"notes", "made.txt", "d"} <= names
+        assert sandbox.files.exists("/home/user/made.txt")
+        moved = sandbox.files.rename("/home/user/made.txt", "/home/user/d/moved.txt")
+        assert moved.path == "/home/user/d/moved.txt"
+        assert not sandbox.files.exists("/home/user/made.txt")
+        sandbox.files.remove("/home/user/d")
+        assert not sandbox.files.exists("/home/user/d/moved.txt")
+        with pytest.raises(e2b.NotFoundException):
+            sandbox.files.read("/home/user/none.txt")
+
+
+def test_commands_run_in_the_kernels_sandbox(opts: dict[str, Any]) -> None:
+    """commands.run in the foreground with on_stdout, in the background with wait() and
+    kill(); a non-zero exit raises the SDK's CommandExitException; the command sees the
+    sandbox's files and envs."""
+    with e2b_ci.Sandbox.create(envs={"GREETING": "hi"}, **opts) as sandbox:
+        lines: list[str] = []
+        done = sandbox.commands.run("echo hi; echo $GREETING >&2", on_stdout=lines.append)
+        assert (done.exit_code, done.stdout, done.stderr) == (0, "hi\n", "hi\n")
+        assert lines == ["hi\n"]
+
+        sandbox.files.write("/home/user/data.txt", "a\nb\n")
+        assert sandbox.commands.run("wc -l < data.txt").stdout.strip() == "2"
+        assert sandbox.run_code("import os; os.environ['GREETING']").text == "hi"
+
+        background = sandbox.commands.run("sleep 0.2; echo late", background=True)
+        assert background.wait().stdout == "late\n"
+
+        forever = sandbox.commands.run("sleep 60", background=True)
+        assert forever.kill() is True
+        with pytest.raises(e2b.CommandExitException):
+            forever.wait()
+        with pytest.raises(e2b.CommandExitException) as failed:
+            sandbox.commands.run("exit 3")
+        assert failed.value.exit_code == 3
+
+
+def test_llm_query_notebook_and_fork(opts: dict[str, Any], server: ServeProcess) -> None:
+    """What E2B lacks, on its protocol: llm_query answered by the server's model (no key in
+    the sandbox), the episode as a notebook, and fork() copying a live sandbox."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        assert sandbox.run_code("llm_query('hello?')").text == "the model says hi"
+        sandbox.run_code("counter = 41")
+
+        notebook = httpx.get(
+            f"{server.url}/sessions/{sandbox.sandbox_id}/notebook",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
+        )
+        assert notebook.status_code == 200
+        cells = notebook.json()["cells"]
+        sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+        assert "counter = 41" in sources
+
+        (copy,) = sandbox.fork()
+        assert not isinstance(copy, Exception)
+        try:
+            assert copy.run_code("counter + 1").text == "42"
+            copy.run_code("counter = 0")
+            assert sandbox.run_code("counter").text == "41"
+        finally:
+            copy.kill()
+
+
+def test_out_of_scope_calls_are_refused_in_e2b_shape(
+    opts: dict[str, Any], server: ServeProcess
+) -> None:
+    """An unknown template, templates built from Dockerfiles and volumes: E2B's error shape."""
+    with pytest.raises(e2b.SandboxException, match="not served here"):
+        e2b_ci.Sandbox.create(template="my-dockerfile-template", **opts)
+    refused = httpx.get(f"{server.url}/templates", headers={"X-API-KEY": TOKEN}, timeout=10)
+    assert refused.status_code == 501
+    assert refused.json()["code"] == 501 and "Dockerfile" in refused.json()["message"]
+    volumes = httpx.post(f"{server.url}/volumes", headers={"X-API-KEY": TOKEN}, timeout=10)
+    assert volumes.status_code == 501 and "volumes" in volumes.json()["message"]

@@ -1,0 +1,92 @@
+"""The E2B front door's pure parts: output events -> E2B's lines, and envd's file operations
+as the kernel runs them (``kernel_env.envd_side``, called here in-process on a temporary
+home)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kernel_env import envd_side
+from kernel_env.server.e2b.interpreter import e2b_output
+
+
+def test_streams_results_and_errors_become_e2b_lines() -> None:
+    """stdout/stderr keep their text; a MIME bundle spreads over E2B's fields (a string's
+    quotes dropped, unknown types in extra); an error joins its traceback."""
+    out = e2b_output({"output_type": "stream", "name": "stderr", "text": "oops\n"})
+    assert out is not None and (out["type"], out["text"]) == ("stderr", "oops\n")
+    assert isinstance(out["timestamp"], int)
+
+    result = e2b_output(
+        {
+            "output_type": "execute_result",
+            "data": {"text/plain": "'abc'", "image/png": "iVBOR", "application/x-thing": 1},
+        }
+    )
+    assert result == {
+        "type": "result",
+        "is_main_result": True,
+        "text": "abc",
+        "png": "iVBOR",
+        "extra": {"application/x-thing": 1},
+    }
+    shown = e2b_output({"output_type": "display_data", "data": {"text/html": "<b>x</b>"}})
+    assert shown == {"type": "result", "is_main_result": False, "html": "<b>x</b>"}
+
+    error = e2b_output(
+        {"output_type": "error", "ename": "E", "evalue": "v", "traceback": ["a", "b"]}
+    )
+    assert error == {"type": "error", "name": "E", "value": "v", "traceback": "a\nb"}
+    assert e2b_output({"output_type": "clear_output", "wait": False}) is None
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return tmp_path
+
+
+def call(name: str, **args: object) -> object:
+    answer = json.loads(repr(envd_side.call(name, json.dumps(args))))
+    return answer.get("ok", answer.get("error"))
+
+
+def test_home_user_is_the_kernels_home(home: Path) -> None:
+    """/home/user and relative paths land in $HOME; answers show E2B's paths."""
+    data = "aGk="  # "hi"
+    assert call("write", path="/home/user/a/b.txt", data=data) == {
+        "name": "b.txt",
+        "type": "file",
+        "path": "/home/user/a/b.txt",
+    }
+    assert (home / "a" / "b.txt").read_text() == "hi"
+    assert call("read", path="a/b.txt") == data
+    entry = call("stat", path="/home/user/a")
+    assert isinstance(entry, dict) and (entry["type"], entry["path"]) == ("dir", "/home/user/a")
+
+
+def test_file_operations_answer_with_connect_codes(home: Path) -> None:
+    """A missing file is not_found, an existing directory already_exists; list, move and
+    remove do what E2B's do."""
+    assert call("read", path="none.txt") == {
+        "code": "not_found",
+        "message": "No such file or directory: /home/user/none.txt",
+    }
+    assert isinstance(call("make_dir", path="d/e"), dict)
+    assert call("make_dir", path="d/e")["code"] == "already_exists"  # type: ignore[index]
+    call("write", path="d/f.txt", data="")
+    listed = call("list_dir", path="/home/user/d", depth=1)
+    assert [e["name"] for e in listed] == ["e", "f.txt"]  # type: ignore[union-attr]
+    deep = call("list_dir", path="/home/user", depth=2)
+    assert {e["path"] for e in deep} == {
+        "/home/user/d",
+        "/home/user/d/e",  # type: ignore[union-attr]
+        "/home/user/d/f.txt",
+    }
+    moved = call("move", source="d/f.txt", destination="/home/user/g.txt")
+    assert moved["path"] == "/home/user/g.txt"  # type: ignore[index]
+    assert call("remove", path="d") is None and not (home / "d").exists()
+    assert call("no_such_operation")["code"] == "unimplemented"  # type: ignore[index]
