@@ -58,7 +58,9 @@ _M_MMAP_THRESHOLD = -3
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket; ``port=0`` picks a free port (read it from ``getsockname()``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it an HTTP response written in two parts waits for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
