@@ -169,6 +169,30 @@ def test_the_sdk_reads_its_environment_variables(server: ServeProcess) -> None:
     assert done.stdout.strip() == "42"
 
 
+def test_pause_contexts_and_a_cell_past_its_timeout(opts: dict[str, Any]) -> None:
+    """A paused sandbox is not running and keeps its state through connect(); a context is
+    a namespace of its own; a cell past run_code's timeout raises the SDK's TimeoutException
+    and is interrupted, so the next cell runs."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        sandbox.run_code("kept = 'yes'")
+        assert sandbox.pause() is True
+        assert not sandbox.is_running()
+        sandbox.connect()
+        assert sandbox.is_running() and sandbox.run_code("kept").text == "yes"
+
+        context = sandbox.create_code_context()
+        sandbox.run_code("mine = 1", context=context)
+        assert sandbox.run_code("mine + 1", context=context).text == "2"
+        assert sandbox.run_code("mine").error.name == "NameError"
+        assert context.id in {c.id for c in sandbox.list_code_contexts()}
+        sandbox.remove_code_context(context)
+        assert context.id not in {c.id for c in sandbox.list_code_contexts()}
+
+        with pytest.raises(e2b.TimeoutException):
+            sandbox.run_code("import time\ntime.sleep(60)", timeout=1)
+        assert sandbox.run_code("'next'").text == "next"
+
+
 def test_files_in_the_sandbox_workspace(opts: dict[str, Any]) -> None:
     """write / read / list / exists / make_dir / rename / remove, through envd's protocol;
     the kernel sees the same files (they are its workspace)."""
@@ -259,3 +283,42 @@ def test_out_of_scope_calls_are_refused_in_e2b_shape(
     assert refused.json()["code"] == 501 and "Dockerfile" in refused.json()["message"]
     volumes = httpx.post(f"{server.url}/volumes", headers={"X-API-KEY": TOKEN}, timeout=10)
     assert volumes.status_code == 501 and "volumes" in volumes.json()["message"]
+
+
+# rlm's LMHandler.stop() leaves its listening socket open (rlms 0.1.3), reported when collected.
+@pytest.mark.slow  # rlm runs pip and starts a Flask broker in the sandbox first
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
+)
+def test_rlms_e2b_environment_completes_a_run(
+    server: ServeProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rlm's own ``e2b`` environment, unchanged, on kernel_env: it installs its broker's
+    packages with ``pip`` (present already: no network in a sandbox), starts the broker in the
+    background, waits for it with commands, and runs each code block as a script; the root
+    model's answer comes from a block run in the sandbox. (Its llm_query goes through a
+    broker URL on E2B's domain, which a loopback test cannot reach: a proxy on a closed
+    loopback port makes those polls fail at once.)"""
+    rlm = pytest.importorskip("rlm")
+    monkeypatch.setenv("E2B_API_URL", server.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", server.url)
+    monkeypatch.setenv("E2B_API_KEY", TOKEN)
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # the broker polls: refused
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+    def turns(body: dict[str, Any]) -> str:
+        done = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        if done == 0:
+            return "```repl\nanswer['content'] = str(6 * 7)\nanswer['ready'] = True\n```"
+        return "FINAL(not from the sandbox)"
+
+    with FakeOpenAI(turns) as model:
+        runner = rlm.RLM(
+            backend="openai",
+            backend_kwargs={"model_name": "m", "api_key": "sk-test", "base_url": model.url},
+            environment="e2b",
+            environment_kwargs={"timeout": 120},
+            max_iterations=3,
+        )
+        out = runner.completion("What is six times seven?")
+    assert out.response == "42"
