@@ -24,7 +24,6 @@ import signal
 import stat
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -284,12 +283,9 @@ def _find(pid: int | None = None, tag: str | None = None) -> _Process:
     )
 
 
-def _proc_poll(pid: int, wait: float = 0.0) -> dict[str, Any]:
-    """The output since the last poll (waiting up to ``wait`` s for some), and the end."""
+def _proc_poll(pid: int) -> dict[str, Any]:
+    """The output since the last poll, and the end once the process has ended."""
     process = _find(pid)
-    deadline = time.monotonic() + wait
-    while not process.chunks and not process.ended and time.monotonic() < deadline:
-        time.sleep(0.002)
     result = process.take()
     if result["end"] is not None:
         _PROCESSES.pop(pid, None)

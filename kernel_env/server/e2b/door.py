@@ -16,9 +16,9 @@ SDK reads that as "the sandbox is not running".
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kernel_env.server.e2b.sandboxes import Sandbox, SandboxError, Sandboxes
@@ -60,46 +60,35 @@ class E2BDoor:
     async def _to_sandbox(
         self, sandbox_id: str, headers: dict[str, str], scope: Scope, receive: Receive, send: Send
     ) -> None:
-        port = headers.get("e2b-sandbox-port", "")
+        checked = self._check(sandbox_id, headers)
+        if isinstance(checked, JSONResponse):
+            await checked(scope, receive, send)
+            return
+        sandbox, app = checked
+        scope.setdefault("state", {})[SANDBOX_KEY] = sandbox
+        await app(scope, receive, send)
+
+    def _check(
+        self, sandbox_id: str, headers: dict[str, str]
+    ) -> tuple[Sandbox, ASGIApp] | JSONResponse:
+        """The sandbox and the app of the port a request names, or E2B's refusal."""
         try:
             sandbox = self.sandboxes().get(sandbox_id)
         except SandboxError:
-            await _answer(
-                send,
-                502,
-                {"code": 502, "message": "The sandbox was not found", "sandboxId": sandbox_id},
-            )
-            return
+            return _refusal(502, "The sandbox was not found", sandbox_id)
         token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
         if not sandbox.admits(token):
-            await _answer(send, 401, {"code": 401, "message": "invalid access token"})
-            return
+            return _refusal(401, "invalid access token")
         if sandbox.state == "paused":
-            await _answer(
-                send,
-                502,
-                {
-                    "code": 502,
-                    "message": "The sandbox is paused: connect() resumes it",
-                    "sandboxId": sandbox_id,
-                },
-            )
-            return
+            return _refusal(502, "The sandbox is paused: connect() resumes it", sandbox_id)
+        port = headers.get("e2b-sandbox-port", "")
         app = self.ports.get(port)
         if app is None:
             served = ", ".join(sorted(self.ports))
-            await _answer(
-                send,
-                502,
-                {
-                    "code": 502,
-                    "message": f"port {port!r} is not open in "
-                    f"a kernel_env sandbox (served: {served})",
-                },
+            return _refusal(
+                502, f"port {port!r} is not open in a kernel_env sandbox (served: {served})"
             )
-            return
-        scope.setdefault("state", {})[SANDBOX_KEY] = sandbox
-        await app(scope, receive, send)
+        return sandbox, app
 
 
 def sandbox_in(scope: Scope) -> Sandbox:
@@ -114,16 +103,8 @@ def _under(path: str, prefixes: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p + "/") for p in prefixes)
 
 
-async def _answer(send: Send, status: int, body: dict[str, object]) -> None:
-    payload = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
+def _refusal(status: int, message: str, sandbox_id: str | None = None) -> JSONResponse:
+    body: dict[str, object] = {"code": status, "message": message}
+    if sandbox_id is not None:
+        body["sandboxId"] = sandbox_id
+    return JSONResponse(body, status_code=status)
