@@ -222,7 +222,8 @@ def test_files_in_the_sandbox_workspace(opts: dict[str, Any]) -> None:
 def test_commands_run_in_the_kernels_sandbox(opts: dict[str, Any]) -> None:
     """commands.run in the foreground with on_stdout, in the background with wait() and
     kill(); a non-zero exit raises the SDK's CommandExitException; the command sees the
-    sandbox's files and envs."""
+    sandbox's files and envs; a command still running when its sandbox is killed ends with
+    it."""
     with e2b_ci.Sandbox.create(envs={"GREETING": "hi"}, **opts) as sandbox:
         lines: list[str] = []
         done = sandbox.commands.run("echo hi; echo $GREETING >&2", on_stdout=lines.append)
@@ -243,6 +244,11 @@ def test_commands_run_in_the_kernels_sandbox(opts: dict[str, Any]) -> None:
         with pytest.raises(e2b.CommandExitException) as failed:
             sandbox.commands.run("exit 3")
         assert failed.value.exit_code == 3
+
+        orphan = sandbox.commands.run("sleep 60", background=True)
+        sandbox.kill()  # the command goes with its sandbox
+        with pytest.raises(e2b.SandboxNotRunningException):
+            orphan.wait()
 
 
 def test_llm_query_notebook_and_fork(opts: dict[str, Any], server: ServeProcess) -> None:

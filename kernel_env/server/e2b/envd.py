@@ -40,7 +40,7 @@ from kernel_env.server.e2b.proto.filesystem.filesystem_connect import (
 from kernel_env.server.e2b.proto.process import process_pb as pb
 from kernel_env.server.e2b.proto.process.process_connect import Process, ProcessASGIApplication
 from kernel_env.server.e2b.sandboxes import Sandbox
-from kernel_env.server.sessions import SessionManager
+from kernel_env.server.sessions import SessionError, SessionManager
 
 __all__ = ["ENVD_PORT", "envd_app"]
 
@@ -63,7 +63,10 @@ class _Calls:
             async with manager.request(sandbox.session):
                 return await in_kernel(sandbox.session, name, **args)
         except KernelCallError as exc:
-            raise ConnectError(Code(exc.code), exc.message) from None
+            known = exc.code in {code.value for code in Code}
+            raise ConnectError(Code(exc.code) if known else Code.INTERNAL, exc.message) from None
+        except SessionError as exc:  # killed, timed out or reaped meanwhile: E2B's "gone"
+            raise ConnectError(Code.UNAVAILABLE, str(exc)) from None
 
 
 class ProcessService(Process):
