@@ -328,3 +328,29 @@ def test_rlms_e2b_environment_completes_a_run(
         )
         out = runner.completion("What is six times seven?")
     assert out.response == "42"
+
+
+@pytest.mark.slow  # smolagents runs pip in the sandbox for its tools' requirements first
+def test_smolagents_e2b_executor_runs_an_agent(opts: dict[str, Any]) -> None:
+    """An agent framework's E2B tool, unchanged: smolagents' CodeAgent with
+    ``executor_type="e2b"`` runs the model's code in a kernel_env sandbox; the final answer
+    is computed there and comes back through E2B's error channel (smolagents'
+    FinalAnswerException), as on E2B."""
+    smolagents = pytest.importorskip("smolagents")
+
+    def answer(body: dict[str, Any]) -> str:
+        return "Thought: compute it.\n<code>\nresult = 6 * 7\nfinal_answer(result)\n</code>"
+
+    with FakeOpenAI(answer) as model:
+        agent = smolagents.CodeAgent(
+            tools=[],
+            model=smolagents.OpenAIServerModel(model_id="m", api_base=model.url, api_key="x"),
+            executor_type="e2b",
+            executor_kwargs=opts,
+            max_steps=2,
+            verbosity_level=0,
+        )
+        try:
+            assert agent.run("What is six times seven?") == 42
+        finally:
+            agent.cleanup()
