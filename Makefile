@@ -3,6 +3,7 @@
 #   make test    install what is needed, then run the whole test suite (what CI runs)
 #   make check   the edit loop: lint, types and the quick tests (no kernels), under a minute
 #   make bench   run the server benchmarks (prints a table); benchmarks/README.md has the rest
+#   make kernels install the R, Bash and Deno kernels and register their kernelspecs
 #   make test-lowest  the kernel tests against the lowest ipykernel and jupyter_client
 #                pyproject.toml admits, in a venv of their own (CI's second job, .ci/lowest)
 
@@ -20,7 +21,7 @@ QUICK  := -m "not integration and not slow and not soak"
 CONSTRAINTS := constraints.txt
 
 .PHONY: serve test check lint format bench install install-dev system-deps test-deps clean \
-	test-lowest
+	test-lowest kernels
 
 $(BIN)/python:
 	@echo "== creating the virtualenv $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
@@ -80,10 +81,31 @@ test-deps: system-deps
 	    echo "note: the seccomp generator's check needs python3-seccomp (apt-get install it)"; \
 	  fi; }
 
+# Episodes in other languages (kernel_name): IRkernel from Debian (as root, through apt-get;
+# otherwise it says what to install), bash_kernel and Deno from PyPI into the venv, and their
+# kernelspecs registered in the venv (scripts/install_kernelspecs.py). Quick once installed.
+$(VENV)/.installed-kernels: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	@echo "== installing bash_kernel and deno into $(VENV) (pinned by $(CONSTRAINTS))"
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[kernels]'
+	touch $@
+
+kernels: $(VENV)/.installed-kernels
+	@{ command -v R >/dev/null 2>&1 && R --slave -e 'invisible(packageVersion("IRkernel"))' \
+	    >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing r-base-core and r-cran-irkernel for R episodes"; \
+	    apt-get update -qq >/dev/null && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	        r-base-core r-cran-irkernel >/dev/null; \
+	  else \
+	    echo "note: R episodes need r-base-core and r-cran-irkernel (apt-get install them)"; \
+	  fi; }
+	@$(BIN)/python scripts/install_kernelspecs.py
+
 serve: $(VENV)/.installed system-deps
 	$(BIN)/kernel-env serve --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.installed-dev test-deps
+test: $(VENV)/.installed-dev test-deps kernels
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 check: lint
