@@ -224,6 +224,7 @@ class AsyncKernelEnv:
         rlm_max_depth: int | None = None,
         rlm_max_iterations: int | None = None,
         agent_max_turns: int | None = None,
+        kernel_name: str | None = None,
     ) -> StepResult[REPLObservation]:
         """Start a new episode in a fresh kernel; ``context`` is loaded as a variable.
 
@@ -611,6 +612,7 @@ class KernelEnv:
         rlm_max_depth: int | None = None,
         rlm_max_iterations: int | None = None,
         agent_max_turns: int | None = None,
+        kernel_name: str | None = None,
     ) -> StepResult[REPLObservation]:
         """Start a new episode in a fresh kernel; ``context`` is loaded as a variable.
 

@@ -45,6 +45,8 @@ from kernel_env.kernel_side import (
     STATE_EXPRESSION,
     unsent_marker,
 )
+from kernel_env.languages import catalog as languages
+from kernel_env.languages.protocol import final_from_outputs
 from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.notebook import cells_match
@@ -187,8 +189,12 @@ class KernelEnvironment:
         backend_for_token: BackendForToken | None = None,
         parent: ParentLink | None = None,
         child_solver: ChildSolver | None = None,
+        kernels: languages.KernelMenu | None = None,
     ) -> None:
-        """``llm_backend`` (or the simpler ``llm_query_fn``) answers the kernel's ``llm_query``;
+        """``kernels``: the kernels a reset's ``kernel_name`` may choose (default: python3
+        from ``kernel_source``, and every other kernelspec installed here, started locally).
+
+        ``llm_backend`` (or the simpler ``llm_query_fn``) answers the kernel's ``llm_query``;
         ``backend_for_token(hf_token, model)`` builds a per-episode backend when ``reset`` gets
         an ``hf_token`` (the token lives in that backend only). ``child_solver`` solves the
         child episodes of ``rlm_query`` (``kernel_env.agent.solve_child``; without one,
@@ -199,6 +205,8 @@ class KernelEnvironment:
         self._step_rubric: StepRubric | None = rubric if is_step_rubric(rubric) else None  # type: ignore[assignment]
         self._rubric = as_rubric(None if self._step_rubric is not None else rubric)
         self._kernel_source = kernel_source or _start_local_kernel
+        self._kernels = kernels
+        self._language: languages.Language | None = None  # the episode's, when not Python
         if llm_backend is None and llm_query_fn is not None:
             llm_backend = CallableBackend(llm_query_fn)
         self._llm_backend = llm_backend
@@ -263,13 +271,24 @@ class KernelEnvironment:
         self._output_budget = self._new_output_budget()
         self._cut = {}
         _give_expected(self._step_rubric, opts.expected_answer)
-        self._kernel = await self._kernel_source()
+        source, self._language = self._choose_kernel(opts.kernel_name)
+        self._record.kernel_name = opts.kernel_name
+        self._kernel = await source()
         await self._prepare_setup()
-        self._names = ["answer", "context"]
-        ready = CodeBlockResult(stdout=_ready_message(opts.context, opts.task_prompt))
+        self._names = ["answer", "context"] if self._language is None else ["context"]
+        hint = self._language.ready_hint if self._language is not None else None
+        ready = CodeBlockResult(stdout=_ready_message(opts.context, opts.task_prompt, hint))
         observation = self._observation(ready, reward=None, done=False)
         observation.metadata.update(self._model_note(opts))
         return observation
+
+    def _choose_kernel(self, name: str) -> tuple[KernelSource, languages.Language | None]:
+        """The source of the kernel a reset names, and its language (None: Python's)."""
+        if name == languages.DEFAULT_KERNEL and self._kernels is None:
+            return self._kernel_source, None
+        if self._kernels is None:
+            self._kernels = languages.KernelMenu.local(self._kernel_source)
+        return self._kernels.choose(name)
 
     async def _host_calls(self, opts: ResetOptions) -> HostCalls:
         """The episode's LLM plumbing: backend, usage, budget, and rlm_query's children."""
@@ -335,6 +354,10 @@ class KernelEnvironment:
         which the episode's next request to the kernel carries (``_carried_setup``): a cell of
         its own would cost each reset a round trip to the kernel and its CPU."""
         record, kernel = self._require()
+        if self._language is not None:
+            self._setup = None
+            await self._set_up_language(record, kernel, self._language)
+            return
         params: dict[str, Any] = {
             "token": uuid.uuid4().hex,
             "seed": record.seed,
@@ -358,6 +381,20 @@ class KernelEnvironment:
                     episode_id=record.episode_id,
                 ) from None
         self._setup = params
+
+    async def _set_up_language(
+        self, record: EpisodeRecord, kernel: Kernel, language: languages.Language
+    ) -> None:
+        """Another language's episode: its shim, context and task prompt, as a setup cell."""
+        why = await languages.set_up(kernel, language, record.context, record.task_prompt)
+        if why is None and record.language_info is None:
+            record.language_info = await kernel.language_info()
+        if why is not None:
+            raise KernelError(
+                f"episode setup failed in the {language.kernel_name!r} kernel: {shorten(why, 500)}",
+                kernel_id=kernel.kernel_id,
+                episode_id=record.episode_id,
+            )
 
     def _carried_setup(self) -> dict[str, Any] | None:
         """The metadata of a request that carries the episode's setup, while it is pending."""
@@ -432,20 +469,23 @@ class KernelEnvironment:
                 f"code of {len(action.code)} chars exceeds the limit of "
                 f"{self.config.max_code_chars}"
             )
+        python = self._language is None
         execution = await kernel.execute(
             action.code,
             timeout=self.config.step_timeout,
             stdin=self._calls.handle,
-            user_expressions={"state": STATE_EXPRESSION},
+            user_expressions={"state": STATE_EXPRESSION} if python else None,
             on_output=on_output,
             metadata=self._carried_setup(),
         )
         if execution.restarted:
             self.stats.restarts += 1  # counted before the setup, which may fail
             await self._prepare_setup()
-        state = _state_from(execution) or await self._query_state()
-        await self._check_setup(state)
-        self._names = list(state.get("names") or [])
+        state: dict[str, Any] = {}
+        if python:  # other languages report no state: their final answer is a display
+            state = _state_from(execution) or await self._query_state()
+            await self._check_setup(state)
+            self._names = list(state.get("names") or [])
         result = self._code_block_result(execution, state)
         final = await self._detect_final(state, execution)
         partial = str((state.get("answer") or {}).get("content") or "") or None
@@ -493,7 +533,9 @@ class KernelEnvironment:
 
     async def _detect_final(self, state: dict[str, Any], ex: ExecutionResult) -> str | None:
         """The four dialects, in OpenEnv's order: FINAL(...) called or printed, FINAL_VAR,
-        then ``answer["ready"]``."""
+        then ``answer["ready"]``; before them, another language's ``FINAL`` display."""
+        if (shown := final_from_outputs(ex.outputs)) is not None:
+            return shown
         if state.get("final") is not None:
             return str(state["final"])
         printed = "".join(
@@ -503,7 +545,7 @@ class KernelEnvironment:
         )
         if (value := answers.find_final(printed)) is not None:
             return value
-        if (name := answers.find_final_var(printed)) is not None:
+        if (name := answers.find_final_var(printed)) is not None and self._language is None:
             found = await self._lookup(name)
             if found is not None:
                 return found
@@ -673,6 +715,7 @@ class KernelEnvironment:
             llm_batch_fn=self._llm_batch_fn,
             parent=None if own_budget else self._link,
             child_solver=self._child_solver,
+            kernels=self._kernels,
         )
 
     async def _replay_of(self, parent: EpisodeRecord, why_not_live: str) -> None:
@@ -800,15 +843,17 @@ def _printed(text: str, unsent: dict[str, Any], name: str, extra: int = 0) -> in
     return len(text) - len(unsent_marker(count)) + count + extra
 
 
-def _ready_message(context: str, task_prompt: str) -> str:
-    """The reset observation's stdout, worded as upstream's (models are prompted with it)."""
+def _ready_message(context: str, task_prompt: str, hint: str | None = None) -> str:
+    """The reset observation's stdout, worded as upstream's (models are prompted with it);
+    ``hint``: how another language's episode ends."""
     parts = ["REPL environment initialized."]
     if context:
         parts.append(f"Context loaded ({len(context)} chars). Use 'context' variable to access it.")
     if task_prompt:
         parts.append(f"Task: {task_prompt}")
     parts.append(
-        "Use answer['content'] to store your answer, and set answer['ready'] = True when done."
+        hint
+        or "Use answer['content'] to store your answer, and set answer['ready'] = True when done."
     )
     return "\n".join(parts)
 
@@ -839,6 +884,7 @@ def _options_of(record: EpisodeRecord) -> ResetOptions:
         expected_answer=record.expected_answer,
         llm_model=record.llm_model,
         agent_max_turns=record.agent_max_turns,
+        kernel_name=record.kernel_name,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from kernel_env.errors import RequestError
 from kernel_env.kernel_side import REQUEST_TAG, take_recorded
+from kernel_env.languages.protocol import REQUEST_TAG as LANGUAGE_REQUEST_TAG
 from kernel_env.llm import Budget, LLMBackend, MeteredBackend, Usage, call_off_loop
 
 __all__ = ["HostCalls", "LLMBatchFn", "LLMCall", "LLMQueryFn", "RLMRunner"]
@@ -94,11 +95,12 @@ class HostCalls:
 
     async def handle(self, prompt: str) -> str:
         """The input_reply value for an input_request prompt."""
-        if not prompt.startswith(REQUEST_TAG):
+        tag = next((t for t in (REQUEST_TAG, LANGUAGE_REQUEST_TAG) if prompt.startswith(t)), None)
+        if tag is None:
             # Plain input() that slipped past the kernel-side guard: EOF, the kernel raises.
             return "\x04"
         try:
-            text = prompt[len(REQUEST_TAG) :]
+            text = prompt[len(tag) :]
             # A 15 MB prompt's JSON must not stall every other session's steps.
             parsed = (
                 await asyncio.to_thread(_parse, text)

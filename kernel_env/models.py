@@ -116,6 +116,9 @@ class ResetOptions(BaseModel):
     # kernel_env: an agent driving the episode (run_agent) counts model turns, the episode
     # counts cells; exports show the agent's budget as the user set it.
     agent_max_turns: int | None = Field(default=None, ge=1, le=100_000)
+    # kernel_env: the episode's kernel, by its kernelspec name (Jupyter's term): python3, or
+    # another language's kernel the environment offers (ir, bash, deno, ...).
+    kernel_name: str = Field(default="python3", min_length=1, max_length=255)
 
 
 ObsT = TypeVar("ObsT")

@@ -25,6 +25,7 @@ from nbformat.corpus.words import generate_corpus_id
 from nbformat.v4 import new_notebook
 
 from kernel_env.errors import ExportPathError
+from kernel_env.languages.catalog import DEFAULT_KERNEL, language_for
 from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.text import shorten
 
@@ -104,7 +105,27 @@ def _timestamp(value: Any) -> str:
     return value.isoformat().replace("+00:00", "Z")
 
 
+def _language_setup(record: EpisodeRecord, context_file: str | None) -> str:
+    """Another language's setup cell: its shim, context and recorded answers (offline)."""
+    params: dict[str, Any] = {"task_prompt": record.task_prompt}
+    if context_file is not None:
+        params["context_path"] = context_file
+    else:
+        params["context"] = record.context
+    params["replay"] = [
+        [c.prompt, c.response] for s in record.steps for c in s.llm_calls if not c.error
+    ]
+    language = language_for(record.kernel_name)
+    setup = language.notebook_setup(params)
+    if setup is None:
+        why = f"no kernel_env helpers in the {record.kernel_name!r} kernel: nothing to restore"
+        return f"{language.comment} kernel_env: {why}"
+    return setup
+
+
 def _setup_source(record: EpisodeRecord, context_file: str | None) -> str:
+    if record.kernel_name != DEFAULT_KERNEL:
+        return _language_setup(record, context_file)
     params: dict[str, Any] = {"seed": record.seed}
     if context_file is not None:
         params["context_path"] = context_file
@@ -123,7 +144,11 @@ def _setup_source(record: EpisodeRecord, context_file: str | None) -> str:
     )
 
 
-def _step_source(step: StepRecord) -> str:
+def _step_source(step: StepRecord, kernel_name: str = DEFAULT_KERNEL) -> str:
+    if kernel_name != DEFAULT_KERNEL and step.status in ("timeout", "died"):
+        # No cell magic in other languages: the code stays, as comments, and is not re-run.
+        why = f"this step {'timed out' if step.status == 'timeout' else 'killed its kernel'}"
+        return language_for(kernel_name).commented(step.code, f"{why}; not re-run")
     if step.status in ("timeout", "died") and not step.interrupted:
         # Re-running it would hang or kill the kernel; the recorded outputs stay in the cell.
         how = "restarted" if step.restarted else "recorded"
@@ -133,9 +158,9 @@ def _step_source(step: StepRecord) -> str:
     return step.code
 
 
-def _step_cell(step: StepRecord) -> NotebookNode:
+def _step_cell(step: StepRecord, kernel_name: str = DEFAULT_KERNEL) -> NotebookNode:
     cell = new_code_cell(
-        source=_step_source(step),
+        source=_step_source(step, kernel_name),
         outputs=[nbformat.from_dict(o) for o in step.outputs],
         execution_count=step.execution_count,
     )
@@ -294,7 +319,7 @@ def episode_to_notebook(
             continue
         if step.note:
             cells.append(new_markdown_cell(step.note, metadata={"kernel_env": {"note": True}}))
-        cell = _step_cell(step)
+        cell = _step_cell(step, record.kernel_name)
         if position < prefix:
             cell.metadata.setdefault("kernel_env", {})["shared_prefix"] = True
         cells.append(cell)
@@ -304,14 +329,10 @@ def episode_to_notebook(
     cells.append(_closing_cell(record))
     nb = new_notebook(cells=cells)
     nb.metadata["title"] = notebook_title(record)  # nbconvert's HTML <title>
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nb.metadata["language_info"] = {"name": "python", "version": platform.python_version()}
+    nb.metadata["kernelspec"], nb.metadata["language_info"] = _kernel_metadata(record)
     nb.metadata["kernel_env"] = {
         "episode_id": record.episode_id,
+        "kernel_name": record.kernel_name,
         "task_prompt": record.task_prompt,
         "llm_model": record.llm_model,
         "kernel_backend": record.kernel_backend,
@@ -330,6 +351,20 @@ def episode_to_notebook(
         "versions": _versions(),
     }
     return nb
+
+
+def _kernel_metadata(record: EpisodeRecord) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The notebook's kernelspec and language_info: the episode's kernel's."""
+    if record.kernel_name == DEFAULT_KERNEL:
+        spec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        return spec, {"name": "python", "version": platform.python_version()}
+    language = language_for(record.kernel_name)
+    spec = {
+        "name": record.kernel_name,
+        "display_name": f"{language.language} ({record.kernel_name})",
+        "language": language.language,
+    }
+    return spec, dict(record.language_info or {"name": language.language})
 
 
 def write_notebook(record: EpisodeRecord, directory: str | os.PathLike[str], name: str) -> Path:

@@ -55,3 +55,6 @@ class EpisodeRecord:
     # A fork's origin: {"episode_id", "steps" (the shared prefix), "method", "outputs_matched"}.
     forked_from: dict[str, Any] | None = None
     forks: list[str] = field(default_factory=list)  # episode ids of this episode's forks
+    kernel_name: str = "python3"  # the kernelspec the episode ran in
+    # The kernel's own language_info (kernel_info_reply), for exports of other languages.
+    language_info: dict[str, Any] | None = None

@@ -139,6 +139,10 @@ def replay_notebook(
             context=_context(nb, path),
             task_prompt=str(meta.get("task_prompt") or ""),
             max_iterations=len(steps) + 1,
+            kernel_name=str(
+                meta.get("kernel_name") or nb.metadata.get("kernelspec", {}).get("name") or ""
+            )
+            or None,
         )
         done = False
         for index, cell in enumerate(steps, 1):

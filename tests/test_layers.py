@@ -41,7 +41,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "llm",
         ),
     ),
-    ("kernel", ("kernel", "kernel.", "kernel_tuning")),
+    # Other languages' kernels (their catalog, shims, protocol) sit beside the kernel layer.
+    ("kernel", ("kernel", "kernel.", "kernel_tuning", "languages", "languages.")),
     (
         "episode",
         ("hostcalls", "record", "recursion", "environment", "notebook", "archive", "checker"),
@@ -107,6 +108,13 @@ PROCESS_RULES: dict[str, Rule] = {
         PRELOADS,
         threads=False,
     ),
+    # The helper protocol of other languages: the host and the bash kernel read it.
+    "languages.protocol": Rule("the host and the bash kernel", threads=False),
+    "languages.bash_kernel": Rule(
+        "the bash kernel",
+        frozenset({"languages.protocol", "kernel_side"}),
+        frozenset({"bash_kernel", "ipykernel"}),
+    ),
     "kernel.fork.live": Rule(
         "the kernel",
         frozenset(
@@ -124,7 +132,7 @@ PROCESS_RULES: dict[str, Rule] = {
 
 # Packages a process passes through to reach those modules: their __init__ imports nothing
 # at run time (names load on first use), so importing one of its modules brings nothing else.
-PASSED_THROUGH = ("", "kernel", "kernel.fork", "kernel.isolation")
+PASSED_THROUGH = ("", "kernel", "kernel.fork", "kernel.isolation", "languages")
 _LIGHT = frozenset({"__future__", "importlib", "logging", "typing"})
 
 # The isolation mechanisms (kernel/isolation/__init__): the standard library, errors and each

@@ -34,6 +34,8 @@ EXPECTED = {
     "04-notebook-native": ["the longest word is 'interactively'"],
     "05-gateway": ["reward", "1.0", "you sent me 12 words", "steps: 5, LLM calls: 1"],
     "06-fork": ["best: len(set(words)) -> 8", "  8  reward 1.0"],
+    "07-r": ["done: True | reward: 1.0", "final answer: 9", "exported kernelspec: ir"],
+    "08-bash": ["done: True | reward: 1.0", "final answer: 9", "exported kernelspec: bash"],
 }
 
 # Settings a developer's shell may hold that would change what the notebooks do.

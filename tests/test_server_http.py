@@ -58,8 +58,10 @@ def test_metadata_has_name_and_description(client: TestClient) -> None:
         "author",
         "documentation_url",
         "kernels",  # where kernels run, and which limits hold
+        "kernel_names",  # the kernels a reset may name (--kernels): python3 by default
     }
     assert data["name"] == "kernel_env"
+    assert list(data["kernel_names"]["available"]) == ["python3"]
 
 
 def test_schema_has_action_observation_state(client: TestClient) -> None:

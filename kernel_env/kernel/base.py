@@ -36,7 +36,7 @@ from kernel_env.kernel_side import PROBE_REPLY
 from kernel_env.outputs import OutputCollector
 from kernel_env.streaming import event_from_message
 
-__all__ = ["ExecutionResult", "Kernel", "StdinHandler"]
+__all__ = ["STDIN_PROBE_CODE", "ExecutionResult", "Kernel", "StdinHandler", "probe_request"]
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +44,30 @@ log = logging.getLogger(__name__)
 StdinHandler = Callable[[str], Awaitable[str]]
 Status = Literal["ok", "error", "timeout", "died"]
 
-# A silent cell (no execution count, no history) that waits for one stdin reply.
-_STDIN_PROBE = {
-    "code": "get_ipython().kernel.raw_input('')",
-    "silent": True,
-    "store_history": False,
-    "user_expressions": {},
-    "allow_stdin": True,
-    "stop_on_error": False,
-}
+# A silent cell (no execution count, no history) that waits for one stdin reply: an
+# ipykernel's; another language's kernel names its own (kernel_env.languages).
+STDIN_PROBE_CODE = "get_ipython().kernel.raw_input('')"
+
+
+def probe_request(code: str) -> dict[str, Any]:
+    """The execute_request of a stdin probe cell."""
+    return {
+        "code": code,
+        "silent": True,
+        "store_history": False,
+        "user_expressions": {},
+        "allow_stdin": True,
+        "stop_on_error": False,
+    }
+
+
+_STDIN_PROBE = probe_request(STDIN_PROBE_CODE)
 # The probe's request is usually the one lost (stdin connects up to a zmq retry after shell):
 # a short tick answers it soon after the connection is up. Spare answers are cheap and harmless.
 _STDIN_TICK = 0.01
 _READY_RECHECK = 0.05  # is the starting kernel alive; send kernel_info until iopub shows
 _WELCOME_OVERDUE = 2.0  # when a kernel that welcomes its subscribers is asked for kernel_info
+_STDIN_SETTLE = 0.05  # see Kernel._wait_answered
 _EOF = "\x04"  # an input_reply of EOT makes the kernel's input() raise EOFError
 _OUTPUT_TYPES = {"stream", "display_data", "execute_result", "error", "update_display_data"}
 
@@ -246,11 +256,43 @@ class Kernel(ABC):
     # then waits for the welcome without asking for kernel_info (_wait_connected).
     _welcomes_subscribers = False
 
+    # The silent cell that probes the kernel's stdin channel (None: a kernel without stdin
+    # requests, or one that waits for its stdin peer, is ready once it answers kernel_info).
+    _stdin_probe: dict[str, Any] | None = _STDIN_PROBE
+
     async def _wait_ready(self) -> None:
         if self._stdin_waits_for_the_host:
             await self._wait_connected()
+        elif self._stdin_probe is None:
+            await self._wait_answered()
         else:
             await self._wait_probed()
+
+    async def _wait_answered(self) -> None:
+        """Wait for a ``kernel_info`` reply on shell (asked every 50 ms) and a message on
+        iopub; then a moment more, for stdin, which connects on its own (the host's sockets
+        retry every 5 ms): a kernel without a probe cell (R's, Deno's) cannot be asked to
+        prove it, and IRkernel queues every stdin message it gets, so spare answers would
+        be read as replies."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ready_timeout
+        answered = subscribed = False
+        while not (answered and subscribed):
+            if loop.time() > deadline:
+                missing = "no message on iopub" if answered else "no kernel_info reply"
+                raise KernelStartError(
+                    f"kernel not ready after {self.ready_timeout:.0f} s ({missing})",
+                    kernel_id=self.kernel_id,
+                )
+            if not await self.is_alive():
+                raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
+            if not answered:
+                self._send("shell", "kernel_info_request", {})
+            msg = await _get(self._queues["shell"], _READY_RECHECK)
+            answered |= msg is not None and _msg_type(msg) == "kernel_info_reply"
+            subscribed |= not self._queues["iopub"].empty()
+        await asyncio.sleep(_STDIN_SETTLE)
+        self._drop_noise()
 
     async def _wait_connected(self) -> None:
         """Wait until iopub shows our subscription: ipykernel's welcome to it (its iopub
@@ -325,7 +367,7 @@ class Kernel(ABC):
         deadline = loop.time() + self.ready_timeout
         if not await self.is_alive():
             raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
-        probe = _Run(self._send("shell", "execute_request", _STDIN_PROBE))
+        probe = _Run(self._send("shell", "execute_request", self._stdin_probe or _STDIN_PROBE))
         answer = asyncio.ensure_future(self._serve_stdin(probe, _answer_probe))
         got_iopub = probe_running = False
         recheck = loop.time() + _READY_RECHECK
@@ -371,6 +413,21 @@ class Kernel(ABC):
         for queue in self._queues.values():
             while not queue.empty():
                 queue.get_nowait()
+
+    async def language_info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The ``language_info`` of the kernel's ``kernel_info_reply`` ({} if none came)."""
+        async with self._lock:
+            msg_id = self._send("shell", "kernel_info_request", {})
+            queue = self._queues["shell"]
+            try:
+                async with asyncio.timeout(timeout):
+                    while True:
+                        msg = await queue.get()
+                        if _parent_id(msg) == msg_id:
+                            info = (msg.get("content") or {}).get("language_info")
+                            return dict(info) if isinstance(info, dict) else {}
+            except TimeoutError:
+                return {}
 
     # -- execute --------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ __all__ = [
     "describe_limits",
     "gateway_source",
     "kernel_source_from",
+    "local_kernel_class",
     "local_source",
 ]
 
@@ -66,6 +67,11 @@ def local_source(sandbox: SandboxMode | str = "auto", **kernel_options: Any) -> 
         return kernel
 
     return start_local_kernel
+
+
+def local_kernel_class(sandbox: SandboxMode | str = "auto") -> type[LocalKernel]:
+    """The class of a local kernel under ``sandbox`` (see :func:`local_source`)."""
+    return _local_kind(sandbox)
 
 
 def _local_kind(sandbox: str) -> type[LocalKernel]:

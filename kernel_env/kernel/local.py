@@ -31,7 +31,8 @@ from jupyter_client.session import Session
 
 from kernel_env.errors import KernelError, KernelStartError, LiveForkUnavailable
 from kernel_env.kernel import versions
-from kernel_env.kernel.base import Kernel
+from kernel_env.kernel.base import STDIN_PROBE_CODE as _STDIN_PROBE_CODE
+from kernel_env.kernel.base import Kernel, probe_request
 from kernel_env.kernel.channels import HostChannels, host_context
 from kernel_env.kernel.fork.server import ForkServer, ForkServerError
 from kernel_env.kernel.isolation import privilege
@@ -66,12 +67,28 @@ class LocalKernel(Kernel):
         extra_env: Mapping[str, str] | None = None,
         runtime_root: str | None = None,
         forkserver: ForkServer | None = None,
+        kernel_name: str = "python3",
+        language: str = "python",
+        interrupt_mode: str = "signal",
+        ipykernel_app: bool = True,
+        stdin_probe: str | None = _STDIN_PROBE_CODE,
         **kwargs: Any,
     ) -> None:
         """``forkserver``: fork the kernel from this preloaded process instead of starting
         a new interpreter (when it runs the same ``python`` and no custom ``argv`` is given;
-        kernels start cold while it is not ready)."""
+        kernels start cold while it is not ready).
+
+        Another language's kernel (``argv`` from its kernelspec, see
+        :mod:`kernel_env.languages`): its ``kernel_name`` and ``language``, how it is
+        interrupted, whether ``argv`` starts an ipykernel app (which takes its flags), and
+        the silent cell that probes its stdin channel (None: it has none to probe)."""
         super().__init__(**kwargs)
+        self.kernel_name = kernel_name
+        self.language = language
+        self._interrupt_mode = interrupt_mode
+        self._ipykernel_app = ipykernel_app
+        if stdin_probe != _STDIN_PROBE_CODE:
+            self._stdin_probe = None if stdin_probe is None else probe_request(stdin_probe)
         self.kernel_id = uuid.uuid4().hex[:12]
         self._argv = list(argv) if argv is not None else kernel_argv(python)
         self._python = python
@@ -96,7 +113,9 @@ class LocalKernel(Kernel):
         self.copied = False  # whether the running kernel is a live fork's copy of another
         self._options = dict(
             python=python, argv=argv, extra_env=extra_env, runtime_root=runtime_root,
-            forkserver=forkserver, **kwargs,
+            forkserver=forkserver, kernel_name=kernel_name, language=language,
+            interrupt_mode=interrupt_mode, ipykernel_app=ipykernel_app,
+            stdin_probe=stdin_probe, **kwargs,
         )  # fmt: skip
 
     @property
@@ -123,9 +142,9 @@ class LocalKernel(Kernel):
         forked = self.forked or self.copied
         return KernelSpec(
             argv=[] if forked else self._command(),  # a forked kernel's launch is the spawner's
-            language="python",
+            language=self.language,
             display_name="kernel_env",
-            interrupt_mode="message" if forked else "signal",
+            interrupt_mode="message" if forked else self._interrupt_mode,
         )
 
     def _command(self) -> list[str]:
@@ -288,6 +307,8 @@ class LocalKernel(Kernel):
         """Why this kernel cannot be copied live, or None."""
         if self._km is None or not self.started:
             return "the kernel is not running"
+        if not self._stdin_waits_for_the_host:
+            return "only kernel_env's own Python kernels can be copied live"
         if self._lease is not None:
             return (
                 "the kernel runs as a uid of its own, which its copies would share "

@@ -98,7 +98,7 @@ class SandboxedKernel(LocalKernel):
         # bwrap itself and end the sandbox instead of the cell.
         return KernelSpec(
             argv=[] if self.forked else self._command(),  # a forked kernel's: the spawner's
-            language="python",
+            language=self.language,
             display_name="kernel_env",
             interrupt_mode="message",
         )
@@ -112,7 +112,7 @@ class SandboxedKernel(LocalKernel):
         # ipykernel exits when its parent pid changes; inside the PID namespace its parent is
         # bwrap's reaper, pid 1, which the kernel app treats as "no parent to watch".
         # --die-with-parent ends the sandbox with the server instead.
-        kernel = [*self._argv, "--IPKernelApp.parent_handle=1"]
+        kernel = [*self._argv, *(["--IPKernelApp.parent_handle=1"] if self._ipykernel_app else [])]
         binds = self._binds()
         staged = self._staged(binds)
         program = seccomp.program_path()

@@ -274,6 +274,7 @@ def _add_info_routes(app: FastAPI) -> None:
             "author": "kernel_env contributors",
             "documentation_url": "https://github.com/kernel-env/kernel-env#readme",
             "kernels": _isolation(app),
+            "kernel_names": app.state.runtime.kernels.describe(),
         }
 
     @app.get("/schema", tags=["Schema"], summary="JSON schemas of action, observation, state")

@@ -15,6 +15,7 @@ from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.kernel.base import KernelSource
 from kernel_env.kernel.fork.server import ForkServer
 from kernel_env.kernel.pool import KernelPool
+from kernel_env.languages.catalog import served_kernels
 from kernel_env.llm import HF_DEFAULT_MODEL, LLMBackend, OpenAIBackend, huggingface_router
 from kernel_env.recursion import BackendForToken
 from kernel_env.server.auth import DEFAULT_TENANT, Tenant
@@ -77,6 +78,10 @@ class Runtime:
             size=settings.pool_size if shared_warm else 0,
             max_kernels=settings.kernel_limit,
         )
+        # Other languages' kernels (--kernels), each with a small warm pool of its own.
+        self.kernels, self.language_pools = served_kernels(
+            settings, self.pool.acquire, pool_size=min(settings.pool_size, 1)
+        )
         self.llm = llm_backend_from(settings)
         config = EnvConfig(
             step_timeout=settings.step_timeout,
@@ -116,6 +121,7 @@ class Runtime:
             llm_backend=llm_backend or self.llm,
             backend_for_token=self._token_backends,
             child_solver=solve_child,
+            kernels=self.kernels,
         )
 
     def _session_environment(self, owner: Tenant) -> KernelEnvironment:
@@ -123,7 +129,14 @@ class Runtime:
 
     async def start(self) -> None:
         await self.pool.start()
+        for pool in self.language_pools:
+            await pool.start()
         await self.sessions.start()
+
+    async def _close_pools(self) -> None:
+        await self.pool.close()
+        for pool in self.language_pools:
+            await pool.close()
 
     async def drain(self) -> None:
         """Graceful shutdown: in-flight steps answer (or are cancelled), then kernels go."""

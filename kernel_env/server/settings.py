@@ -106,6 +106,12 @@ class ServerSettings:
     preload: tuple[str, ...] = _flag(
         (), "modules the forkserver imports once for every kernel", metavar="numpy,pandas"
     )
+    kernels: tuple[str, ...] = _flag(
+        ("python3",),
+        "kernel names a reset may ask for (kernel_name); each but python3 needs its kernelspec "
+        "installed (make kernels)",
+        metavar="python3,ir,bash,deno",
+    )
     gateway_url: str | None = _flag(
         None,
         "run kernels on this Jupyter Kernel Gateway / Enterprise Gateway instead",
@@ -208,6 +214,9 @@ class ServerSettings:
         if self.sandbox not in SANDBOX_MODES:
             raise ValueError(f"sandbox must be auto, bwrap or none, got {self.sandbox!r}")
         object.__setattr__(self, "gateway_env", tuple(self.gateway_env))  # a CLI list
+        object.__setattr__(self, "kernels", tuple(dict.fromkeys(self.kernels)))
+        if not self.kernels or not all(self.kernels):
+            raise ValueError(f"kernels must name at least one kernel, got {self.kernels!r}")
         gateway_env_problem(self.gateway_env)
         if self.llm_base_url and not self.llm_model:
             raise ValueError("llm_base_url needs llm_model (the model name to request)")

@@ -1,0 +1,354 @@
+"""Which kernels an episode may run in, what each language's shim offers, and where kernels
+of a given name come from.
+
+A reset names its kernel (``kernel_name``, Jupyter's term; default ``python3``). Python keeps
+kernel_env's extension and the forkserver; the languages below get a shim (``shims/``) sent
+as the episode's setup cell; any other installed kernelspec runs plain steps, without
+helpers (:attr:`Language.lacks` says which). Host side.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
+
+from kernel_env.errors import InvalidInput
+from kernel_env.kernel.base import Kernel, KernelSource
+from kernel_env.kernel.factory import local_kernel_class
+from kernel_env.kernel.isolation.sandbox import GiB, SandboxLimits
+from kernel_env.kernel.pool import KernelPool
+from kernel_env.kernel.sandboxed import SandboxedKernel
+
+__all__ = [
+    "DEFAULT_KERNEL",
+    "LANGUAGES",
+    "PYTHON_HELPERS",
+    "KernelMenu",
+    "Language",
+    "installed_kernels",
+    "language_for",
+    "local_kernel_source",
+    "served_kernels",
+    "set_up",
+]
+
+DEFAULT_KERNEL = "python3"
+# What a Python episode has (kernel_env.kernel_side); other languages say which they lack.
+PYTHON_HELPERS = (
+    "context", "task_prompt", "answer", "llm_query", "llm_query_batched", "rlm_query",
+    "rlm_query_batched", "FINAL", "FINAL_VAR", "SHOW_VARS",
+)  # fmt: skip
+_SHIMS = Path(__file__).parent / "shims"
+_SHIM_HELPERS = ("context", "task_prompt", "llm_query", "llm_query_batched", "FINAL", "FINAL_VAR")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Language:
+    """How kernel_env runs episodes in one kernel name."""
+
+    kernel_name: str
+    language: str
+    helpers: tuple[str, ...] = ()
+    channel: str = "none: this kernel gets no helpers"  # how helpers reach the host, in words
+    shim: str | None = None  # a file of shims/, sent before the setup call
+    setup: str | None = None  # the setup call; {context} and {task}: the staged files' paths
+    quote: Callable[[str], str] = json.dumps  # a path as a literal of the language
+    # A silent cell that asks the host for one line on stdin (the readiness probe of a kernel
+    # that serves stdin requests; None: ready once it answers kernel_info).
+    probe: str | None = None
+    ipykernel_app: bool = False  # started by ipykernel's IPKernelApp (takes its flags)
+    interrupt_mode: str = "signal"
+    env: Mapping[str, str] = field(default_factory=dict)
+    # Per-process address space in the sandbox (None: the sandbox's default, its memory cap).
+    address_space_bytes: int | None = None
+    ready_hint: str = "Call FINAL(answer) when done."
+    argv: tuple[str, ...] | None = None  # kernel_env's own command line (else the kernelspec's)
+    # An exported notebook's setup call; {params}: its JSON parameters as ``params_literal``
+    # writes them (context or context_path, task_prompt, replay).
+    notebook: str | None = None
+    params_literal: Callable[[str], str] = str
+    comment: str = "#"  # a line comment of the language
+
+    @property
+    def lacks(self) -> tuple[str, ...]:
+        """Python's helpers this language does not have."""
+        return tuple(h for h in PYTHON_HELPERS if h not in self.helpers)
+
+    def command(self, spec: KernelSpec | None) -> list[str]:
+        if self.argv is not None:
+            return list(self.argv)
+        if spec is None:
+            raise InvalidInput(f"no kernelspec {self.kernel_name!r} is installed")
+        return list(spec.argv)
+
+    def setup_code(self, context_path: str, task_path: str) -> str | None:
+        """The episode's setup cell (the shim, then its setup call), or None."""
+        if self.setup is None:
+            return None
+        call = self.setup.format(context=self.quote(context_path), task=self.quote(task_path))
+        shim = _shim_text(self.shim) if self.shim else ""
+        return f"{shim}\n{call}" if shim else call
+
+    def notebook_setup(self, params: dict[str, Any]) -> str | None:
+        """An exported notebook's setup cell: the shim, then the notebook's setup call with
+        ``params`` (its recorded llm_query answers replay offline), or None."""
+        if self.notebook is None:
+            return None
+        call = self.notebook.format(params=self.params_literal(json.dumps(params)))
+        header = (
+            f"{self.comment} kernel_env: restore this episode's `context` and helpers; its "
+            "recorded llm_query answers replay offline."
+        )
+        shim = _shim_text(self.shim) if self.shim else ""
+        return "\n".join(part for part in (header, shim, call) if part)
+
+    def commented(self, code: str, why: str) -> str:
+        """``code`` as comments of the language, after a line saying ``why``."""
+        lines = [f"{self.comment} kernel_env: {why}"]
+        lines += [f"{self.comment} {line}".rstrip() for line in code.splitlines()]
+        return "\n".join(lines)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "language": self.language,
+            "helpers": list(self.helpers),
+            "lacks": list(self.lacks),
+            "channel": self.channel,
+        }
+
+
+@functools.cache
+def _shim_text(name: str) -> str:
+    return (_SHIMS / name).read_text()
+
+
+LANGUAGES: dict[str, Language] = {
+    "ir": Language(
+        kernel_name="ir",
+        language="R",
+        helpers=_SHIM_HELPERS,
+        channel="Jupyter stdin: IRkernel's readline() sends an input_request",
+        shim="ir.R",
+        setup=".kernel_env_setup({context}, {task})",
+        notebook=".kernel_env_notebook({params})",
+        params_literal=json.dumps,  # the JSON text as an R string (ASCII: R reads its escapes)
+        # IRkernel has no interrupt_request: in the sandbox a timeout restarts it.
+        interrupt_mode="signal",
+    ),
+    "bash": Language(
+        kernel_name="bash",
+        language="bash",
+        helpers=_SHIM_HELPERS,
+        channel="Jupyter stdin: kernel_env's bash_kernel turns a helper's request on the "
+        "terminal into an input_request (bash_kernel has none of its own)",
+        setup="__kernel_env_setup {context} {task}",
+        quote=shlex.quote,
+        notebook="__kernel_env_notebook <<'KERNEL_ENV_PARAMS'\n{params}\nKERNEL_ENV_PARAMS",
+        probe="__kernel_env_probe",
+        ipykernel_app=True,
+        argv=(sys.executable, "-m", "kernel_env.languages.bash_kernel", "-f", "{connection_file}"),
+    ),
+    "deno": Language(
+        kernel_name="deno",
+        language="typescript",
+        helpers=_SHIM_HELPERS,
+        channel="Jupyter stdin: Deno's prompt() sends an input_request",
+        shim="deno.ts",
+        setup="__kernel_env_setup({context}, {task});",
+        notebook="__kernel_env_notebook({params});",
+        comment="//",
+        interrupt_mode="message",
+        env={"NO_COLOR": "1", "DENO_NO_UPDATE_CHECK": "1", "DENO_NO_PROMPT": "1"},
+        # V8 reserves far more address space than it uses (its heap cage, wasm guard
+        # regions): the cgroup's memory cap bounds what it may use instead.
+        address_space_bytes=1024 * GiB,
+    ),
+}
+
+
+def language_for(kernel_name: str, spec: KernelSpec | None = None) -> Language:
+    """The language of ``kernel_name``: a known one, or plain steps in any other kernelspec."""
+    known = LANGUAGES.get(kernel_name)
+    if known is not None:
+        return known
+    return Language(
+        kernel_name=kernel_name,
+        language=spec.language if spec else "unknown",
+        interrupt_mode=spec.interrupt_mode if spec else "signal",
+        # The episode still reads a printed FINAL(...) (kernel_env.answers).
+        ready_hint="This kernel has no kernel_env helpers: print FINAL(<answer>) when done.",
+    )
+
+
+def installed_kernels() -> dict[str, KernelSpec]:
+    """The kernelspecs this host's jupyter_client finds, by name."""
+    manager = KernelSpecManager()
+    found = {}
+    for name in sorted(manager.find_kernel_specs()):
+        try:
+            found[name] = manager.get_kernel_spec(name)
+        except (NoSuchKernel, OSError, ValueError):
+            continue
+    return found
+
+
+def local_kernel_source(
+    kernel_name: str,
+    spec: KernelSpec | None,
+    *,
+    sandbox: str = "auto",
+    limits: SandboxLimits | None = None,
+) -> KernelSource:
+    """A new local kernel of ``kernel_name`` per call (sandboxed per ``sandbox``)."""
+    language = language_for(kernel_name, spec)
+    kind = local_kernel_class(sandbox)
+    options: dict[str, Any] = {
+        "argv": language.command(spec),
+        "extra_env": dict(language.env, **(spec.env if spec else {})),
+        "kernel_name": kernel_name,
+        "language": language.language,
+        "interrupt_mode": language.interrupt_mode,
+        "ipykernel_app": language.ipykernel_app,
+        "stdin_probe": language.probe,
+    }
+    if kind is SandboxedKernel:
+        limits = limits or SandboxLimits()
+        if language.address_space_bytes is not None:
+            limits = replace(limits, address_space_bytes=language.address_space_bytes)
+        options["limits"] = limits
+
+    async def start_language_kernel() -> Kernel:
+        kernel = kind(**options)
+        await kernel.start()
+        return kernel
+
+    return start_language_kernel
+
+
+class KernelMenu:
+    """The kernels a reset may name: a source and a language per available name, and why
+    the others are not available."""
+
+    def __init__(
+        self,
+        sources: Mapping[str, tuple[KernelSource, Language | None]],
+        unavailable: Mapping[str, str] | None = None,
+    ) -> None:
+        self._sources = dict(sources)
+        self.unavailable = dict(unavailable or {})
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._sources)
+
+    def choose(self, kernel_name: str) -> tuple[KernelSource, Language | None]:
+        """The source and language of ``kernel_name`` (None: Python's own), or
+        :class:`InvalidInput` naming the kernels available."""
+        chosen = self._sources.get(kernel_name)
+        if chosen is not None:
+            return chosen
+        why = self.unavailable.get(kernel_name)
+        because = f" ({why})" if why else ""
+        raise InvalidInput(
+            f"kernel_name {kernel_name!r} is not available here{because}; available: "
+            f"{', '.join(self.names) or 'none'}"
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """For ``/metadata``: each available kernel's language and helpers, and why others
+        are not available."""
+        available = {}
+        for name, (_, language) in sorted(self._sources.items()):
+            available[name] = (
+                language.describe()
+                if language is not None
+                else {"language": "python", "helpers": list(PYTHON_HELPERS), "lacks": []}
+            )
+        return {"available": available, "unavailable": dict(self.unavailable)}
+
+    @classmethod
+    def local(
+        cls,
+        python: KernelSource,
+        names: list[str] | None = None,
+        *,
+        sandbox: str = "auto",
+        limits: SandboxLimits | None = None,
+    ) -> KernelMenu:
+        """Python's ``python`` source, and a local source for each of ``names`` installed
+        (default: every kernelspec installed)."""
+        specs = installed_kernels()
+        wanted = names if names is not None else [DEFAULT_KERNEL, *specs]
+        sources: dict[str, tuple[KernelSource, Language | None]] = {}
+        unavailable = {}
+        for name in dict.fromkeys(wanted):
+            if name == DEFAULT_KERNEL:
+                sources[name] = (python, None)
+                continue
+            spec = specs.get(name)
+            language = language_for(name, spec)
+            if spec is None and name in LANGUAGES:
+                unavailable[name] = f"no kernelspec {name!r} installed: run `make kernels`"
+                continue
+            if spec is None:
+                unavailable[name] = f"no kernelspec {name!r} installed"
+                continue
+            source = local_kernel_source(name, spec, sandbox=sandbox, limits=limits)
+            sources[name] = (source, language)
+        return cls(sources, unavailable)
+
+
+async def set_up(kernel: Kernel, language: Language, context: str, task_prompt: str) -> str | None:
+    """Run ``language``'s setup cell in ``kernel``: the shim, ``context`` and ``task_prompt``
+    (staged as files the kernel reads, never pasted into code). None, or why it failed."""
+    if language.setup is None:
+        return None
+    context_path = await kernel.stage_file(".kernel_env_context.txt", context.encode("utf-8"))
+    task_path = await kernel.stage_file(".kernel_env_task.txt", task_prompt.encode("utf-8"))
+    code = language.setup_code(context_path, task_path)
+    if code is None:
+        return None
+    result = await kernel.execute(code, silent=True, store_history=False, timeout=60.0)
+    if result.success:
+        return None
+    why = result.stderr.strip() or (json.dumps(result.error) if result.error else "")
+    return (why or f"the setup cell ended with status {result.status!r}")[-500:]
+
+
+def served_kernels(
+    settings: Any, python: KernelSource, *, pool_size: int = 1
+) -> tuple[KernelMenu, list[KernelPool]]:
+    """A server's kernels: ``settings.kernels`` (python3 from ``python``, its pool), each
+    other one installed here with a warm pool of its own (``pool_size`` kernels, started
+    cold: only Python's fork), and why the others are not available."""
+    names = list(getattr(settings, "kernels", None) or [DEFAULT_KERNEL])
+    if getattr(settings, "gateway_url", None):
+        others = {n: "a gateway's kernels are python3 only here" for n in names}
+        others.pop(DEFAULT_KERNEL, None)
+        return KernelMenu({DEFAULT_KERNEL: (python, None)}, others), []
+    hidden = tuple(getattr(settings, "secret_files", ()))
+    menu = KernelMenu.local(
+        python,
+        names,
+        sandbox=getattr(settings, "sandbox", "auto") or "auto",
+        limits=SandboxLimits(hidden_paths=hidden) if hidden else None,
+    )
+    if DEFAULT_KERNEL not in names:
+        menu.unavailable[DEFAULT_KERNEL] = "not among this server's --kernels"
+    limit = getattr(settings, "kernel_limit", None)
+    pools = []
+    for name, (source, language) in list(menu._sources.items()):
+        if language is None:
+            continue
+        pool = KernelPool(source, size=pool_size, max_kernels=limit)
+        pools.append(pool)
+        menu._sources[name] = (pool.acquire, language)
+    return menu, pools
