@@ -109,8 +109,21 @@ CASES = {
         final="FINAL 42",
         probe=BASH_PROBE,
     ),
+    "deno": Case(
+        read_context="console.log(context.length)",
+        set_var="const a: number = 6 * 7",
+        use_var="a",
+        error='function f(): never { throw new Error("boom"); }\nf()',
+        traceback="at f",
+        loop="while (true) {}",
+        after='console.log("after")',
+        llm='console.log(llm_query("ping"))',
+        batched='console.log(llm_query_batched(["a", "b"]).join(","))',
+        final="FINAL(42)",
+        probe=DENO_PROBE,
+    ),
 }
-SHOWN = {"ir": "55", "bash": "42"}
+SHOWN = {"ir": "55", "bash": "42", "deno": "42"}
 
 
 def _needs(name: str) -> None:
@@ -228,6 +241,7 @@ def test_an_unknown_kernel_name_names_the_available_ones() -> None:
 WS_STEPS = {
     "ir": ("x <- 1:10; sum(x)", "55", "FINAL(42)"),
     "bash": ("echo $((6*7))", "42", "FINAL 42"),
+    "deno": ("const a: number = 6*7; a", "42", "FINAL(42)"),
 }
 
 
@@ -243,7 +257,7 @@ def test_over_ws_and_http_each_language_ends_with_the_rubrics_reward() -> None:
         _needs(name)
     settings = small_settings(kernels=("python3", *WS_STEPS), pool_size=0)
     with thread_server(settings) as url:
-        described = httpx.get(f"{url}/metadata").json()["kernel_names"]
+        described = httpx.get(f"{url}/metadata", timeout=60).json()["kernel_names"]
         assert sorted(described["available"]) == sorted(["python3", *WS_STEPS])
         assert described["available"]["ir"]["helpers"][:2] == ["context", "task_prompt"]
         for name, (code, shown, final) in WS_STEPS.items():
@@ -252,7 +266,7 @@ def test_over_ws_and_http_each_language_ends_with_the_rubrics_reward() -> None:
                 assert shown in _shown(env.run(code)), name
                 result = env.execute(final)
                 assert result.done and result.reward == 1.0, (name, result)
-        with httpx.Client(base_url=url) as http:
+        with httpx.Client(base_url=url, timeout=60) as http:
             reset = http.post("/reset", json={"kernel_name": "bash", "expected_answer": "42"})
             assert reset.status_code == 200, reset.text
             session = {"X-Session-Id": reset.headers["X-Session-Id"]}
@@ -260,11 +274,11 @@ def test_over_ws_and_http_each_language_ends_with_the_rubrics_reward() -> None:
             assert step.json()["done"] is True and step.json()["reward"] == 1.0, step.text
             refused = http.post("/reset", json={"kernel_name": "cobol"})
             assert refused.status_code == 422, refused.text
-            assert "available: bash, ir, python3" in refused.text
+            assert "available: bash, deno, ir, python3" in refused.text
         with KernelEnv(base_url=url) as env, pytest.raises(InvalidInput) as over_ws:
             env.reset(kernel_name="cobol")
         assert over_ws.value.code == "VALIDATION_ERROR"  # type: ignore[attr-defined]
-        assert "available: bash, ir, python3" in str(over_ws.value)
+        assert "available: bash, deno, ir, python3" in str(over_ws.value)
 
 
 def test_on_an_unprivileged_server_each_language_writes_nothing_and_reads_no_secret() -> None:

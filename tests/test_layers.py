@@ -110,6 +110,8 @@ PROCESS_RULES: dict[str, Rule] = {
     ),
     # The helper protocol of other languages: the host and the bash kernel read it.
     "languages.protocol": Rule("the host and the bash kernel", threads=False),
+    # Run by path with ``python -I -S`` beside a TCP-only kernel: the standard library alone.
+    "languages.relay": Rule("the relay beside a TCP-only kernel"),
     "languages.bash_kernel": Rule(
         "the bash kernel",
         frozenset({"languages.protocol", "kernel_side"}),

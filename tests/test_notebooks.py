@@ -36,6 +36,7 @@ EXPECTED = {
     "06-fork": ["best: len(set(words)) -> 8", "  8  reward 1.0"],
     "07-r": ["done: True | reward: 1.0", "final answer: 9", "exported kernelspec: ir"],
     "08-bash": ["done: True | reward: 1.0", "final answer: 9", "exported kernelspec: bash"],
+    "09-deno": ["done: True | reward: 1.0", "final answer: 9", "exported kernelspec: deno"],
 }
 
 # Settings a developer's shell may hold that would change what the notebooks do.

@@ -256,6 +256,10 @@ class Kernel(ABC):
     # then waits for the welcome without asking for kernel_info (_wait_connected).
     _welcomes_subscribers = False
 
+    # Seconds a cell's output may come after its idle (see _read_late): 0 for a kernel that
+    # keeps the protocol's order, as ipykernel does.
+    idle_grace = 0.0
+
     # The silent cell that probes the kernel's stdin channel (None: a kernel without stdin
     # requests, or one that waits for its stdin peer, is ready once it answers kernel_info).
     _stdin_probe: dict[str, Any] | None = _STDIN_PROBE
@@ -469,6 +473,8 @@ class Kernel(ABC):
             log.debug("kernel %s: execute %s sent", self.kernel_id, msg_id)
             try:
                 await asyncio.wait_for(self._drive(run, stdin), timeout)
+                if self.idle_grace:
+                    await self._read_late(run)
             except TimeoutError:
                 await self._on_timeout(run, stdin)
             except KernelDied:
@@ -507,6 +513,19 @@ class Kernel(ABC):
             elif msg_type == "status":
                 run.idle = msg.get("content", {}).get("execution_state") == "idle"
             else:
+                run.collector.feed(msg)
+                if run.on_output is not None:
+                    _tell(run, msg)
+
+    async def _read_late(self, run: _Run) -> None:
+        """The cell's iopub messages that come after its idle, until none comes for
+        ``idle_grace`` seconds (a kernel that forwards its stdout from another task, as
+        Deno's does, may publish it after the idle)."""
+        queue = self._queues["iopub"]
+        while (msg := await _get(queue, self.idle_grace)) is not None:
+            if _parent_id(msg) != run.msg_id:
+                self._stray(msg, _msg_type(msg))
+            elif _msg_type(msg) != "status":
                 run.collector.feed(msg)
                 if run.on_output is not None:
                     _tell(run, msg)

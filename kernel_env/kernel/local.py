@@ -72,6 +72,7 @@ class LocalKernel(Kernel):
         interrupt_mode: str = "signal",
         ipykernel_app: bool = True,
         stdin_probe: str | None = _STDIN_PROBE_CODE,
+        idle_grace: float = 0.0,
         **kwargs: Any,
     ) -> None:
         """``forkserver``: fork the kernel from this preloaded process instead of starting
@@ -80,9 +81,11 @@ class LocalKernel(Kernel):
 
         Another language's kernel (``argv`` from its kernelspec, see
         :mod:`kernel_env.languages`): its ``kernel_name`` and ``language``, how it is
-        interrupted, whether ``argv`` starts an ipykernel app (which takes its flags), and
-        the silent cell that probes its stdin channel (None: it has none to probe)."""
+        interrupted, whether ``argv`` starts an ipykernel app (which takes its flags), the
+        silent cell that probes its stdin channel (None: it has none to probe), and how long
+        a cell's output may come after its idle."""
         super().__init__(**kwargs)
+        self.idle_grace = idle_grace
         self.kernel_name = kernel_name
         self.language = language
         self._interrupt_mode = interrupt_mode
@@ -115,7 +118,7 @@ class LocalKernel(Kernel):
             python=python, argv=argv, extra_env=extra_env, runtime_root=runtime_root,
             forkserver=forkserver, kernel_name=kernel_name, language=language,
             interrupt_mode=interrupt_mode, ipykernel_app=ipykernel_app,
-            stdin_probe=stdin_probe, **kwargs,
+            stdin_probe=stdin_probe, idle_grace=idle_grace, **kwargs,
         )  # fmt: skip
 
     @property

@@ -47,6 +47,8 @@ PYTHON_HELPERS = (
     "rlm_query_batched", "FINAL", "FINAL_VAR", "SHOW_VARS",
 )  # fmt: skip
 _SHIMS = Path(__file__).parent / "shims"
+_RELAY = Path(__file__).with_name("relay.py")
+RELAY_PLACEHOLDER = "{tcp_connection_file}"  # relay.PLACEHOLDER: the relay runs by path
 _SHIM_HELPERS = ("context", "task_prompt", "llm_query", "llm_query_batched", "FINAL", "FINAL_VAR")
 
 
@@ -76,6 +78,12 @@ class Language:
     notebook: str | None = None
     params_literal: Callable[[str], str] = str
     comment: str = "#"  # a line comment of the language
+    # The kernel binds TCP only: it runs behind kernel_env's relay (relay.py), which serves it
+    # on the IPC sockets the host connects to.
+    tcp_only: bool = False
+    # Seconds a cell's output may come after its idle (Deno forwards console output from a
+    # task of its own, and gives it 5 ms: under load it comes after the idle).
+    idle_grace: float = 0.0
 
     @property
     def lacks(self) -> tuple[str, ...]:
@@ -87,7 +95,10 @@ class Language:
             return list(self.argv)
         if spec is None:
             raise InvalidInput(f"no kernelspec {self.kernel_name!r} is installed")
-        return list(spec.argv)
+        if not self.tcp_only:
+            return list(spec.argv)
+        inner = [arg.replace("{connection_file}", RELAY_PLACEHOLDER) for arg in spec.argv]
+        return [sys.executable, "-I", "-S", str(_RELAY), "{connection_file}", "--", *inner]
 
     def setup_code(self, context_path: str, task_path: str) -> str | None:
         """The episode's setup cell (the shim, then its setup call), or None."""
@@ -166,6 +177,8 @@ LANGUAGES: dict[str, Language] = {
         notebook="__kernel_env_notebook({params});",
         comment="//",
         interrupt_mode="message",
+        tcp_only=True,
+        idle_grace=0.05,
         env={"NO_COLOR": "1", "DENO_NO_UPDATE_CHECK": "1", "DENO_NO_PROMPT": "1"},
         # V8 reserves far more address space than it uses (its heap cage, wasm guard
         # regions): the cgroup's memory cap bounds what it may use instead.
@@ -218,6 +231,7 @@ def local_kernel_source(
         "interrupt_mode": language.interrupt_mode,
         "ipykernel_app": language.ipykernel_app,
         "stdin_probe": language.probe,
+        "idle_grace": language.idle_grace,
     }
     if kind is SandboxedKernel:
         limits = limits or SandboxLimits()
