@@ -30,6 +30,7 @@ from kernel_env.errors import InvalidInput
 from kernel_env.kernel.isolation.sandbox import sandbox_problem
 from kernel_env.languages.catalog import LANGUAGES, installed_kernels
 from kernel_env.notebook import cells_match, recorded_steps
+from kernel_env.replay import replay_notebook
 
 pytestmark = pytest.mark.integration
 
@@ -227,6 +228,10 @@ def test_an_episode_in_each_language(name: str, tmp_path: Path, secret_file: Pat
             continue  # the timed-out step, kept as comments
         if "llm_query" in recorded.source:  # answered offline from the recording
             assert cells_match(recorded.outputs, actual.outputs), recorded.source
+    # ... and replays as an episode in the same language (`kernel-env replay`).
+    report = replay_notebook(path, step_timeout=10)
+    assert report.final_answer == "42", report.as_dict()
+    assert report.counts()["match"] >= 3, report.as_dict()
 
 
 def test_an_unknown_kernel_name_names_the_available_ones() -> None:
