@@ -43,8 +43,8 @@ __all__ = [
 DEFAULT_KERNEL = "python3"
 # What a Python episode has (kernel_env.kernel_side); other languages say which they lack.
 PYTHON_HELPERS = (
-    "context", "task_prompt", "answer", "llm_query", "llm_query_batched", "rlm_query",
-    "rlm_query_batched", "FINAL", "FINAL_VAR", "SHOW_VARS",
+    "context", "answer", "llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched",
+    "FINAL", "FINAL_VAR", "SHOW_VARS",
 )  # fmt: skip
 _SHIMS = Path(__file__).parent / "shims"
 _RELAY = Path(__file__).with_name("relay.py")
