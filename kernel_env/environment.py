@@ -283,12 +283,17 @@ class KernelEnvironment:
         return observation
 
     def _choose_kernel(self, name: str) -> tuple[KernelSource, languages.Language | None]:
-        """The source of the kernel a reset names, and its language (None: Python's)."""
-        if name == languages.DEFAULT_KERNEL and self._kernels is None:
-            return self._kernel_source, None
+        """The source of the kernel a reset names, and its language (None: Python's). A
+        Python episode takes this environment's own source (a tenant's pool, on a server
+        whose tenants have pools of their own) wherever the menu offers python3."""
         if self._kernels is None:
+            if name == languages.DEFAULT_KERNEL:
+                return self._kernel_source, None
             self._kernels = languages.KernelMenu.local(self._kernel_source)
-        return self._kernels.choose(name)
+        source, language = self._kernels.choose(name)
+        if language is None and name == languages.DEFAULT_KERNEL:
+            return self._kernel_source, None
+        return source, language
 
     async def _host_calls(self, opts: ResetOptions) -> HostCalls:
         """The episode's LLM plumbing: backend, usage, budget, and rlm_query's children."""

@@ -133,11 +133,6 @@ class Runtime:
             await pool.start()
         await self.sessions.start()
 
-    async def _close_pools(self) -> None:
-        await self.pool.close()
-        for pool in self.language_pools:
-            await pool.close()
-
     async def drain(self) -> None:
         """Graceful shutdown: in-flight steps answer (or are cancelled), then kernels go."""
         await self.sessions.drain(self.settings.drain_timeout)
@@ -152,7 +147,7 @@ class Runtime:
             await self.llm.aclose()
 
     async def _close_pools(self) -> None:
-        closing = [self.pool.close()]
+        closing = [self.pool.close(), *(pool.close() for pool in self.language_pools)]
         if self.tenant_pools is not None:
             closing.append(self.tenant_pools.close())
         await asyncio.gather(*closing)

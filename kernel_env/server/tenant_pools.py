@@ -61,8 +61,16 @@ class TenantPools:
             raise KernelError("the kernel pools are closed")
         pool = self._pools.get(tenant)
         if pool is None:
+            # A reset that finds the pool empty waits for the start under way rather than
+            # starting one more: a tenant never holds more than its sessions' kernels and
+            # ``size`` warm ones, against a per-user limit that counts pending starts too.
+            starts = max(1, self.size)
             pool = KernelPool(
-                self._source_for(tenant), size=self.size, max_kernels=self.max_kernels
+                self._source_for(tenant),
+                size=self.size,
+                start_concurrency=1,
+                max_starts=starts,
+                max_kernels=self.max_kernels,
             )
             self._pools[tenant] = pool
             await pool.start()  # schedules the filler; returns at once
