@@ -17,12 +17,16 @@ import pytest
 from fake_openai import FakeOpenAI
 from serverkit import ServeProcess, serve_process
 
+from kernel_env.languages.catalog import installed_kernels
+
 e2b = pytest.importorskip("e2b")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
 
 pytestmark = pytest.mark.integration  # a server and its kernels
 
 TOKEN = "e2b_" + secrets.token_hex(20)  # the SDK checks a key's shape: e2b_ and hex
+# The other languages' kernels (make kernels installs them) the module's server offers.
+OTHERS = sorted({"ir", "bash", "deno"} & set(installed_kernels()))
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,15 @@ def server() -> Iterator[ServeProcess]:
     with (
         FakeOpenAI(lambda request: "the model says hi") as model,
         serve_process(
-            "--pool-size", "2", "--llm-base-url", model.url, "--llm-model", "m", env=env
+            "--pool-size",
+            "2",
+            "--llm-base-url",
+            model.url,
+            "--llm-model",
+            "m",
+            "--kernels",
+            ",".join(["python3", *OTHERS]),
+            env=env,
         ) as process,
     ):
         yield process
@@ -191,6 +203,32 @@ def test_pause_contexts_and_a_cell_past_its_timeout(opts: dict[str, Any]) -> Non
         with pytest.raises(e2b.TimeoutException):
             sandbox.run_code("import time\ntime.sleep(60)", timeout=1)
         assert sandbox.run_code("'next'").text == "next"
+
+
+def test_r_bash_and_typescript_contexts_and_templates(opts: dict[str, Any]) -> None:
+    """run_code(language=...) runs in that language's default context (its state kept from
+    cell to cell), create_code_context makes a context in a language, and a template names
+    a kernel; a language the server does not run is refused."""
+    if OTHERS != ["bash", "deno", "ir"]:
+        pytest.skip(f"make kernels installs R, Bash and Deno; here only {OTHERS}")
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        # IRkernel shows a value as display data, not as the cell's result: E2B's results list
+        # has it, its main-result shortcut (.text) does not.
+        assert _texts(sandbox.run_code("x <- 1:10; sum(x)", language="r")) == ["[1] 55"]
+        assert _texts(sandbox.run_code("sum(x) * 2", language="r")) == ["[1] 110"]
+        said = sandbox.run_code("echo $((6*7))", language="bash")
+        assert "".join(said.logs.stdout).strip() == "42", said
+        context = sandbox.create_code_context(language="typescript")
+        assert sandbox.run_code("const a: number = 6*7; a", context=context).text == "42"
+        assert sandbox.run_code("1 + 1").text == "2"  # the default context is still Python
+        with pytest.raises(Exception, match="not served here"):
+            sandbox.run_code("System.out.println(1);", language="java")
+    with e2b_ci.Sandbox.create(template="ir", **opts) as sandbox:
+        assert _texts(sandbox.run_code("sum(1:10)")) == ["[1] 55"]
+
+
+def _texts(execution: Any) -> list[str]:
+    return [result.text for result in execution.results]
 
 
 def test_files_in_the_sandbox_workspace(opts: dict[str, Any]) -> None:

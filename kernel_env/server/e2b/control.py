@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kernel_env.errors import CapacityReached, ForkRefused, KernelEnvError
+from kernel_env.errors import CapacityReached, ForkRefused, InvalidInput, KernelEnvError
 from kernel_env.server.auth import Tenant, Tenants
 from kernel_env.server.e2b.sandboxes import (
     DEFAULT_TEMPLATE,
@@ -86,6 +86,8 @@ def control_app(
                 return error_response(429, str(exc))
             except ForkRefused as exc:
                 return error_response(409, str(exc))
+            except InvalidInput as exc:  # a template's kernel this server does not offer
+                return error_response(400, str(exc))
             except KernelEnvError as exc:
                 log.warning("e2b: %s failed: %s", request.url.path, exc)
                 return error_response(500, f"{type(exc).__name__}: {exc}")

@@ -9,7 +9,9 @@ works in it.
 
 The default context is the sandbox's kernel; a context made with ``create_code_context`` is
 a kernel of its own (its own session), so unlike E2B's contexts it does not share the
-default context's files.
+default context's files. A context's language is one of :data:`LANGUAGES` (E2B's names) whose
+kernel the server offers (``--kernels``); ``run_code(language=...)`` runs in that language's
+default context, made at its first use.
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ log = logging.getLogger(__name__)
 
 JUPYTER_PORT = "49999"
 HOME = "/home/user"  # E2B's default cwd, reported for contexts
+# E2B's language names -> the kernel that runs them (kernel_env.languages).
+LANGUAGES = {
+    "python": "python3",
+    "python3": "python3",
+    "r": "ir",
+    "bash": "bash",
+    "javascript": "deno",
+    "js": "deno",
+    "typescript": "deno",
+    "ts": "deno",
+}
 
 # MIME type -> E2B's Result field; what is not here goes to ``extra``.
 _FIELDS = {
@@ -99,13 +112,32 @@ def _now() -> int:
 
 
 class Contexts:
-    """A sandbox's extra contexts: each a session of its own, closed with the sandbox."""
+    """A sandbox's extra contexts: each a session of its own, closed with the sandbox; and
+    each language's default context (by kernel name), made by ``run_code(language=...)``."""
 
     def __init__(self) -> None:
         self.by_sandbox: dict[str, dict[str, tuple[Session, str, str]]] = {}
+        self.defaults: dict[str, dict[str, str]] = {}  # sandbox id -> kernel -> context id
 
     def of(self, sandbox: Sandbox) -> dict[str, tuple[Session, str, str]]:
         return self.by_sandbox.setdefault(sandbox.id, {})
+
+    def default(self, sandbox: Sandbox, kernel: str) -> Session | None:
+        found = self.of(sandbox).get(self.defaults.get(sandbox.id, {}).get(kernel, ""))
+        return found[0] if found is not None and found[0].closed is None else None
+
+
+class LanguageRefused(ValueError):
+    """A language this server does not run (said in E2B's plain-text 400)."""
+
+
+def _kernel_of(language: Any) -> str:
+    kernel = LANGUAGES.get(str(language).lower())
+    if kernel is None:
+        raise LanguageRefused(
+            f"language {language!r} is not served here; one of {', '.join(sorted(LANGUAGES))}"
+        )
+    return kernel
 
 
 def interpreter_app(
@@ -129,11 +161,16 @@ def interpreter_app(
             return PlainTextResponse(
                 "Only one of context_id or language can be provided", status_code=400
             )
-        if language and str(language).lower() not in ("python", "python3"):
-            return PlainTextResponse(
-                f"language {language!r} is not served here: Python only", status_code=400
-            )
         session = sandbox.session
+        if language:
+            try:
+                kernel = _kernel_of(language)
+                if kernel != sandbox.kernel:
+                    session = contexts.default(sandbox, kernel) or await open_context(
+                        sandbox, kernel, str(language), HOME, default=True
+                    )
+            except LanguageRefused as exc:
+                return PlainTextResponse(str(exc), status_code=400)
         if context_id and context_id != sandbox.id:
             found = contexts.of(sandbox).get(context_id)
             if found is None:
@@ -147,31 +184,43 @@ def interpreter_app(
             )
         return StreamingResponse(_run(session, code, sessions()), media_type="application/x-ndjson")
 
-    async def create_context(request: Request) -> Response:
-        sandbox = sandbox_of(request)
-        body = json.loads(await request.body() or b"{}")
-        language = str(body.get("language") or "python").lower()
-        if language not in ("python", "python3"):
-            return PlainTextResponse(
-                f"language {language!r} is not served here: Python only", status_code=400
-            )
-        cwd = str(body.get("cwd") or HOME)
+    async def open_context(
+        sandbox: Sandbox, kernel: str, language: str, cwd: str, *, default: bool = False
+    ) -> Session:
+        """A new context of ``sandbox``: a session whose episode runs ``kernel``."""
         manager = sessions()
         session = manager.open("http", sandbox.owner)
         session.claimed = True
         try:
             async with manager.request(session):
-                await session.reset({"max_iterations": 100_000})
+                await session.reset({"max_iterations": 100_000, "kernel_name": kernel})
+        except KernelEnvError as exc:  # a kernel this server does not offer, say
+            await asyncio.shield(manager.close_soon(session))
+            raise LanguageRefused(f"language {language!r}: {exc}") from None
         except BaseException:
             await asyncio.shield(manager.close_soon(session))
             raise
-        contexts.of(sandbox)[session.id] = (session, "python", cwd)
+        contexts.of(sandbox)[session.id] = (session, language, cwd)
+        if default:
+            contexts.defaults.setdefault(sandbox.id, {})[kernel] = session.id
         sandbox.on_kill.append(lambda: manager.close_soon(session))
-        return JSONResponse({"id": session.id, "language": "python", "cwd": cwd})
+        return session
+
+    async def create_context(request: Request) -> Response:
+        sandbox = sandbox_of(request)
+        body = json.loads(await request.body() or b"{}")
+        language = str(body.get("language") or "python").lower()
+        cwd = str(body.get("cwd") or HOME)
+        try:
+            session = await open_context(sandbox, _kernel_of(language), language, cwd)
+        except LanguageRefused as exc:
+            return PlainTextResponse(str(exc), status_code=400)
+        return JSONResponse({"id": session.id, "language": language, "cwd": cwd})
 
     async def list_contexts(request: Request) -> Response:
         sandbox = sandbox_of(request)
-        listed = [{"id": sandbox.id, "language": "python", "cwd": HOME}]
+        own = next((name for name, k in LANGUAGES.items() if k == sandbox.kernel), "python")
+        listed = [{"id": sandbox.id, "language": own, "cwd": HOME}]
         listed += [
             {"id": cid, "language": lang, "cwd": cwd}
             for cid, (session, lang, cwd) in contexts.of(sandbox).items()

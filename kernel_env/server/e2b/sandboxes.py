@@ -39,9 +39,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The kernels a sandbox may run, by kernel name: the reset options that start one. Python is
-# the only one today; another language plugs in here with its reset option.
-KERNELS: dict[str, dict[str, Any]] = {"python3": {}}
+# The kernels a sandbox may run, by kernel name: the reset options that start one (those the
+# server does not offer, --kernels, are refused at create with the names it does).
+KERNELS: dict[str, dict[str, Any]] = {
+    name: {"kernel_name": name} for name in ("python3", "ir", "bash", "deno")
+}
 # E2B's template names (and kernel names themselves) -> the kernel a sandbox runs.
 TEMPLATES: dict[str, str] = {
     "code-interpreter-v1": "python3",
