@@ -18,6 +18,8 @@ import pytest
 from browser import chromium, png
 from serverkit import small_settings, thread_server
 
+from kernel_env.languages.catalog import installed_kernels
+
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
 from selenium.common.exceptions import TimeoutException  # noqa: E402
@@ -32,9 +34,14 @@ SHOTS = Path(__file__).resolve().parent.parent / "docs" / "images"
 PNG = png()
 
 
+R = "ir" in installed_kernels()  # make kernels installs it
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    with thread_server(small_settings(token=TOKEN, sandbox="none", max_sessions=8)) as url:
+    kernels = ("python3", "ir") if R else ("python3",)
+    settings = small_settings(token=TOKEN, sandbox="none", max_sessions=8, kernels=kernels)
+    with thread_server(settings) as url:
         yield url
 
 
@@ -113,6 +120,26 @@ def test_web_lists_live_sessions_and_streams_a_running_cell(server: str, browser
         running.join(timeout=60)
     _until(browser, lambda d: "second" in d.find_element(By.CSS_SELECTOR, ".cell .outputs").text)
     assert second in browser.page_source
+
+
+@pytest.mark.skipif(not R, reason="no R kernel here: make kernels installs it")
+def test_an_r_episode_shows_its_cells_and_outputs(server: str, browser: Any) -> None:
+    """Another language's episode is shown as a Python one is: its cells, and its outputs
+    in their richest form (IRkernel's value as HTML, in its frame)."""
+    body = {"task_prompt": "in R", "kernel_name": "ir"}
+    reply = httpx.post(f"{server}/reset", json=body, headers=AUTH, timeout=60)
+    session = reply.headers["X-Session-Id"]
+    assert "error" not in _step(server, session, "x <- 1:10; sum(x)")
+    _open(browser, server)
+    _select(browser, session)
+    cell = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#cells .cell"))
+    assert "x <- 1:10; sum(x)" in cell.text
+    frame = _until(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#cells iframe.html"))
+    browser.switch_to.frame(frame)
+    try:
+        _until(browser, lambda d: d.find_element(By.TAG_NAME, "body").text.strip() == "55")
+    finally:
+        browser.switch_to.default_content()
 
 
 def test_images_and_html_render(server: str, browser: Any) -> None:
