@@ -31,6 +31,9 @@
 ARG BASE_IMAGE=python:3.12-slim
 
 FROM ${BASE_IMAGE} AS build
+# kernel-env's extras to install, comma-separated: e2b serves E2B's sandbox protocol beside
+# OpenEnv's (docs/e2b.md); empty for none.
+ARG EXTRAS=e2b
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
@@ -45,10 +48,11 @@ RUN set -eu; \
         index=""; \
     fi; \
     python3 -m venv /opt/build; \
-    /opt/build/bin/pip wheel $index --wheel-dir /dist /src; \
+    extras=${EXTRAS:+[$EXTRAS]}; \
+    /opt/build/bin/pip wheel $index --wheel-dir /dist "/src$extras"; \
     python3 -m venv --without-pip /opt/kernel-env; \
     /opt/build/bin/pip --python /opt/kernel-env/bin/python install \
-        --no-index --find-links /dist kernel-env; \
+        --no-index --find-links /dist "kernel-env$extras"; \
     /opt/kernel-env/bin/kernel-env --help >/dev/null
 
 FROM ${BASE_IMAGE} AS runtime

@@ -27,6 +27,7 @@
 #                            (it must have python3 with venv, bwrap and tini: no network)
 #   DOCKER_SMOKE_MIRROR      Debian mirror for debootstrap (default: the host's apt source)
 #   DOCKER_SMOKE_SUITE       Debian suite for debootstrap (default: the host's, else bookworm)
+#   DOCKER_SMOKE_EXTRAS      kernel-env's extras in the image (default: e2b; the Dockerfile's EXTRAS)
 #   PYTHON                   a Python with kernel_env and openenv-core (default: .venv/bin/python)
 set -euo pipefail
 shopt -s inherit_errexit
@@ -38,6 +39,7 @@ PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 SKIP_STATUS=77
 RUN_ID="kernel-env-smoke-$$"
 IMAGE="$RUN_ID:latest"
+EXTRAS=${DOCKER_SMOKE_EXTRAS-e2b}
 KERNEL_IMAGE="$RUN_ID-kernel:latest"   # deploy/gateway/kernel-image/: kernels for EG
 LAUNCHERS=""           # Enterprise Gateway's kernel launchers, from its release
 BASE=""                # the image to build on
@@ -240,11 +242,14 @@ print("%d.%d" % sys.version_info[:2], platform.libc_ver()[1], platform.machine()
 # Every wheel the offline build needs, for the base image's Python and platform.
 fetch_wheels() {
     local pyver=$1 glibc=$2 arch=$3 dest=$4
-    "$PYTHON" - "$ROOT/pyproject.toml" >"$WORK/requirements.txt" <<'EOF'
+    "$PYTHON" - "$ROOT/pyproject.toml" "$EXTRAS" >"$WORK/requirements.txt" <<'EOF'
 import sys, tomllib
 with open(sys.argv[1], "rb") as f:
     project = tomllib.load(f)
-print("\n".join(project["project"]["dependencies"] + project["build-system"]["requires"]))
+needed = project["project"]["dependencies"] + project["build-system"]["requires"]
+for extra in filter(None, sys.argv[2].split(",")):
+    needed += project["project"]["optional-dependencies"][extra]
+print("\n".join(needed))
 EOF
     download_wheels "$pyver" "$glibc" "$arch" "$dest" -r "$WORK/requirements.txt"
 }
@@ -283,7 +288,8 @@ build_image() {
     say "$(find "$ctx/wheels" -name '*.whl' | wc -l) wheels in $(since "$start") s"
     DANGLING_BEFORE=$(docker images --quiet --filter dangling=true | sort)
     start=$(now)
-    docker build --network none --force-rm --build-arg "BASE_IMAGE=$BASE" --tag "$IMAGE" \
+    docker build --network none --force-rm --build-arg "BASE_IMAGE=$BASE" \
+        --build-arg "EXTRAS=$EXTRAS" --tag "$IMAGE" \
         "$ctx" >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log" >&2; die "docker build"; }
     say "image $IMAGE built offline in $(since "$start") s"
 }
@@ -327,7 +333,8 @@ check_no_secret_in_logs() {
 # episode's kernel (docker_smoke_client.py's probe).
 smoke_default_container() {
     local name="$RUN_ID-main" token key url start healthy user stopping code
-    token=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(16))')
+    # E2B's SDK checks a key's shape (e2b_ and hex): the token has it, for the E2B check.
+    token=$("$PYTHON" -c 'import secrets; print("e2b_" + secrets.token_hex(20))')
     key=$("$PYTHON" -c 'import secrets; print("sk-" + secrets.token_hex(16))')
     start=$(now)
     url=$(KERNEL_ENV_TOKEN=$token KERNEL_ENV_LLM_API_KEY=$key start_container "$name" \
@@ -337,6 +344,10 @@ smoke_default_container() {
     say "serving at $url: /health answered ${healthy} s after docker run started"
     KERNEL_ENV_TOKEN=$token SMOKE_LLM_KEY=$key "$PYTHON" "$CLIENT" episode "$url" >&2 ||
         { docker logs "$name" >&2; die "episode through KernelEnv(base_url)"; }
+    if [[ ",$EXTRAS," == *,e2b,* ]]; then
+        KERNEL_ENV_TOKEN=$token "$PYTHON" "$CLIENT" e2b "$url" >&2 ||
+            { docker logs "$name" >&2; die "a sandbox through E2B's SDK"; }
+    fi
     wait_docker_healthy "$name" "$start"
     user=$(docker exec "$name" id)
     check_no_secret_in_logs "$name" "$token"

@@ -3,9 +3,11 @@
     python scripts/docker_smoke_client.py health URL [--since T]     wait for GET /health
     python scripts/docker_smoke_client.py episode URL [--sandboxed]  one episode + its notebook
     python scripts/docker_smoke_client.py from-image IMAGE           the same, via from_docker_image
+    python scripts/docker_smoke_client.py e2b URL                    a sandbox through E2B's SDK
 
-``episode`` sends the server's bearer token from ``KERNEL_ENV_TOKEN`` when it is set (never on
-the command line). Each command prints one line of facts and exits non-zero on any mismatch.
+``episode`` and ``e2b`` send the server's bearer token from ``KERNEL_ENV_TOKEN`` when it is
+set (never on the command line). Each command prints one line of facts and exits non-zero on
+any mismatch.
 """
 
 from __future__ import annotations
@@ -193,6 +195,25 @@ def from_image(image: str) -> str:
     return f"from_docker_image ok: port {port}, notebook {cells} cells, kernel uid {facts['uid']}"
 
 
+def e2b_sandbox(url: str) -> str:
+    """E2B's SDK, unchanged, against the container (its ``e2b`` extra): a sandbox runs a
+    cell and a command in its kernel's environment, then is killed."""
+    from e2b_code_interpreter import Sandbox
+
+    token = os.environ["KERNEL_ENV_TOKEN"]
+    sandbox = Sandbox.create(api_url=url, sandbox_url=url, api_key=token)
+    try:
+        value = sandbox.run_code("6 * 7").text
+        check(value == "42", f"run_code('6 * 7') gave {value!r}")
+        said = sandbox.commands.run("echo from-a-command").stdout
+        check(said == "from-a-command\n", f"commands.run gave {said!r}")
+    finally:
+        sandbox.kill()
+    listed = Sandbox.list(api_url=url, sandbox_url=url, api_key=token).next_items()
+    check(sandbox.sandbox_id not in {s.sandbox_id for s in listed}, "a killed sandbox is listed")
+    return f"e2b ok: sandbox {sandbox.sandbox_id}: run_code and commands.run answered, killed"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -205,12 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--sandboxed", action="store_true", help="expect bubblewrap kernels")
     image = commands.add_parser("from-image")
     image.add_argument("image")
+    e2b = commands.add_parser("e2b")
+    e2b.add_argument("url")
     args = parser.parse_args(argv)
     try:
         if args.command == "health":
             print(f"{wait_for_health(args.url, args.timeout, args.since):.2f}")
         elif args.command == "episode":
             print(episode(args.url, args.sandboxed))
+        elif args.command == "e2b":
+            print(e2b_sandbox(args.url))
         else:
             print(from_image(args.image))
     except SmokeFailure as exc:
