@@ -163,6 +163,9 @@ def _uid(pid: int) -> int | None:
 # -- 2. the host never writes through a path the kernel planted ------------------------------
 
 CONTEXT = "line\n" * 300  # over the inline limit below: staged as a file
+# How long the leftovers of the tests below sleep: a duration no other test uses, so that
+# _sleepers finds these alone (other suites' ``sleep`` processes may run beside them).
+SLEEP = "300.137"
 
 
 @needs_sandbox
@@ -547,7 +550,7 @@ async def test_6_closing_an_episode_kills_its_setsid_children(sandbox: str) -> N
     await env.reset()
     res = await env.execute(
         "import subprocess\n"
-        "subprocess.Popen(['setsid', 'sh', '-c', 'sleep 300 &'])\n"
+        f"subprocess.Popen(['setsid', 'sh', '-c', 'sleep {SLEEP} &'])\n"
         "import time; time.sleep(0.5)\n"
     )
     assert res.observation.result.success, res
@@ -557,12 +560,13 @@ async def test_6_closing_an_episode_kills_its_setsid_children(sandbox: str) -> N
 
 
 def _sleepers() -> list[int]:
-    """``sleep 300`` processes on this host (only these tests start them)."""
+    """This module's ``sleep`` processes on this host (they outlive the servers that made
+    them, so they are found by their command line, not by their parent)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "cmdline").read_bytes() == b"sleep\x00300\x00":
+                if (entry / "cmdline").read_bytes() == f"sleep\x00{SLEEP}\x00".encode():
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -580,7 +584,7 @@ def test_6_a_killed_servers_unsandboxed_leftovers_are_killed_by_the_next(tmp_pat
 
         reset = httpx.post(f"{server.url}/reset", json={}, timeout=60)
         session = {"X-Session-Id": reset.headers["X-Session-Id"]}
-        code = "import subprocess; subprocess.Popen(['setsid', 'sleep', '300'])"
+        code = f"import subprocess; subprocess.Popen(['setsid', 'sleep', '{SLEEP}'])"
         httpx.post(
             f"{server.url}/step", json={"action": {"code": code}}, headers=session, timeout=60
         )
