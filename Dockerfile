@@ -29,11 +29,16 @@
 
 # Any Debian-like image with python3 (3.11+) and its venv module.
 ARG BASE_IMAGE=python:3.12-slim
+# Kernels besides python3 that episodes may name (reset's kernel_name), comma-separated:
+# bash and deno come from PyPI (the kernels extra), ir from the base image's Debian packages
+# (r-base-core, r-cran-irkernel: that needs apt-get, so a network, at build time).
+ARG KERNELS=""
 
 FROM ${BASE_IMAGE} AS build
 # kernel-env's extras to install, comma-separated: e2b serves E2B's sandbox protocol beside
 # OpenEnv's (docs/e2b.md); empty for none.
 ARG EXTRAS=e2b
+ARG KERNELS
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
@@ -48,6 +53,7 @@ RUN set -eu; \
         index=""; \
     fi; \
     python3 -m venv /opt/build; \
+    case ",$KERNELS," in *,bash,*|*,deno,*) EXTRAS="${EXTRAS:+$EXTRAS,}kernels";; esac; \
     extras=${EXTRAS:+[$EXTRAS]}; \
     /opt/build/bin/pip wheel $index --wheel-dir /dist "/src$extras"; \
     python3 -m venv --without-pip /opt/kernel-env; \
@@ -71,12 +77,25 @@ RUN set -eu; \
     useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin kernelenv
 
 COPY --from=build /opt/kernel-env /opt/kernel-env
+# The other kernels' kernelspecs, registered in /opt/kernel-env (make kernels does the same).
+ARG KERNELS
+COPY scripts/install_kernelspecs.py /opt/kernel-env/share/kernel-env/
+RUN set -eu; \
+    case ",$KERNELS," in \
+        *,ir,*) apt-get update; \
+            apt-get install -y --no-install-recommends r-base-core r-cran-irkernel; \
+            rm -rf /var/lib/apt/lists/*;; \
+    esac; \
+    if [ -n "$KERNELS" ]; then \
+        /opt/kernel-env/bin/python /opt/kernel-env/share/kernel-env/install_kernelspecs.py; \
+    fi
 
 ENV PATH=/opt/kernel-env/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/kernelenv \
-    KERNEL_ENV_SANDBOX=auto
+    KERNEL_ENV_SANDBOX=auto \
+    KERNEL_ENV_KERNELS=python3${KERNELS:+,$KERNELS}
 
 LABEL org.opencontainers.image.title="kernel-env" \
       org.opencontainers.image.description="OpenEnv REPL environment whose episodes run in real IPython kernels" \

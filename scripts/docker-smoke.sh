@@ -28,6 +28,8 @@
 #   DOCKER_SMOKE_MIRROR      Debian mirror for debootstrap (default: the host's apt source)
 #   DOCKER_SMOKE_SUITE       Debian suite for debootstrap (default: the host's, else bookworm)
 #   DOCKER_SMOKE_EXTRAS      kernel-env's extras in the image (default: e2b; the Dockerfile's EXTRAS)
+#   DOCKER_SMOKE_KERNELS     other kernels in the image (default: bash,deno; the Dockerfile's
+#                            KERNELS: ir needs apt-get, so a network, and the build has none)
 #   PYTHON                   a Python with kernel_env and openenv-core (default: .venv/bin/python)
 set -euo pipefail
 shopt -s inherit_errexit
@@ -40,6 +42,7 @@ SKIP_STATUS=77
 RUN_ID="kernel-env-smoke-$$"
 IMAGE="$RUN_ID:latest"
 EXTRAS=${DOCKER_SMOKE_EXTRAS-e2b}
+KERNELS=${DOCKER_SMOKE_KERNELS-bash,deno}
 KERNEL_IMAGE="$RUN_ID-kernel:latest"   # deploy/gateway/kernel-image/: kernels for EG
 LAUNCHERS=""           # Enterprise Gateway's kernel launchers, from its release
 BASE=""                # the image to build on
@@ -242,12 +245,15 @@ print("%d.%d" % sys.version_info[:2], platform.libc_ver()[1], platform.machine()
 # Every wheel the offline build needs, for the base image's Python and platform.
 fetch_wheels() {
     local pyver=$1 glibc=$2 arch=$3 dest=$4
-    "$PYTHON" - "$ROOT/pyproject.toml" "$EXTRAS" >"$WORK/requirements.txt" <<'EOF'
+    "$PYTHON" - "$ROOT/pyproject.toml" "$EXTRAS" "$KERNELS" >"$WORK/requirements.txt" <<'EOF'
 import sys, tomllib
 with open(sys.argv[1], "rb") as f:
     project = tomllib.load(f)
 needed = project["project"]["dependencies"] + project["build-system"]["requires"]
-for extra in filter(None, sys.argv[2].split(",")):
+extras = set(filter(None, sys.argv[2].split(",")))
+if {"bash", "deno"} & set(sys.argv[3].split(",")):
+    extras.add("kernels")  # as the Dockerfile adds it
+for extra in sorted(extras):
     needed += project["project"]["optional-dependencies"][extra]
 print("\n".join(needed))
 EOF
@@ -273,7 +279,7 @@ make_context() {
     local ctx="$WORK/context"
     mkdir -p "$ctx/wheels"
     tar -C "$ROOT" --exclude=__pycache__ -c Dockerfile .dockerignore pyproject.toml README.md \
-        kernel_env | tar -C "$ctx" -x
+        kernel_env scripts/install_kernelspecs.py | tar -C "$ctx" -x
     echo "$ctx"
 }
 
@@ -289,7 +295,7 @@ build_image() {
     DANGLING_BEFORE=$(docker images --quiet --filter dangling=true | sort)
     start=$(now)
     docker build --network none --force-rm --build-arg "BASE_IMAGE=$BASE" \
-        --build-arg "EXTRAS=$EXTRAS" --tag "$IMAGE" \
+        --build-arg "EXTRAS=$EXTRAS" --build-arg "KERNELS=$KERNELS" --tag "$IMAGE" \
         "$ctx" >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log" >&2; die "docker build"; }
     say "image $IMAGE built offline in $(since "$start") s"
 }
@@ -344,6 +350,10 @@ smoke_default_container() {
     say "serving at $url: /health answered ${healthy} s after docker run started"
     KERNEL_ENV_TOKEN=$token SMOKE_LLM_KEY=$key "$PYTHON" "$CLIENT" episode "$url" >&2 ||
         { docker logs "$name" >&2; die "episode through KernelEnv(base_url)"; }
+    if [ -n "$KERNELS" ]; then
+        KERNEL_ENV_TOKEN=$token "$PYTHON" "$CLIENT" languages "$url" "$KERNELS" >&2 ||
+            { docker logs "$name" >&2; die "episodes in $KERNELS"; }
+    fi
     if [[ ",$EXTRAS," == *,e2b,* ]]; then
         KERNEL_ENV_TOKEN=$token "$PYTHON" "$CLIENT" e2b "$url" >&2 ||
             { docker logs "$name" >&2; die "a sandbox through E2B's SDK"; }

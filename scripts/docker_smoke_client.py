@@ -4,10 +4,11 @@
     python scripts/docker_smoke_client.py episode URL [--sandboxed]  one episode + its notebook
     python scripts/docker_smoke_client.py from-image IMAGE           the same, via from_docker_image
     python scripts/docker_smoke_client.py e2b URL                    a sandbox through E2B's SDK
+    python scripts/docker_smoke_client.py languages URL bash,deno    an episode in each kernel
 
-``episode`` and ``e2b`` send the server's bearer token from ``KERNEL_ENV_TOKEN`` when it is
-set (never on the command line). Each command prints one line of facts and exits non-zero on
-any mismatch.
+``episode``, ``e2b`` and ``languages`` send the server's bearer token from
+``KERNEL_ENV_TOKEN`` when it is set (never on the command line). Each command prints one line
+of facts and exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -195,6 +196,31 @@ def from_image(image: str) -> str:
     return f"from_docker_image ok: port {port}, notebook {cells} cells, kernel uid {facts['uid']}"
 
 
+# A cell in each other language, what it prints, and its spelling of FINAL(42).
+LANGUAGE_CELLS = {
+    "bash": ("echo $((6*7))", "42", "FINAL 42"),
+    "deno": ("const a: number = 6*7; console.log(a)", "42", "FINAL(42)"),
+    "ir": ("x <- 1:10; cat(sum(x))", "55", "FINAL(42)"),
+}
+
+
+def languages(url: str, names: list[str]) -> str:
+    """An episode in each of the image's other kernels (its KERNELS build argument), each
+    ending with FINAL and the rubric's reward."""
+    from kernel_env import KernelEnv
+
+    token = os.environ.get("KERNEL_ENV_TOKEN") or None
+    for name in names:
+        code, printed, final_answer = LANGUAGE_CELLS[name]
+        with KernelEnv(base_url=url, token=token) as env:
+            env.reset(kernel_name=name, expected_answer="42")
+            said = env.run(code).stdout.strip()
+            check(said == printed, f"{name}: {code!r} printed {said!r}")
+            final = env.execute(final_answer)
+            check(final.done and final.reward == 1.0, f"{name}: {final_answer} gave {final}")
+    return f"languages ok: {', '.join(names)}: a cell each, FINAL(42) rewarded 1.0"
+
+
 def e2b_sandbox(url: str) -> str:
     """E2B's SDK, unchanged, against the container (its ``e2b`` extra): a sandbox runs a
     cell and a command in its kernel's environment, then is killed."""
@@ -228,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     image.add_argument("image")
     e2b = commands.add_parser("e2b")
     e2b.add_argument("url")
+    kernels = commands.add_parser("languages")
+    kernels.add_argument("url")
+    kernels.add_argument("names", help="comma-separated kernel names")
     args = parser.parse_args(argv)
     try:
         if args.command == "health":
@@ -236,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             print(episode(args.url, args.sandboxed))
         elif args.command == "e2b":
             print(e2b_sandbox(args.url))
+        elif args.command == "languages":
+            print(languages(args.url, args.names.split(",")))
         else:
             print(from_image(args.image))
     except SmokeFailure as exc:

@@ -76,6 +76,7 @@ def test_image_builds_offline_and_serves_episodes() -> None:
     assert "episode ok:" in log and "kernel uid 65534" in log  # the sandboxed container
     assert "from_docker_image ok:" in log
     assert "e2b ok:" in log  # E2B's SDK against the default container (the e2b extra)
+    assert "languages ok: bash, deno:" in log  # the KERNELS build argument's kernels
     assert "image facts:" in log
     # Kernels in containers through Enterprise Gateway: tests/test_gateway_docker.py ran,
     # against the kernel image built offline on top of this one, and none of it skipped.
