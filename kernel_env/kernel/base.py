@@ -506,16 +506,7 @@ class Kernel(ABC):
     async def _read_iopub(self, run: _Run) -> None:
         queue = self._queues["iopub"]
         while not run.idle:
-            msg = await queue.get()
-            msg_type = _msg_type(msg)
-            if _parent_id(msg) != run.msg_id:
-                self._stray(msg, msg_type)
-            elif msg_type == "status":
-                run.idle = msg.get("content", {}).get("execution_state") == "idle"
-            else:
-                run.collector.feed(msg)
-                if run.on_output is not None:
-                    _tell(run, msg)
+            self._take_iopub(run, await queue.get())
 
     async def _read_late(self, run: _Run) -> None:
         """The cell's iopub messages that come after its idle, until none comes for
@@ -523,12 +514,20 @@ class Kernel(ABC):
         Deno's does, may publish it after the idle)."""
         queue = self._queues["iopub"]
         while (msg := await _get(queue, self.idle_grace)) is not None:
-            if _parent_id(msg) != run.msg_id:
-                self._stray(msg, _msg_type(msg))
-            elif _msg_type(msg) != "status":
-                run.collector.feed(msg)
-                if run.on_output is not None:
-                    _tell(run, msg)
+            self._take_iopub(run, msg)
+
+    def _take_iopub(self, run: _Run, msg: dict[str, Any]) -> None:
+        """One iopub message during ``run``: its status, or an output of its own (collected
+        and told), or a stray one."""
+        msg_type = _msg_type(msg)
+        if _parent_id(msg) != run.msg_id:
+            self._stray(msg, msg_type)
+        elif msg_type == "status":
+            run.idle = msg.get("content", {}).get("execution_state") == "idle"
+        else:
+            run.collector.feed(msg)
+            if run.on_output is not None:
+                _tell(run, msg)
 
     def _stray(self, msg: dict[str, Any], msg_type: str | None) -> None:
         if msg_type in _OUTPUT_TYPES:
