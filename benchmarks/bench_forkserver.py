@@ -247,7 +247,7 @@ async def under_load(args: argparse.Namespace, parts: set[str], cold_start: floa
         eps = results[f"{label}_eps"]
         print(
             f"P11 {label} server, 8 sessions x {args.seconds:g} s: {eps:.1f} episodes/s = "
-            f"{eps / rate:.1f}x raw jupyter_client ({lanes})   [target: >= 10x]"
+            f"{eps / rate:.1f}x raw jupyter_client ({lanes})   [target: >= 15x]"
         )
 
 
