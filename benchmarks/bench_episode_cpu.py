@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -92,6 +93,8 @@ async def measure(label: str, flags: list[str], seconds: float) -> dict[str, obj
         elapsed = time.perf_counter() - t0
         perf.send_signal(2)
         perf.wait(30)
+        if data.stat().st_size == 0:
+            raise SystemExit("perf recorded nothing: run as root (or lower perf_event_paranoid)")
         load.stop = True
         await running
         samples = _samples(data, known)
@@ -112,16 +115,15 @@ def _long_lived(server: Server) -> dict[int, str]:
     """The roles of the processes that live through the run: this process, the server, its
     zygote and the zygote's spawner."""
     roles = {os.getpid(): "clients", server.process.pid: "server"}
-    for pid in descendants(server.process.pid):
-        try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if comm == "ke-spawner":
-            roles[pid] = "spawner"
-        elif b"kernel_env.kernel.fork.zygote" in cmdline:
-            roles[pid] = "zygote"
+    below = descendants(server.process.pid)
+    for pid in below:
+        with contextlib.suppress(OSError):
+            if b"kernel_env.kernel.fork.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                roles[pid] = "zygote"
+                # the spawner is the zygote's child (a launch, the spawner's)
+                for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+                    if Path(f"/proc/{child}/comm").read_text().strip() == "ke-spawner":
+                        roles[int(child)] = "spawner"
     return roles
 
 
