@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -109,3 +111,37 @@ def test_sigkill_leaves_no_live_fork_copy_running() -> None:
         terminate(server.process, signal.SIGKILL)
         server.process.wait(10)
         assert wait_until(lambda: not alive(pid), 10, interval=0.2)
+
+
+async def test_sigterm_does_not_wait_for_a_kernel_still_starting(tmp_path: Path) -> None:
+    """F10: a kernel start in flight (a pool's refill of a kernel that is slow to come up)
+    does not hold the shutdown up past what ``docker stop`` grants (10 s, and OpenEnv's
+    ``LocalDockerProvider`` gives up then): the server exits within a few seconds, and the
+    starting kernel's processes are gone."""
+    spec = tmp_path / "kernels" / "slowstart"
+    spec.mkdir(parents=True)
+    # A kernel that never comes up: its pool's start waits for it (60 s before it fails).
+    argv = ["sh", "-c", "exec sleep 120.271", "{connection_file}"]
+    spec.joinpath("kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "slow", "language": "python"})
+    )
+    env = {**os.environ, "JUPYTER_PATH": str(tmp_path)}
+    with serve_process("--pool-size", "1", "--kernels", "python3,slowstart", env=env) as server:
+        assert wait_until(lambda: _sleepers(), 30), "the slow kernel's start never began"
+        starting = _sleepers()
+        terminate(server.process, signal.SIGTERM)
+        sent = time.monotonic()
+        assert await asyncio.to_thread(server.process.wait, 30) is not None
+        assert time.monotonic() - sent < 6, "the shutdown waited for a kernel still starting"
+        assert wait_until(lambda: not any(alive(pid) for pid in starting), 5), starting
+
+
+def _sleepers() -> set[int]:
+    """The processes of the slow kernel (``sleep 120.271``), this test's alone."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "cmdline").read_bytes().startswith(b"sleep\x00120.271\x00"):
+                    found.add(int(entry.name))
+    return found

@@ -183,8 +183,12 @@ class KernelPool:
             self._placed.clear()
             await self._placed.wait()
 
-    async def close(self) -> None:
-        """Shut down every warm kernel and stop refilling; idempotent."""
+    async def close(self, *, start_grace: float | None = None) -> None:
+        """Shut down every warm kernel and stop refilling; idempotent. ``start_grace``:
+        seconds a kernel start in flight may take to finish (then, seeing the pool closed,
+        it shuts its kernel down itself) before it is cancelled, which shuts the kernel
+        down too; ``close_timeout`` by default. A server that is stopping passes a short one:
+        a start that is slow to come up must not hold its shutdown up."""
         self._closed = True
         self._start_ended.set()  # an acquire waiting for a start raises
         filler, self._filler = self._filler, None
@@ -192,9 +196,11 @@ class KernelPool:
             filler.cancel()
             await asyncio.gather(filler, return_exceptions=True)
         if self._starts:
-            # A start is not cancelled half-way (that could orphan a kernel process): it
-            # finishes and, seeing the pool closed, shuts its kernel down itself.
-            _, pending = await asyncio.wait(set(self._starts), timeout=self.close_timeout)
+            # Let a start finish rather than cancel it at once: a remote kernel (a gateway's)
+            # whose creation is cancelled half-way may be left running where this host does
+            # not know its id.
+            grace = self.close_timeout if start_grace is None else start_grace
+            _, pending = await asyncio.wait(set(self._starts), timeout=grace)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

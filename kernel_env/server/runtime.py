@@ -25,6 +25,11 @@ from kernel_env.server.tenant_pools import TenantPools
 
 __all__ = ["Runtime", "llm_backend_from"]
 
+# On shutdown, seconds a pool's kernel start in flight may take to finish before it is
+# cancelled: the whole stop must fit in what ``docker stop`` grants (10 s) after the drain of
+# steps, and a kernel slow to come up (a cold start on a loaded machine) took longer.
+_SHUTDOWN_START_GRACE = 2.0
+
 
 def llm_backend_from(settings: ServerSettings) -> LLMBackend | None:
     """The server's model for ``llm_query``, when ``llm_base_url`` is set."""
@@ -136,7 +141,7 @@ class Runtime:
     async def drain(self) -> None:
         """Graceful shutdown: in-flight steps answer (or are cancelled), then kernels go."""
         await self.sessions.drain(self.settings.drain_timeout)
-        await self._close_pools()
+        await self._close_pools(start_grace=_SHUTDOWN_START_GRACE)
 
     async def close(self) -> None:
         await self.sessions.close()
@@ -146,10 +151,11 @@ class Runtime:
         if self.llm is not None:
             await self.llm.aclose()
 
-    async def _close_pools(self) -> None:
-        closing = [self.pool.close(), *(pool.close() for pool in self.language_pools)]
+    async def _close_pools(self, start_grace: float | None = None) -> None:
+        pools = [self.pool, *self.language_pools]
+        closing = [pool.close(start_grace=start_grace) for pool in pools]
         if self.tenant_pools is not None:
-            closing.append(self.tenant_pools.close())
+            closing.append(self.tenant_pools.close(start_grace=start_grace))
         await asyncio.gather(*closing)
 
     @property

@@ -76,8 +76,9 @@ class TenantPools:
             await pool.start()  # schedules the filler; returns at once
         return pool
 
-    async def close(self) -> None:
-        """Close every tenant's pool (shutting its warm kernels down); idempotent."""
+    async def close(self, *, start_grace: float | None = None) -> None:
+        """Close every tenant's pool (shutting its warm kernels down; ``start_grace`` as
+        :meth:`KernelPool.close`); idempotent."""
         self._closed = True
         pools, self._pools = list(self._pools.values()), {}
-        await asyncio.gather(*(pool.close() for pool in pools))
+        await asyncio.gather(*(pool.close(start_grace=start_grace) for pool in pools))
