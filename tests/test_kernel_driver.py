@@ -5,6 +5,7 @@ The same behaviours against real ipykernel processes are in tests/test_kernel.py
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -133,3 +134,44 @@ async def test_a_closed_kernel_refuses_to_send() -> None:
     assert not await kernel.is_alive()
     with pytest.raises(KernelError):
         await kernel.execute("x", timeout=1)
+
+
+class _LateSubscriber(ScriptedKernel):
+    """A kernel ready by its kernel_info reply alone (R's, Deno's), whose iopub our
+    subscription reaches only after its first ``late`` kernel_info requests: what it
+    published for those is lost, as a publisher drops what it sends before a subscriber
+    joins (a Deno kernel slow to come up, on a cold disk)."""
+
+    def __init__(self, late: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._stdin_waits_for_the_host = self._welcomes_subscribers = False
+        self._stdin_probe = None
+        self.late, self.asked = late, 0
+
+    def _publish(self, channel: str, msg_type: str, *args: Any) -> None:
+        if msg_type != "iopub_welcome":  # this kernel sends none
+            super()._publish(channel, msg_type, *args)
+
+    def _send(
+        self, channel: str, msg_type: str, content: dict[str, Any], *args: Any, **kw: Any
+    ) -> str:
+        msg_id = super()._send(channel, msg_type, content, *args, **kw)
+        if msg_type == "kernel_info_request":
+            self.asked += 1
+            if self.asked > self.late:  # the subscription has arrived
+                self._publish("iopub", "status", {"execution_state": "idle"}, None)
+        return msg_id
+
+
+async def test_a_kernel_whose_iopub_subscription_came_late_is_asked_until_it_shows() -> None:
+    """Readiness by kernel_info (no welcome, no probe) waits for a message on iopub too; a
+    kernel that answered on shell before our subscription reached its iopub is asked again
+    until iopub shows one, instead of waiting out the ready timeout for a message that only
+    a request would bring."""
+    kernel = _LateSubscriber(late=3, ready_timeout=3)
+    await kernel.start()
+    try:
+        assert kernel.asked > 3
+        assert (await kernel.execute("x")).status == "error"  # unscripted: a NameError
+    finally:
+        await kernel.shutdown()

@@ -273,11 +273,14 @@ class Kernel(ABC):
             await self._wait_probed()
 
     async def _wait_answered(self) -> None:
-        """Wait for a ``kernel_info`` reply on shell (asked every 50 ms) and a message on
-        iopub; then a moment more, for stdin, which connects on its own (the host's sockets
-        retry every 5 ms): a kernel without a probe cell (R's, Deno's) cannot be asked to
-        prove it, and IRkernel queues every stdin message it gets, so spare answers would
-        be read as replies."""
+        """Wait for a ``kernel_info`` reply on shell and a message on iopub, asking every
+        50 ms until both came: a kernel publishes its status for each request, and what it
+        published before our subscription reached it is lost (a Deno kernel slow to come
+        up answered on shell first, and asked no more, published nothing we could see).
+        Then a moment more, for stdin, which connects on its own (the host's sockets retry
+        every 5 ms): a kernel without a probe cell (R's, Deno's) cannot be asked to prove
+        it, and IRkernel queues every stdin message it gets, so spare answers would be read
+        as replies."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ready_timeout
         answered = subscribed = False
@@ -290,8 +293,7 @@ class Kernel(ABC):
                 )
             if not await self.is_alive():
                 raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
-            if not answered:
-                self._send("shell", "kernel_info_request", {})
+            self._send("shell", "kernel_info_request", {})
             msg = await _get(self._queues["shell"], _READY_RECHECK)
             answered |= msg is not None and _msg_type(msg) == "kernel_info_reply"
             subscribed |= not self._queues["iopub"].empty()
