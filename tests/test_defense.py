@@ -39,6 +39,7 @@ from kernel_env.kernel.isolation import seccomp
 from kernel_env.kernel.isolation.cgroups import available_controllers
 from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
 from kernel_env.kernel.sandboxed import SandboxedKernel
+from kernel_env.languages.catalog import installed_kernels
 
 pytestmark = [
     pytest.mark.integration,
@@ -719,17 +720,20 @@ def _may_hold(name: str, fd: int, target: str) -> bool:
     """Whether a process of a sandbox may hold this descriptor at all: its stdio; anything
     of the kernel's own; bubblewrap's event and signal descriptors."""
     bwraps = ("anon_inode:[eventfd]", "anon_inode:[signalfd]")
-    return fd <= 2 or name in ("ke-kernel", "python") or (name == "bwrap" and target in bwraps)
+    kernels = ("ke-kernel", "python", *OTHER_KERNEL_PROCESSES)
+    return fd <= 2 or name in kernels or (name == "bwrap" and target in bwraps)
 
 
-def _audit_server(url: str, server: int) -> tuple[int, list[str]]:
+def _audit_server(
+    url: str, server: int, kernel_name: str = "python3", code: str = "print(1 + 1)"
+) -> tuple[int, list[str]]:
     """Open two sessions (one sandbox running a cell) and audit every sandbox. A kernel
     still being forked (the warm pool's, refilled) holds its sandbox's namespaces as the
     zygote does for a moment: what one audit finds, a second must find too."""
     with KernelEnv(base_url=url) as first, KernelEnv(base_url=url) as second:
-        first.reset()
+        first.reset(kernel_name=kernel_name)
         second.reset()
-        assert "2" in first.execute("print(1 + 1)").observation.result.stdout
+        assert "2" in first.execute(code).observation.result.stdout
         for _ in range(2):
             sandboxes = _sandboxes(server)
             problems = [p for s in sandboxes for p in _audit(*s)]
@@ -749,6 +753,30 @@ def test_no_process_in_a_sandbox_holds_a_descriptor_of_the_host(start: str) -> N
     with serve_process("--forkserver", flag, "--pool-size", "1") as served:
         count, problems = _audit_server(served.url, served.pid)
     assert count >= 2  # the two sessions' (and the warm pool's)
+    assert problems == [], problems
+
+
+# The other languages' kernels (make kernels), a cell each that prints 2, and the names of
+# their processes inside a sandbox (R; Deno and its relay; bash_kernel and its shell).
+OTHER_KERNELS = {"ir": "cat(1 + 1)", "bash": "echo $((1 + 1))", "deno": "console.log(1 + 1)"}
+OTHER_KERNEL_PROCESSES = ("R", "deno", "bash", "python3")
+
+
+@needs_root
+@pytest.mark.skipif(_KCMP is None, reason="kcmp's number is not known here")
+@pytest.mark.parametrize("kernel_name", sorted(OTHER_KERNELS))
+def test_no_process_in_another_languages_sandbox_holds_a_descriptor_of_the_host(
+    kernel_name: str,
+) -> None:
+    """The audit with an R, Bash or Deno episode (cold starts, Deno's relay included)."""
+    if kernel_name not in installed_kernels():
+        pytest.skip(f"no {kernel_name} kernel here: make kernels installs it")
+    flags = ("--pool-size", "1", "--kernels", f"python3,{kernel_name}")
+    with serve_process(*flags) as served:
+        count, problems = _audit_server(
+            served.url, served.pid, kernel_name, OTHER_KERNELS[kernel_name]
+        )
+    assert count >= 2
     assert problems == [], problems
 
 
