@@ -276,7 +276,7 @@ class Kernel(ABC):
         """Wait for a ``kernel_info`` reply on shell and a message on iopub, asking every
         50 ms until both came: a kernel publishes its status for each request, and what it
         published before our subscription reached it is lost (a Deno kernel slow to come
-        up answered on shell first, and asked no more, published nothing we could see).
+        up answered on shell first; asked no more, it published nothing we could see).
         Then a moment more, for stdin, which connects on its own (the host's sockets retry
         every 5 ms): a kernel without a probe cell (R's, Deno's) cannot be asked to prove
         it, and IRkernel queues every stdin message it gets, so spare answers would be read
