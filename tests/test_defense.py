@@ -762,17 +762,27 @@ OTHER_KERNELS = {"ir": "cat(1 + 1)", "bash": "echo $((1 + 1))", "deno": "console
 OTHER_KERNEL_PROCESSES = ("R", "deno", "bash", "python3")
 
 
-@needs_root
 @pytest.mark.skipif(_KCMP is None, reason="kcmp's number is not known here")
+@pytest.mark.parametrize("server", ["root", "unprivileged"])
 @pytest.mark.parametrize("kernel_name", sorted(OTHER_KERNELS))
 def test_no_process_in_another_languages_sandbox_holds_a_descriptor_of_the_host(
-    kernel_name: str,
+    kernel_name: str, server: str
 ) -> None:
-    """The audit with an R, Bash or Deno episode (cold starts, Deno's relay included)."""
+    """The audit with an R, Bash or Deno episode (cold starts, Deno's relay included), on a
+    server running as root and on one that is not."""
     if kernel_name not in installed_kernels():
         pytest.skip(f"no {kernel_name} kernel here: make kernels installs it")
     flags = ("--pool-size", "1", "--kernels", f"python3,{kernel_name}")
-    with serve_process(*flags) as served:
+    if server == "root":
+        if not ROOT:
+            pytest.skip("the attack needs a server running as root")
+        serving = serve_process(*flags)
+    else:
+        if unprivileged.problem() is not None:
+            pytest.skip(str(unprivileged.problem()))
+        env = {"JUPYTER_PATH": str(Path(sys.prefix) / "share" / "jupyter")}
+        serving = unprivileged.serve_unprivileged(*flags, env=env)
+    with serving as served:
         count, problems = _audit_server(
             served.url, served.pid, kernel_name, OTHER_KERNELS[kernel_name]
         )
