@@ -50,6 +50,31 @@ def test_the_kustomization_lists_the_manifests_beside_it(path: Path) -> None:
     assert listed == {p for p in MANIFESTS if p.parent == path.parent}
 
 
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_config_map_a_pod_mounts_is_made_beside_it(path: Path) -> None:
+    """A pod's ConfigMap volumes name ConfigMaps that the kustomization generates (from files
+    that exist) or that a manifest beside it defines; generated Python settings compile."""
+    (kustomization,) = _documents(path)
+    generated = {}
+    for generator in kustomization.get("configMapGenerator", []):
+        files = [path.parent / name for name in generator["files"]]
+        assert all(f.is_file() for f in files), files
+        for f in files:
+            if f.suffix == ".py":
+                compile(f.read_text(), str(f), "exec")
+        generated[generator["name"]] = files
+    documents = [d for p in MANIFESTS if p.parent == path.parent for d in _documents(p)]
+    defined = {d["metadata"]["name"] for d in documents if d["kind"] == "ConfigMap"}
+    mounted = {
+        volume["configMap"]["name"]
+        for d in documents
+        if d["kind"] == "Deployment"
+        for volume in d["spec"]["template"]["spec"].get("volumes", [])
+        if "configMap" in volume
+    }
+    assert mounted <= set(generated) | defined, mounted - set(generated) - defined
+
+
 def test_the_check_sees_a_broken_resource() -> None:
     """A misspelt field and a wrong type are both refused."""
     deployment = next(
