@@ -82,8 +82,13 @@ def test_run_code_keeps_state_streams_in_order_and_dies_with_kill(opts: dict[str
         png = [r.png for r in plot.results if r.png]
         assert png and base64.b64decode(png[0]).startswith(b"\x89PNG\r\n\x1a\n")
 
-        failed = sandbox.run_code("def f():\n    return 1 / 0\nf()")
+        errors: list[Any] = []
+        failed = sandbox.run_code(
+            "print('before')\ndef f():\n    return 1 / 0\nf()", on_error=errors.append
+        )
         assert failed.error is not None
+        assert [(e.name, e.value) for e in errors] == [("ZeroDivisionError", "division by zero")]
+        assert failed.logs.stdout == ["before\n"]
         assert (failed.error.name, failed.error.value) == ("ZeroDivisionError", "division by zero")
         assert "return 1 / 0" in re.sub(r"\x1b\[[0-9;]*m", "", failed.error.traceback)
 
