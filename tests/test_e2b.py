@@ -10,6 +10,7 @@ import secrets
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -133,6 +134,34 @@ def test_two_sandboxes_cannot_see_each_other(opts: dict[str, Any], server: Serve
     finally:
         one.kill()
         two.kill()
+
+
+def test_a_tenant_sees_and_kills_only_its_own_sandboxes(tmp_path: Path) -> None:
+    """On a server with a tokens file, each client tenant's key lists, reaches and kills only
+    the sandboxes it created; another tenant's sandbox is "not found" to it."""
+    keys = {name: "e2b_" + secrets.token_hex(20) for name in ("alice", "bob")}
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{name} client {key}\n" for name, key in keys.items()))
+    tokens.chmod(0o600)
+    with serve_process("--pool-size", "1", "--tokens-file", str(tokens)) as server:
+        alice, bob = ({"api_url": server.url, "sandbox_url": server.url, "api_key": keys[name]}
+                      for name in ("alice", "bob"))  # fmt: skip
+        mine = e2b_ci.Sandbox.create(**alice)
+        theirs = e2b_ci.Sandbox.create(**bob)
+        try:
+            mine.run_code("secret = 42")
+            assert {s.sandbox_id for s in e2b_ci.Sandbox.list(**bob).next_items()} == {
+                theirs.sandbox_id
+            }
+            with pytest.raises(e2b.NotFoundException):
+                e2b_ci.Sandbox.get_info(mine.sandbox_id, **bob)
+            with pytest.raises(e2b.NotFoundException):
+                e2b_ci.Sandbox.connect(mine.sandbox_id, **bob)
+            assert e2b_ci.Sandbox.kill(mine.sandbox_id, **bob) is False
+            assert mine.is_running() and mine.run_code("secret").text == "42"
+        finally:
+            mine.kill()
+            theirs.kill()
 
 
 def test_a_sandbox_past_its_timeout_is_gone(opts: dict[str, Any]) -> None:
