@@ -1,5 +1,5 @@
 """``openenv validate`` of the newest ``openenv`` release (0.10) against this package and a
-real ``kernel-env serve`` process.
+real ``kernel-env serve`` process, and that release's generic client.
 
 ``openenv`` 0.10 and ``openenv-core`` 0.3 (the dev venv's, tested by test_openenv_compat.py)
 install the same ``openenv`` package, so 0.10 lives in a venv of its own, made on first use
@@ -99,6 +99,46 @@ def test_validate_url_with_the_newest_release(openenv_python: Path, server: Serv
     assert done.returncode == 0, report
     assert report["passed"] is True
     assert report["summary"]["passed_count"] == report["summary"]["total_count"] == 6
+
+
+_GENERIC_EPISODE = """
+import json, sys
+from openenv.core.generic_client import GenericEnvClient
+
+with GenericEnvClient(base_url=sys.argv[1]).sync() as env:
+    reset = env.reset(context="Hello World", task_prompt="Count", expected_answer="11")
+    step = env.step({"code": "count = len(context)\\nprint(count)"})
+    final = env.step({"code": "print(f'FINAL({count})')"})
+    print(json.dumps({
+        "reset_done": reset.done,
+        "context_length": reset.observation["context_length"],
+        "stdout": step.observation["result"]["stdout"],
+        "final": [final.done, final.reward, final.observation["metadata"]["final_answer"]],
+        "state_final": env.state()["final_answer"],
+    }))
+"""
+
+
+def test_the_newest_releases_generic_client_runs_an_episode(
+    openenv_python: Path, server: ServeProcess
+) -> None:
+    """OpenEnv 0.10's GenericEnvClient (its sync wrapper) runs reset -> step -> final answer
+    against the server, as openenv-core 0.3's does (tests/test_openenv_compat.py)."""
+    done = subprocess.run(
+        [str(openenv_python), "-c", _GENERIC_EPISODE, server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "reset_done": False,
+        "context_length": 11,
+        "stdout": "11\n",
+        "final": [True, 1.0, "11"],
+        "state_final": "11",
+    }
 
 
 def test_the_oracle_scores_the_top_reward(server: ServeProcess) -> None:
