@@ -13,6 +13,9 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
+# make test runs the test files on this many workers (pytest-xdist; one file stays on one
+# worker, so its module fixtures start once). 0 runs them in this process, one at a time.
+TEST_WORKERS ?= 2
 
 # Tests that start kernels, servers or other processes are marked `integration` (see
 # tests/conftest.py); the quick tier is everything else.
@@ -106,7 +109,7 @@ serve: $(VENV)/.installed system-deps
 	$(BIN)/kernel-env serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed-dev test-deps kernels
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 check: lint
 	$(BIN)/python -m pytest -q $(QUICK) $(PYTEST_ARGS)
