@@ -107,10 +107,10 @@ async def node_enders() -> dict[str, Any]:
 
 
 async def end_a_host_node(
-    cluster: KernelEnvCluster, enders: dict[str, Any], after: float
+    cluster: KernelEnvCluster, enders: dict[str, Any], after: float, ended_at: list[float]
 ) -> str | None:
     """``after`` seconds after the first episode is placed, end the host node with the most
-    episodes placed."""
+    episodes placed; the time it was ended goes into ``ended_at``."""
     while not any(node in enders for node in cluster.placed):
         await asyncio.sleep(0.05)
     await asyncio.sleep(after)
@@ -118,6 +118,7 @@ async def end_a_host_node(
     if not candidates:
         return None
     victim = max(candidates, key=lambda node: cluster.placed[node])
+    ended_at.append(time.perf_counter())
     with contextlib.suppress(ray.exceptions.RayError):  # it may end with its node first
         await enders[victim].end.remote()
     return victim
@@ -128,6 +129,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     limit = asyncio.Semaphore(args.concurrency)
     nodes: Counter[str] = Counter()
     failures: Counter[str] = Counter()
+    failed_at: list[float] = []
+    ended_at: list[float] = []
 
     async def one(task: Task, index: int) -> Rollout | None:
         async with limit:
@@ -135,6 +138,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 rollout, node = await run_rollout(cluster, task, index)
             except Exception as exc:
                 failures[f"{type(exc).__name__}: {str(exc)[:160]}"] += 1
+                failed_at.append(time.perf_counter())
                 return None
             nodes[node] += 1
             return rollout
@@ -142,7 +146,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     killer = None
     if args.kill_node_after is not None:
         enders = await node_enders()  # placed before the clock starts
-        killer = asyncio.create_task(end_a_host_node(cluster, enders, args.kill_node_after))
+        killer = asyncio.create_task(
+            end_a_host_node(cluster, enders, args.kill_node_after, ended_at)
+        )
     started = time.perf_counter()
     groups = []
     for first in range(0, args.episodes, args.group_size):
@@ -178,6 +184,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else None,
         "killed_node": killed,
         "failures": dict(failures),
+        # the last failure, in seconds after the node was ended: how fast its episodes knew
+        "last_failure_after_end_s": round(max(failed_at) - ended_at[0], 2)
+        if failed_at and ended_at
+        else None,
     }
 
 
