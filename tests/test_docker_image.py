@@ -66,7 +66,10 @@ def skip_reason(stderr: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(SMOKE_TIMEOUT + 120)
 def test_image_builds_offline_and_serves_episodes() -> None:
-    result = run_bounded(["bash", str(SMOKE)], SMOKE_TIMEOUT)
+    # The smoke script's client needs this Python (kernel_env installed), not any PYTHON of
+    # the environment (make's own setting of the interpreter that makes the venv).
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = run_bounded(["bash", str(SMOKE)], SMOKE_TIMEOUT, env=env)
     if result.returncode == SKIP_STATUS:
         pytest.skip(f"Docker cannot run here: {skip_reason(result.stderr)}")
     log = result.stdout + result.stderr

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from serverkit import small_settings, thread_server
+from uids import OWN_UIDS_REASON, unsandboxed_fork_method, unsandboxed_kernels_get_own_uids
 from websockets.asyncio.client import connect
 
 from kernel_env import AsyncKernelEnv, KernelEnv
@@ -33,6 +34,9 @@ pytestmark = pytest.mark.integration  # kernels, servers or other processes
 LIVE = pytest.mark.skipif(
     versions.untested() is not None, reason=f"forks replay here: {versions.untested()}"
 )
+
+# A live copy needs a kernel that runs as the server's uid (tests/uids.py).
+COPIED = pytest.mark.skipif(unsandboxed_kernels_get_own_uids(), reason=OWN_UIDS_REASON)
 
 LOCAL = local_source("none")
 SETUP = (
@@ -64,12 +68,14 @@ def _out(env: KernelEnv, code: str) -> str:
 @LIVE
 def test_a_fork_before_the_first_step_copies_the_set_up_episode() -> None:
     """The setup a reset leaves for the first request is carried in before the kernel is
-    copied: a live copy made right after the reset has the context and the seed's draws."""
+    copied: a copy made right after the reset (live, where the kernel can be copied) has the
+    context and the seed's draws."""
     with KernelEnv(kernel_source=LOCAL) as parent:
         parent.reset(context="ctx", seed=3)
         (child,) = parent.fork(1)
         with child:
-            assert child._async.environment.record.forked_from["method"] == "live"  # type: ignore[union-attr]
+            forked = child._async.environment.record.forked_from  # type: ignore[union-attr]
+            assert forked["method"] == unsandboxed_fork_method()
             probe = "import random\nprint(context, random.random() == random.Random(3).random())"
             assert _out(child, probe) == "ctx True"
             assert _out(parent, probe) == "ctx True"
@@ -221,7 +227,7 @@ def test_children_hold_the_state_then_change_only_their_own(sandbox: str) -> Non
             assert _out(first, probe) == "[1, 2] first first"
             forked = first._async.environment.record.forked_from  # type: ignore[union-attr]
             if sandbox == "none":
-                assert forked["method"] == "live"
+                assert forked["method"] == unsandboxed_fork_method()
             else:
                 assert forked["method"] == "replay" and forked["outputs_matched"] is True
                 assert "sandbox" in forked["live_fork"]
@@ -257,6 +263,7 @@ def test_live_copies_of_a_seeded_episode_keep_its_random_state() -> None:
 
 
 @LIVE
+@COPIED
 def test_a_live_copy_has_channels_of_its_own() -> None:
     """What a copy prints, from Python or from a subprocess writing to its descriptors, is
     its own output; the parent's next step shows none of it. A copy's files are copies."""
@@ -289,6 +296,7 @@ def test_a_live_copy_has_channels_of_its_own() -> None:
 
 
 @LIVE
+@COPIED
 def test_a_live_copy_runs_a_cell_with_top_level_await() -> None:
     """A copy serves shell on its main thread: a cell with top-level ``await`` replies."""
     with KernelEnv(kernel_source=LOCAL) as parent:
@@ -301,6 +309,7 @@ def test_a_live_copy_runs_a_cell_with_top_level_await() -> None:
 
 
 @LIVE
+@COPIED
 def test_a_live_copy_grows_its_descriptor_table_before_it_has_threads() -> None:
     """A copy inherits a table its parent's ~60 descriptors fill; grown on the copy's first
     new descriptor, with its threads running, the growth would wait ~8 ms for RCU."""
@@ -313,6 +322,7 @@ def test_a_live_copy_grows_its_descriptor_table_before_it_has_threads() -> None:
 
 
 @LIVE
+@COPIED
 def test_a_live_copy_runs_in_a_cgroup_of_its_own() -> None:
     """Closing a copy kills what is in its cgroup: the copy must be there, not in its
     parent's (where closing it would leave the copy's children running)."""
@@ -338,6 +348,7 @@ def _workdir(env: KernelEnv) -> str:
 
 
 @LIVE
+@COPIED
 def test_a_kernel_running_a_thread_of_its_own_is_forked_by_replay() -> None:
     """A thread would be cut in half by a fork: the copy replays instead, and says why."""
     with KernelEnv(kernel_source=LOCAL) as parent:
@@ -353,6 +364,7 @@ def test_a_kernel_running_a_thread_of_its_own_is_forked_by_replay() -> None:
 
 
 @LIVE
+@COPIED
 def test_a_kernel_on_an_untested_release_is_forked_by_replay() -> None:
     """A live copy relies on ipykernel's internals: a kernel whose releases are not the
     tested ones (faked here inside it) replays, and says why."""
@@ -371,6 +383,7 @@ def test_a_kernel_on_an_untested_release_is_forked_by_replay() -> None:
 
 
 @LIVE
+@COPIED
 def test_the_method_can_be_chosen() -> None:
     """``method="replay"`` replays an episode that could be copied live; ``"live"`` refuses
     where it cannot be; anything else is refused."""
@@ -522,7 +535,7 @@ def test_fork_over_http_and_attach_a_websocket_to_a_copy() -> None:
         reply = httpx.post(f"{url}/sessions/{parent}/fork", json={"n": 2}, timeout=120)
         assert reply.status_code == 200, reply.text
         first, second = (c["session_id"] for c in reply.json()["sessions"])
-        assert {c["method"] for c in reply.json()["sessions"]} == {"live"}
+        assert {c["method"] for c in reply.json()["sessions"]} == {unsandboxed_fork_method()}
         _server_step(url, first, "xs.append(2)")
 
         async def over_ws() -> str:

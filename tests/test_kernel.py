@@ -20,13 +20,17 @@ pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
 
 async def test_ipc_transport_in_private_dir() -> None:
-    """The kernel listens on IPC sockets inside a 0700 directory; no TCP port is opened."""
+    """The kernel listens on IPC sockets inside a 0700 directory (its own uid's, where it has
+    one: tests/uids.py); no TCP port is opened."""
     async with LocalKernel() as kernel:
         runtime = kernel.runtime_dir
         assert runtime is not None
-        assert stat.S_IMODE(os.stat(runtime).st_mode) & 0o777 == 0o700
+        lease = kernel._lease
+        private = runtime if lease is None else runtime / "ipc"
+        assert stat.S_IMODE(os.stat(private).st_mode) & 0o777 == 0o700
+        assert os.stat(private).st_uid == (os.getuid() if lease is None else lease.uid)
         info = kernel._km.get_connection_info()
-        assert info["transport"] == "ipc" and str(info["ip"]).startswith(str(runtime))
+        assert info["transport"] == "ipc" and str(info["ip"]).startswith(str(private))
         result = await kernel.execute("import os; os.getcwd()")
         assert str(kernel.workdir) in result.stdout
     assert not runtime.exists()

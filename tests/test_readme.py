@@ -84,6 +84,8 @@ def test_getting_started_from_a_fresh_clone(tmp_path: Path, python: str | None) 
         make = subprocess.Popen(
             [*command, f"PYTHON={python}"] if python else command,
             cwd=clone,
+            # make reads PYTHON from the environment too: the first case is make's default
+            env={k: v for k, v in os.environ.items() if k != "PYTHON"},
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,

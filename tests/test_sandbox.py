@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from procs import alive, descendants
 from serverkit import make_client, serve_process, wait_until
+from uids import unsandboxed_kernels_get_own_uids
 
 from kernel_env import KernelEnv
 from kernel_env.kernel import Kernel, LocalKernel
+from kernel_env.kernel.isolation import privilege
 from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
 from kernel_env.kernel.launch import launch_guard
 from kernel_env.kernel.sandboxed import SandboxedKernel
@@ -302,9 +304,15 @@ def _served_uid(**settings: object) -> str:
 
 
 def test_served_kernels_are_sandboxed_by_default() -> None:
-    """The server's kernels run in the sandbox (as nobody) unless sandbox="none" is asked."""
+    """The server's kernels run in the sandbox (as nobody) unless sandbox="none" is asked:
+    then as the server's uid, or a uid of their own (tests/uids.py)."""
     assert _served_uid() == "65534\n"
-    assert _served_uid(sandbox="none") == f"{os.getuid()}\n"
+    unsandboxed = int(_served_uid(sandbox="none"))
+    if unsandboxed_kernels_get_own_uids():
+        first, last = privilege.KERNEL_UIDS
+        assert first <= unsandboxed <= last
+    else:
+        assert unsandboxed == os.getuid()
 
 
 def test_serve_says_whether_kernels_are_sandboxed() -> None:

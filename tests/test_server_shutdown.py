@@ -14,6 +14,7 @@ import httpx
 import pytest
 from procs import child_pids, comm, descendants
 from serverkit import alive, kernel_pids, metrics, serve_process, terminate, wait_until
+from uids import OWN_UIDS_REASON, unsandboxed_kernels_get_own_uids
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -92,6 +93,7 @@ def test_sigkill_leaves_no_orphan_kernel_after_10_s() -> None:
         ]
 
 
+@pytest.mark.skipif(unsandboxed_kernels_get_own_uids(), reason=OWN_UIDS_REASON)
 def test_sigkill_leaves_no_live_fork_copy_running() -> None:
     """F11 for a live fork's copies: a copy's parent is a kernel, not the server, so it
     watches the server itself; after SIGKILL of the server the copy exits within 10 s."""
