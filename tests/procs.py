@@ -49,12 +49,19 @@ def alive(pid: int) -> bool:
         return False
 
 
-def cmdline(pid: int) -> bytes:
+def cmdline(pid: int | str) -> bytes:
     """The process's command line (NUL-separated), or b"" once it is gone."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def running(command_line: bytes) -> set[int]:
+    """The processes whose command line (NUL-separated) starts with ``command_line``."""
+    return {
+        int(p) for p in os.listdir("/proc") if p.isdigit() and cmdline(p).startswith(command_line)
+    }
 
 
 def kernel_pids(pid: int) -> set[int]:

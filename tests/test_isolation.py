@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from procs import running
 from serverkit import make_client, serve_process, wait_until
 
 from kernel_env import AsyncKernelEnv, KernelEnv
@@ -559,18 +560,10 @@ async def test_6_closing_an_episode_kills_its_setsid_children(sandbox: str) -> N
     assert wait_until(lambda: not _sleepers(), timeout=10), f"survivors: {_sleepers()}"
 
 
-def _sleepers() -> list[int]:
+def _sleepers() -> set[int]:
     """This module's ``sleep`` processes on this host (they outlive the servers that made
     them, so they are found by their command line, not by their parent)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes() == f"sleep\x00{SLEEP}\x00".encode():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+    return running(f"sleep\x00{SLEEP}\x00".encode())
 
 
 @needs_root

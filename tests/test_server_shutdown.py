@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import child_pids, comm, descendants
+from procs import child_pids, comm, descendants, running
 from serverkit import alive, kernel_pids, metrics, serve_process, terminate, wait_until
 from uids import OWN_UIDS_REASON, unsandboxed_kernels_get_own_uids
 from websockets.asyncio.client import ClientConnection, connect
@@ -140,10 +140,4 @@ async def test_sigterm_does_not_wait_for_a_kernel_still_starting(tmp_path: Path)
 
 def _sleepers() -> set[int]:
     """The processes of the slow kernel (``sleep 120.271``), this test's alone."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if (entry / "cmdline").read_bytes().startswith(b"sleep\x00120.271\x00"):
-                    found.add(int(entry.name))
-    return found
+    return running(b"sleep\x00120.271\x00")

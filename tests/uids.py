@@ -7,18 +7,13 @@ that uid), so its episode forks by replay."""
 from __future__ import annotations
 
 import functools
-import sys
 
-from kernel_env.kernel.isolation import privilege
-from kernel_env.kernel.isolation.runtime import runtime_parent
-from kernel_env.kernel.launch import reachable_by_kernel_uid
+from kernel_env.kernel.local import kernels_get_own_uids
 
 
 @functools.cache
 def unsandboxed_kernels_get_own_uids() -> bool:
-    if not privilege.privileged():
-        return False
-    return reachable_by_kernel_uid(sys.executable, str(runtime_parent().path))
+    return kernels_get_own_uids()
 
 
 def unsandboxed_fork_method() -> str:

@@ -170,10 +170,7 @@ class LocalKernel(Kernel):
     def _lease_uid(self) -> privilege.UidLease | None:
         """A uid of the kernel's own when this process is root (None otherwise, or when such
         a uid could not reach the interpreter: then the kernel runs as root, said once)."""
-        if not privilege.privileged():
-            return None
-        parent = runtime_parent(self._runtime_root).path
-        if not reachable_by_kernel_uid(self._python, str(parent)):
+        if not kernels_get_own_uids(self._python, self._runtime_root):
             return None
         return privilege.lease_uid()
 
@@ -478,13 +475,21 @@ class LocalKernel(Kernel):
             client.close()
 
 
+def kernels_get_own_uids(python: str = sys.executable, runtime_root: str | None = None) -> bool:
+    """Whether unsandboxed kernels of ``python`` run as uids of their own: this process is
+    root and such a uid can reach the interpreter and the runtime dir (else they keep root)."""
+    if not privilege.privileged():
+        return False
+    return reachable_by_kernel_uid(python, str(runtime_parent(runtime_root).path))
+
+
 def describe_isolation(python: str = sys.executable) -> dict[str, str]:
     """What separates an unsandboxed local kernel from the server, in words."""
     from kernel_env.kernel.isolation.cgroups import available_controllers
 
     if not privilege.privileged():
         uid = f"the server's uid ({os.getuid()}): it can read what the server can"
-    elif reachable_by_kernel_uid(python, str(runtime_parent().path)):
+    elif kernels_get_own_uids(python):
         first, last = privilege.KERNEL_UIDS
         uid = f"one uid per kernel from {first}-{last}"
     else:
