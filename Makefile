@@ -1,7 +1,8 @@
 # kernel_env — the targets the README and CI call.
 #   make serve   install what is needed, then run the server (kernel-env serve)
 #   make test    install what is needed, then run the whole test suite (what CI runs)
-#   make check   the edit loop: lint, types and the quick tests (no kernels), under a minute
+#   make check   the edit loop: lint, types and the quick tests (no kernels), under a minute;
+#                it installs only the test extra (make test adds the rest)
 #   make bench   run the server benchmarks (prints a table); benchmarks/README.md has the rest
 #   make kernels install the R, Bash and Deno kernels and register their kernelspecs
 #   make test-lowest  the kernel tests against the lowest ipykernel and jupyter_client
@@ -23,8 +24,8 @@ QUICK  := -m "not integration and not slow and not soak"
 # The test and lint tools, and everything they pull in, at the versions CI runs.
 CONSTRAINTS := constraints.txt
 
-.PHONY: serve test check lint format bench install install-dev system-deps test-deps clean \
-	test-lowest kernels
+.PHONY: serve test check lint format bench install install-test install-dev system-deps \
+	test-deps clean test-lowest kernels
 
 $(BIN)/python:
 	@echo "== creating the virtualenv $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
@@ -42,15 +43,26 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 	@echo "installed: $$($(BIN)/kernel-env --version); in another terminal, . $(VENV)/bin/activate"
 
+# make check's tools: the test extra, what the quick tier imports (seconds from pip's cache).
+$(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	@echo "== installing kernel_env and the quick tier's tools into $(VENV) (pinned by $(CONSTRAINTS))"
+	@$(BIN)/pip install -c $(CONSTRAINTS) -e '.[test]' || { \
+	  echo "make: the test tools pinned by $(CONSTRAINTS) did not install on" \
+	    "$$($(BIN)/python --version 2>&1) (pip's reason is above)"; exit 1; }
+	touch $@ $(VENV)/.installed
+	@echo "installed: $$($(BIN)/kernel-env --version) with its quick-test tools"
+
+# make test's: the dev extra, the test extra and everything the whole suite drives.
 $(VENV)/.installed-dev: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	@echo "== installing kernel_env with its test tools into $(VENV) (pinned by $(CONSTRAINTS))"
 	@$(BIN)/pip install -c $(CONSTRAINTS) -e '.[dev]' || { \
 	  echo "make: the test tools pinned by $(CONSTRAINTS) did not install on" \
 	    "$$($(BIN)/python --version 2>&1) (pip's reason is above)"; exit 1; }
-	touch $@ $(VENV)/.installed
+	touch $@ $(VENV)/.installed-test $(VENV)/.installed
 	@echo "installed: $$($(BIN)/kernel-env --version) with its test tools"
 
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 install-dev: $(VENV)/.installed-dev
 
 # bubblewrap sandboxes the kernels (Debian package `bubblewrap`): installed when missing and
@@ -135,12 +147,12 @@ $(LOWEST_VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 test-lowest: $(LOWEST_VENV)/.installed test-deps
 	$(LOWEST_VENV)/bin/python -m pytest $(KERNEL_TESTS) $(PYTEST_ARGS)
 
-lint: $(VENV)/.installed-dev
+lint: $(VENV)/.installed-test
 	$(BIN)/ruff check kernel_env tests benchmarks examples scripts
 	$(BIN)/ruff format --check kernel_env tests benchmarks examples scripts
 	$(BIN)/mypy kernel_env
 
-format: $(VENV)/.installed-dev
+format: $(VENV)/.installed-test
 	$(BIN)/ruff format kernel_env tests benchmarks examples scripts
 	$(BIN)/ruff check --fix kernel_env tests benchmarks examples scripts
 
