@@ -44,9 +44,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	@echo "installed: $$($(BIN)/kernel-env --version); in another terminal, . $(VENV)/bin/activate"
 
 # make check's tools: the test extra, what the quick tier imports (seconds from pip's cache).
+# Not byte-compiled at install: Python compiles what the quick tier imports as it goes, a
+# fraction of what pip would compile.
 $(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	@echo "== installing kernel_env and the quick tier's tools into $(VENV) (pinned by $(CONSTRAINTS))"
-	@$(BIN)/pip install -c $(CONSTRAINTS) -e '.[test]' || { \
+	@$(BIN)/pip install --no-compile -c $(CONSTRAINTS) -e '.[test]' || { \
 	  echo "make: the test tools pinned by $(CONSTRAINTS) did not install on" \
 	    "$$($(BIN)/python --version 2>&1) (pip's reason is above)"; exit 1; }
 	touch $@ $(VENV)/.installed
