@@ -546,19 +546,18 @@ def test_ctrl_c_before_the_first_cell_says_nothing_ran(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "stderr.txt"]
 
 
-def test_the_readme_puts_the_cells_fields_on_observation_result() -> None:
-    """The README's sentence on a step's fields names `observation.result`, and each field it
-    lists there is one of CodeBlockResult's."""
+def test_the_concepts_page_lists_every_field_of_a_cells_result() -> None:
+    """docs/concepts.md's `CodeBlockResult` table, what `observation.result` holds, names each
+    of its fields, and no field it does not have."""
     import re
 
     from kernel_env.models import CodeBlockResult
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    sentence = next(s for s in readme.split("\n- ") if s.startswith("`step(REPLAction"))
-    assert "observation.result" in sentence, sentence
-    listed = re.findall(r"`([a-z_]+)`", sentence.split("observation.result", 1)[1])
-    assert {"stdout", "timed_out", "kernel_restarted", "state_lost"} <= set(listed)
-    assert set(listed) <= set(CodeBlockResult.model_fields), listed
+    concepts = (Path(__file__).resolve().parent.parent / "docs" / "concepts.md").read_text()
+    table = concepts.split("\n`CodeBlockResult`:\n", 1)[1].lstrip("\n").split("\n\n", 1)[0]
+    rows = [row.split("|")[1] for row in table.splitlines()[2:]]  # the field column
+    listed = {name for row in rows for name in re.findall(r"`([a-z_]+)`", row)}
+    assert listed == set(CodeBlockResult.model_fields), listed
 
 
 # -- polish ------------------------------------------------------------------------------
