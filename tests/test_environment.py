@@ -71,7 +71,7 @@ async def test_the_first_request_carries_the_setup_and_no_cell_is_added() -> Non
         kernel = source.kernels[0]
         assert kernel.executed == ["x = 1", "print('hi')"]
         assert kernel._namespace["context"] == "CONTEXT"
-        assert env._setup is None
+        assert env._episode is not None and env._episode.setup is None
         assert "x" in obs.available_variables
     finally:
         await env.close()

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from dspy.primitives.code_interpreter import CodeExecutionError, CodeInterpreterError, FinalOutput
 from dspy.utils.callback import BaseCallback, with_callbacks
 
-from kernel_env.environment import KernelSource, _json_expression
+from kernel_env.environment import KernelSource
 from kernel_env.integrations.dspy_kernel import (
     MODULE_EXPRESSION,
     MODULE_NAME,
@@ -37,6 +37,7 @@ from kernel_env.integrations.dspy_kernel import (
 )
 from kernel_env.kernel import ExecutionResult, Kernel
 from kernel_env.kernel.base import StdinHandler
+from kernel_env.observation import json_expression
 
 __all__ = ["KernelInterpreter"]
 
@@ -350,7 +351,7 @@ def _payload(
 
 
 def _outcome(ran: ExecutionResult) -> dict[str, Any] | None:
-    return _json_expression(ran.user_expressions.get("outcome"))
+    return json_expression(ran.user_expressions.get("outcome"))
 
 
 def _error(ran: ExecutionResult) -> str:

@@ -21,13 +21,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kernel_env.languages.catalog import (
         DEFAULT_KERNEL,
+        PYTHON,
         KernelMenu,
         Language,
         installed_kernels,
         language_for,
     )
 
-__all__ = ["DEFAULT_KERNEL", "KernelMenu", "Language", "installed_kernels", "language_for"]
+__all__ = [
+    "DEFAULT_KERNEL",
+    "PYTHON",
+    "KernelMenu",
+    "Language",
+    "installed_kernels",
+    "language_for",
+]
 
 
 def __getattr__(name: str) -> Any:
