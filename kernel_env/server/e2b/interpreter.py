@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -36,8 +35,6 @@ from kernel_env.server.e2b.sandboxes import Sandbox, Sandboxes
 from kernel_env.server.sessions import Session, SessionManager
 
 __all__ = ["JUPYTER_PORT", "ROUTES", "e2b_output", "interpreter_app"]
-
-log = logging.getLogger(__name__)
 
 JUPYTER_PORT = "49999"
 HOME = "/home/user"  # E2B's default cwd, reported for contexts
