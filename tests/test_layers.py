@@ -6,6 +6,11 @@
 - Code that runs in another process (a kernel, the zygote, the spawner) imports only what
   that process has: the rules in the ``__init__`` docstrings of ``kernel_env.kernel`` and
   ``kernel_env.kernel.fork``, and in ``kernel_env.kernel_side``'s.
+- A server's front door (a package under ``server/``) speaks to sessions only through the
+  session core's public methods: it imports no kernel backend and reaches no kernel or
+  environment object (docs/architecture.md, "Doors").
+- No function in ``server/`` is longer than ``MAX_SERVER_FUNCTION_LINES`` (generated code
+  aside): a route table is data, and a handler is thin.
 
 Read from the source with ``ast``, imports inside functions and under ``TYPE_CHECKING``
 included, so a call-time import cannot hide a dependency.
@@ -427,3 +432,153 @@ def test_the_check_sees_a_process_rule_break(tmp_path: Path) -> None:
         "kernel_env.z (runs in the zygote) imports httpx",
         "kernel_env.z (runs in the zygote) imports threading: it must never start a thread",
     ]
+
+
+# -- the server's doors --------------------------------------------------------------------
+
+SERVER = PACKAGE / "server"
+# What a door may not import: the kernel layer (backends, the driver, the pool), the episode
+# behind a session, the code that runs in a kernel; and the libraries that speak to kernels.
+DOOR_MAY_NOT_IMPORT = (
+    "kernel",
+    "kernel.",
+    "kernel_side",
+    "kernel_tuning",
+    "languages",
+    "languages.",
+    "environment",
+)
+DOOR_MAY_NOT_IMPORT_PACKAGES = frozenset({"jupyter_client", "zmq"})
+# Attributes a door never reaches: a session's environment (``session.env``) and any kernel
+# object (``session.env.kernel``, ``runtime.pool``'s kernels, ...).
+DOOR_MAY_NOT_REACH = frozenset({"env", "kernel"})
+MAX_SERVER_FUNCTION_LINES = 60
+
+
+def doors(server: Path = SERVER) -> list[Path]:
+    """The server's front doors: every package directly under ``server/`` (a folder with an
+    ``__init__.py``). A new protocol's package is a door by being there."""
+    return sorted(p for p in server.iterdir() if (p / "__init__.py").is_file())
+
+
+def door_breaks(path: Path, shown: str) -> list[str]:
+    """Each import of a backend and each reach into a kernel or an environment in ``path``
+    (named ``shown`` in the messages)."""
+    broken = [
+        f"{shown} imports kernel_env.{target}"
+        for target in sorted(_imports(path))
+        if any(
+            target == m or (m.endswith(".") and target.startswith(m)) for m in DOOR_MAY_NOT_IMPORT
+        )
+    ]
+    broken += [
+        f"{shown} imports {p}" for p in sorted(_packages(path) & DOOR_MAY_NOT_IMPORT_PACKAGES)
+    ]
+    reached = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in DOOR_MAY_NOT_REACH:
+            reached.add((node.lineno, node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in DOOR_MAY_NOT_REACH
+        ):
+            reached.add((node.lineno, node.args[1].value))
+    return broken + [f"{shown}:{line} reaches .{attr}" for line, attr in sorted(reached)]
+
+
+def _generated(path: Path) -> bool:
+    """Code written by a generator (E2B's protocol stubs), which says so on its first line."""
+    with path.open() as source:
+        first = source.readline()
+    return first.startswith("# Generated") and "DO NOT EDIT" in first
+
+
+def long_functions(path: Path, shown: str, limit: int = MAX_SERVER_FUNCTION_LINES) -> list[str]:
+    """Each function (or method) in ``path`` longer than ``limit`` lines, with its length."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > limit:
+                found.append(f"{shown}:{node.lineno} {node.name}() is {length} lines")
+    return found
+
+
+def test_the_doors_are_found() -> None:
+    """OpenEnv's and E2B's packages are doors, and nothing but packages is (the check below
+    cannot pass by finding none)."""
+    assert [p.name for p in doors()] == ["e2b", "openenv"]
+
+
+def test_no_door_reaches_into_a_kernel() -> None:
+    """Every door speaks to sessions through the session core alone: no backend imported, no
+    ``session.env``, no ``.kernel`` reached."""
+    broken = [
+        line
+        for door in doors()
+        for path in sorted(door.rglob("*.py"))
+        for line in door_breaks(path, str(path.relative_to(PACKAGE)))
+    ]
+    assert broken == []
+
+
+def test_the_door_check_sees_a_door_that_reaches_a_kernel(tmp_path: Path) -> None:
+    """A planted door that imports a backend or jupyter_client, reaches ``session.env.kernel``
+    or gets it by name, breaks the rule; one that keeps to the session core does not."""
+    (tmp_path / "server").mkdir()
+    door = tmp_path / "server" / "planted"
+    door.mkdir()
+    (door / "__init__.py").write_text("")
+    (door / "bad.py").write_text(
+        "import jupyter_client\n"
+        "from kernel_env.kernel.local import LocalKernel\n"
+        "from kernel_env import environment\n"
+        "async def f(session):\n"
+        "    await session.env.kernel.interrupt()\n"
+        "    return getattr(session, 'env')\n"
+    )
+    (door / "good.py").write_text(
+        "from kernel_env.server.sessions import Session\n"
+        "async def f(session: Session, sandbox):\n"
+        "    await session.interrupt()\n"
+        "    return sandbox.kernel_name, session.record, session.envs\n"
+    )
+    (tmp_path / "server" / "module.py").write_text("")
+    assert doors(tmp_path / "server") == [door]
+    assert door_breaks(door / "bad.py", "bad") == [
+        "bad imports kernel_env.environment",
+        "bad imports kernel_env.kernel.local",
+        "bad imports jupyter_client",
+        "bad:5 reaches .env",
+        "bad:5 reaches .kernel",
+        "bad:6 reaches .env",
+    ]
+    assert door_breaks(door / "good.py", "good") == []
+
+
+def test_no_server_function_is_long() -> None:
+    """Routes are tables and handlers are thin: no function in ``server/`` is over
+    ``MAX_SERVER_FUNCTION_LINES`` lines (generated protocol stubs aside)."""
+    found = [
+        line
+        for path in sorted(SERVER.rglob("*.py"))
+        if not _generated(path)
+        for line in long_functions(path, str(path.relative_to(PACKAGE)))
+    ]
+    assert found == []
+
+
+def test_the_length_check_sees_a_long_function(tmp_path: Path) -> None:
+    """A planted 61-line function is flagged, a 60-line one is not, nor is generated code."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(59))
+    (tmp_path / "m.py").write_text(
+        f"def fits():\n{body}\nasync def routes():\n{body}    return x0\n"
+    )
+    assert long_functions(tmp_path / "m.py", "m") == ["m:62 routes() is 61 lines"]
+    stub = tmp_path / "stub.py"
+    stub.write_text("# Generated from x.proto. DO NOT EDIT.\n" + f"def f():\n{body}" * 2)
+    assert _generated(stub) and not _generated(tmp_path / "m.py")
