@@ -21,7 +21,7 @@ from kernel_env import forks, observation
 from kernel_env.calls import ChildRunner, EpisodeCalls
 from kernel_env.config import EnvConfig
 from kernel_env.episode import Counters, Episode, OnOutput
-from kernel_env.errors import NOT_INITIALIZED, LimitExceeded, ResetNeeded
+from kernel_env.errors import NOT_INITIALIZED, LimitExceeded, LiveForkUnavailable, ResetNeeded
 from kernel_env.forks import MAX_FORKS, ForkMethod
 from kernel_env.hostcalls import LLMBatchFn, LLMQueryFn, RLMRunner
 from kernel_env.kernel import Kernel, KernelSource
@@ -234,8 +234,39 @@ class KernelEnvironment:
         record, _ = self._require()
         forks.check_fork(record, n, method, stepping=self.stepping)
         children = [self._sibling(own_budget) for _ in range(n)]
-        await forks.copy_into(self, children, method)
+        try:
+            why_not_live: str | None = "asked for a replay"
+            if method != "replay":
+                why_not_live = await self._fork_live(children, required=method == "live")
+            if why_not_live is not None:
+                await asyncio.gather(
+                    *(child._replay_of(record, why_not_live) for child in children)
+                )
+        except BaseException:
+            await asyncio.gather(*(child.close() for child in children), return_exceptions=True)
+            raise
+        record.forks.extend(child._require()[0].episode_id for child in children)
         return children
+
+    async def _fork_live(self, children: list[KernelEnvironment], required: bool) -> str | None:
+        """Copy this episode's kernel live into ``children``; None, or why it could not."""
+        record, kernel = self._require()
+        await self._settle_setup()  # the copies take the episode as it is set up
+        self._stepping += 1  # no step may start while the kernel forks
+        try:
+            kernels = await kernel.live_fork(len(children), reseed=record.seed is None)
+        except LiveForkUnavailable as exc:
+            if required:
+                raise
+            log.info("episode %s: fork by replay (%s)", record.episode_id, exc)
+            return str(exc)
+        finally:
+            self._stepping -= 1
+        for child, copied in zip(children, kernels, strict=True):
+            child._kernel = copied  # closing the child closes it, whatever happens next
+        for child in children:
+            await child._copy_of(self)
+        return None
 
     def _sibling(self, own_budget: bool) -> KernelEnvironment:
         return KernelEnvironment(

@@ -10,17 +10,15 @@ was (:func:`options_of`) re-runs the parent's recorded steps (:func:`rerun`), wi
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import typing
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from kernel_env.errors import ForkRefused, InvalidInput, LimitExceeded, LiveForkUnavailable
-from kernel_env.kernel import Kernel
+from kernel_env.errors import ForkRefused, InvalidInput, LimitExceeded
 from kernel_env.models import REPLAction, ResetOptions
 from kernel_env.notebook import cells_match
 from kernel_env.record import EpisodeRecord, StepRecord
@@ -30,9 +28,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "MAX_FORKS",
     "ForkMethod",
-    "Forkable",
     "check_fork",
-    "copy_into",
     "fork_id",
     "live_record",
     "options_of",
@@ -44,64 +40,6 @@ __all__ = [
 MAX_FORKS = 64  # copies one fork() makes at most
 # How fork() copies an episode: live where it can be, or as asked.
 ForkMethod = typing.Literal["auto", "live", "replay"]
-
-
-class Forkable(Protocol):
-    """The environment's side of a fork (``KernelEnvironment``): the parent's and each
-    copy's."""
-
-    _stepping: int  # steps in flight: one more holds steps off while the kernel forks
-    _kernel: Kernel | None
-
-    def _require(self) -> tuple[EpisodeRecord, Kernel]: ...
-
-    async def _settle_setup(self) -> None: ...
-
-    async def _copy_of(self, parent: Any) -> None: ...
-
-    async def _replay_of(self, parent: EpisodeRecord, why_not_live: str) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-F = TypeVar("F", bound=Forkable)
-
-
-async def copy_into(parent: F, children: list[F], method: ForkMethod) -> None:
-    """Make each of ``children`` (new environments) a copy of ``parent``'s episode, live
-    where it can be (``method="auto"``) or as ``method`` says; on any failure, close them."""
-    record, _ = parent._require()
-    try:
-        why_not_live: str | None = "asked for a replay"
-        if method != "replay":
-            why_not_live = await _fork_live(parent, children, required=method == "live")
-        if why_not_live is not None:
-            await asyncio.gather(*(child._replay_of(record, why_not_live) for child in children))
-    except BaseException:
-        await asyncio.gather(*(child.close() for child in children), return_exceptions=True)
-        raise
-    record.forks.extend(child._require()[0].episode_id for child in children)
-
-
-async def _fork_live(parent: F, children: list[F], required: bool) -> str | None:
-    """Copy ``parent``'s kernel live into ``children``; None, or why it could not."""
-    record, kernel = parent._require()
-    await parent._settle_setup()  # the copies take the episode as it is set up
-    parent._stepping += 1  # no step may start while the kernel forks
-    try:
-        kernels = await kernel.live_fork(len(children), reseed=record.seed is None)
-    except LiveForkUnavailable as exc:
-        if required:
-            raise
-        log.info("episode %s: fork by replay (%s)", record.episode_id, exc)
-        return str(exc)
-    finally:
-        parent._stepping -= 1
-    for child, copied in zip(children, kernels, strict=True):
-        child._kernel = copied  # closing the child closes it, whatever happens next
-    for child in children:
-        await child._copy_of(parent)
-    return None
 
 
 def check_fork(record: EpisodeRecord, n: int, method: str, *, stepping: bool) -> None:
