@@ -35,18 +35,18 @@ from kernel_env.errors import (
     RubricError,
 )
 from kernel_env.hostcalls import HostCalls, LLMBatchFn, LLMQueryFn
-from kernel_env.kernel import ExecutionResult, Kernel, KernelSource
-from kernel_env.kernel_side import (
+from kernel_env.inkernel.contract import (
     DEFAULT_DISPLAY_CHARS,
     DEFAULT_DISPLAY_COUNT,
     DEFAULT_OUTPUT_CAP,
-    MODULE_NAME,
+    EXTENSION,
     SETUP_METADATA,
     STATE_EXPRESSION,
+    final_from_outputs,
     unsent_marker,
 )
+from kernel_env.kernel import ExecutionResult, Kernel, KernelSource
 from kernel_env.languages import catalog as languages
-from kernel_env.languages.protocol import final_from_outputs
 from kernel_env.llm import Budget, CallableBackend, LLMBackend, Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
 from kernel_env.notebook import cells_match
@@ -69,7 +69,7 @@ __all__ = [
 
 # Starts (or takes from a pool) a ready kernel for a new episode.
 
-_KERNEL = f"__import__('sys').modules[{MODULE_NAME!r}]"
+_KERNEL = EXTENSION
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -910,7 +910,7 @@ def _give_expected(rubric: StepRubric | None, expected: str | None) -> None:
 
 
 def _json_expression(value: Any) -> dict[str, Any] | None:
-    """A user_expressions entry whose text/plain is JSON (see kernel_side._JSONState)."""
+    """A user_expressions entry whose text/plain is JSON (see inkernel.extension._JSONState)."""
     if not isinstance(value, dict) or value.get("status") != "ok":
         return None
     try:

@@ -2,7 +2,7 @@
 of a given name come from.
 
 A reset names its kernel (``kernel_name``, Jupyter's term; default ``python3``). Python keeps
-kernel_env's extension and the forkserver; the languages below get a shim (``shims/``) sent
+kernel_env's extension and the forkserver; the languages below get a shim (``inkernel/shims/``) sent
 as the episode's setup cell; any other installed kernelspec runs plain steps, without
 helpers (:attr:`Language.lacks` says which). Host side.
 """
@@ -21,6 +21,7 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
 from kernel_env.errors import InvalidInput
+from kernel_env.inkernel.contract import BASH_KERNEL_MODULE, SHIMS
 from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.kernel.factory import local_kernel_class
 from kernel_env.kernel.isolation.sandbox import GiB, SandboxLimits
@@ -41,12 +42,11 @@ __all__ = [
 ]
 
 DEFAULT_KERNEL = "python3"
-# What a Python episode has (kernel_env.kernel_side); other languages say which they lack.
+# What a Python episode has (kernel_env.inkernel.extension); other languages say which they lack.
 PYTHON_HELPERS = (
     "context", "answer", "llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched",
     "FINAL", "FINAL_VAR", "SHOW_VARS",
 )  # fmt: skip
-_SHIMS = Path(__file__).parent / "shims"
 _RELAY = Path(__file__).with_name("relay.py")
 RELAY_PLACEHOLDER = "{tcp_connection_file}"  # relay.PLACEHOLDER: the relay runs by path
 _SHIM_HELPERS = ("context", "task_prompt", "llm_query", "llm_query_batched", "FINAL", "FINAL_VAR")
@@ -60,7 +60,7 @@ class Language:
     language: str
     helpers: tuple[str, ...] = ()
     channel: str = "none: this kernel gets no helpers"  # how helpers reach the host, in words
-    shim: str | None = None  # a file of shims/, sent before the setup call
+    shim: str | None = None  # a file of the contract's SHIMS, sent before the setup call
     setup: str | None = None  # the setup call; {context} and {task}: the staged files' paths
     quote: Callable[[str], str] = json.dumps  # a path as a literal of the language
     # A silent cell that asks the host for one line on stdin (the readiness probe of a kernel
@@ -138,7 +138,7 @@ class Language:
 
 @functools.cache
 def _shim_text(name: str) -> str:
-    return (_SHIMS / name).read_text()
+    return (SHIMS / name).read_text()
 
 
 LANGUAGES: dict[str, Language] = {
@@ -165,7 +165,7 @@ LANGUAGES: dict[str, Language] = {
         notebook="__kernel_env_notebook <<'KERNEL_ENV_PARAMS'\n{params}\nKERNEL_ENV_PARAMS",
         probe="__kernel_env_probe",
         ipykernel_app=True,
-        argv=(sys.executable, "-m", "kernel_env.languages.bash_kernel", "-f", "{connection_file}"),
+        argv=(sys.executable, "-m", BASH_KERNEL_MODULE, "-f", "{connection_file}"),
     ),
     "deno": Language(
         kernel_name="deno",

@@ -1,4 +1,4 @@
-"""envd's operations, run in a sandbox's kernel (:mod:`kernel_env.envd_side`) from the host.
+"""envd's operations, run in a sandbox's kernel (:mod:`kernel_env.inkernel.envd`) from the host.
 
 Each call is one silent request to the session's kernel, between its cells (under the
 session's lock), that is not part of the episode: nothing of it enters the record or the
@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kernel_env.inkernel.contract import ENVD_MODULE
 from kernel_env.server.sessions import Session
 
 __all__ = ["KernelCallError", "in_kernel"]
 
-_MODULE = "kernel_env.envd_side"
 _TIMEOUT = 30.0
 
 
@@ -28,8 +28,9 @@ class KernelCallError(Exception):
 
 
 async def in_kernel(session: Session, name: str, **args: Any) -> Any:
-    """The result of ``envd_side``'s operation ``name`` in ``session``'s kernel."""
-    expression = f"__import__({_MODULE!r}, fromlist=['call']).call({name!r}, {json.dumps(args)!r})"
+    """The result of the envd operation ``name`` in ``session``'s kernel."""
+    call = f"__import__({ENVD_MODULE!r}, fromlist=['call']).call"
+    expression = f"{call}({name!r}, {json.dumps(args)!r})"
 
     async def run() -> dict[str, Any]:
         kernel = session.env.kernel
