@@ -18,5 +18,7 @@ kernel has (IPython, ipykernel, zmq; bash_kernel in the bash kernel) and this pa
 ``tuning`` also reads the tested releases (``kernel_env.kernel.versions``, standard library
 alone). The host imports ``contract`` and nothing else of this package, except where it
 registers the extensions (``kernel_env.load_ipython_extension``) or ships their source
-(``kernel.gateway``). Names load on first use: this package imports nothing.
+(``kernel.gateway``); ``kernel.fork.live``, which runs in the kernel but belongs to the
+forkserver, calls the extension and the tuning in a live fork's copy. This package imports
+nothing: its modules load on first use.
 """
