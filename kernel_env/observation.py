@@ -11,9 +11,8 @@ from typing import Any
 
 from kernel_env import answers
 from kernel_env.kernel import ExecutionResult
-from kernel_env.kernel_side import unsent_marker
+from kernel_env.inkernel.contract import final_from_outputs, unsent_marker
 from kernel_env.languages.catalog import Language
-from kernel_env.languages.protocol import final_from_outputs
 from kernel_env.llm import Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState
 from kernel_env.outputs import OutputBudget, truncate
@@ -48,7 +47,7 @@ def ready_message(context: str, task_prompt: str, hint: str) -> str:
 
 
 def json_expression(value: Any) -> dict[str, Any] | None:
-    """A user_expressions entry whose text/plain is JSON (see kernel_side._JSONState)."""
+    """A user_expressions entry whose text/plain is JSON (see inkernel.extension._JSONState)."""
     if not isinstance(value, dict) or value.get("status") != "ok":
         return None
     try:

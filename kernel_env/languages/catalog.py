@@ -5,9 +5,9 @@ A reset names its kernel (``kernel_name``, Jupyter's term; default ``python3``).
 has a :class:`Language`: what its episodes expose, how their setup reaches the kernel, how
 their final answer is found. Python (:data:`PYTHON`) keeps kernel_env's extension and the
 forkserver: its setup rides on a request, its kernel reports the episode's state after each
-cell. The other languages below get a shim (``shims/``) sent as the episode's setup cell, and
-end with a display; any other installed kernelspec runs plain steps, without helpers
-(:attr:`Language.lacks` says which). Host side.
+cell. The other languages below get a shim (``inkernel/shims/``) sent as the episode's setup
+cell, and end with a display; any other installed kernelspec runs plain steps, without
+helpers (:attr:`Language.lacks` says which). Host side.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
 from kernel_env.errors import InvalidInput
+from kernel_env.inkernel.contract import BASH_KERNEL_MODULE, SHIMS
 from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.kernel.factory import local_kernel_class
 from kernel_env.kernel.isolation.sandbox import GiB, SandboxLimits
 from kernel_env.kernel.pool import KernelPool
 from kernel_env.kernel.sandboxed import SandboxedKernel
-from kernel_env.kernel_side import MODULE_NAME, SETUP_METADATA, STATE_EXPRESSION
+from kernel_env.inkernel.contract import EXTENSION, SETUP_METADATA, STATE_EXPRESSION
 
 __all__ = [
     "DEFAULT_KERNEL",
@@ -46,12 +47,11 @@ __all__ = [
 ]
 
 DEFAULT_KERNEL = "python3"
-# What a Python episode has (kernel_env.kernel_side); other languages say which they lack.
+# What a Python episode has (kernel_env.inkernel.extension); other languages say which they lack.
 PYTHON_HELPERS = (
     "context", "answer", "llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched",
     "FINAL", "FINAL_VAR", "SHOW_VARS",
 )  # fmt: skip
-_SHIMS = Path(__file__).parent / "shims"
 _RELAY = Path(__file__).with_name("relay.py")
 RELAY_PLACEHOLDER = "{tcp_connection_file}"  # relay.PLACEHOLDER: the relay runs by path
 _SHIM_HELPERS = ("context", "task_prompt", "llm_query", "llm_query_batched", "FINAL", "FINAL_VAR")
@@ -65,7 +65,7 @@ class Language:
     language: str
     helpers: tuple[str, ...] = ()
     channel: str = "none: this kernel gets no helpers"  # how helpers reach the host, in words
-    shim: str | None = None  # a file of shims/, sent before the setup call
+    shim: str | None = None  # a file of the contract's SHIMS, sent before the setup call
     setup: str | None = None  # the setup call; {context} and {task}: the staged files' paths
     quote: Callable[[str], str] = json.dumps  # a path as a literal of the language
     # A silent cell that asks the host for one line on stdin (the readiness probe of a kernel
@@ -175,17 +175,17 @@ class Language:
 
 @functools.cache
 def _shim_text(name: str) -> str:
-    return (_SHIMS / name).read_text()
+    return (SHIMS / name).read_text()
 
 
 # kernel_env's extension, as the kernel's own code reaches it.
-_EXTENSION = f"__import__('sys').modules[{MODULE_NAME!r}]"
+_EXTENSION = EXTENSION
 
 PYTHON = Language(
     kernel_name=DEFAULT_KERNEL,
     language="python",
     helpers=PYTHON_HELPERS,
-    channel="Jupyter stdin: kernel_env's IPython extension (kernel_side) asks with input()",
+    channel="Jupyter stdin: kernel_env's IPython extension (inkernel.extension) asks with input()",
     ipykernel_app=True,
     ready_hint="Use answer['content'] to store your answer, and set answer['ready'] = True "
     "when done.",
@@ -224,7 +224,7 @@ LANGUAGES: dict[str, Language] = {
         notebook="__kernel_env_notebook <<'KERNEL_ENV_PARAMS'\n{params}\nKERNEL_ENV_PARAMS",
         probe="__kernel_env_probe",
         ipykernel_app=True,
-        argv=(sys.executable, "-m", "kernel_env.languages.bash_kernel", "-f", "{connection_file}"),
+        argv=(sys.executable, "-m", BASH_KERNEL_MODULE, "-f", "{connection_file}"),
     ),
     "deno": Language(
         kernel_name="deno",

@@ -1,4 +1,4 @@
-"""envd's operations, run in a sandbox's kernel (:mod:`kernel_env.envd_side`) from the host.
+"""envd's operations, run in a sandbox's kernel (:mod:`kernel_env.inkernel.envd`) from the host.
 
 Each call is one kernel call of the sandbox's session (:meth:`Session.kernel_call`): a silent
 request between its cells, not part of the episode, so nothing of it enters the record or the
@@ -11,17 +11,18 @@ import json
 from typing import Any
 
 from kernel_env.errors import KernelCallError
+from kernel_env.inkernel.contract import ENVD_MODULE
 from kernel_env.server.sessions import Session
 
 __all__ = ["KernelCallError", "in_kernel"]
 
-_MODULE = "kernel_env.envd_side"
 _TIMEOUT = 30.0
 
 
 async def in_kernel(session: Session, name: str, **args: Any) -> Any:
-    """The result of ``envd_side``'s operation ``name`` in ``session``'s kernel."""
-    expression = f"__import__({_MODULE!r}, fromlist=['call']).call({name!r}, {json.dumps(args)!r})"
+    """The result of the envd operation ``name`` in ``session``'s kernel."""
+    call = f"__import__({ENVD_MODULE!r}, fromlist=['call']).call"
+    expression = f"{call}({name!r}, {json.dumps(args)!r})"
     reply = await session.kernel_call(expression, timeout=_TIMEOUT)
     if reply.get("status") != "ok":
         name_, value = reply.get("ename", "?"), reply.get("evalue", "")
