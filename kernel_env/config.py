@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kernel_env.inkernel.contract import DEFAULT_DISPLAY_CHARS, DEFAULT_DISPLAY_COUNT, DEFAULT_OUTPUT_CAP
+from kernel_env.inkernel.contract import (
+    DEFAULT_DISPLAY_CHARS,
+    DEFAULT_DISPLAY_COUNT,
+    DEFAULT_OUTPUT_CAP,
+)
 from kernel_env.rubric import Rewards, Rubric, StepRubric
 
 __all__ = ["EnvConfig"]

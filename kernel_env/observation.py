@@ -10,8 +10,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kernel_env import answers
-from kernel_env.kernel import ExecutionResult
 from kernel_env.inkernel.contract import final_from_outputs, unsent_marker
+from kernel_env.kernel import ExecutionResult
 from kernel_env.languages.catalog import Language
 from kernel_env.llm import Usage
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState

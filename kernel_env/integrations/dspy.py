@@ -235,7 +235,9 @@ class KernelInterpreter:
                     f"the variables could not be staged for the kernel: {exc.strerror}"
                 ) from None
             call = f"prepare_file({json.dumps(path)})"
-        return await kernel.execute(f"{DSPY_MODULE_EXPRESSION}.{call}", silent=True, timeout=timeout)
+        return await kernel.execute(
+            f"{DSPY_MODULE_EXPRESSION}.{call}", silent=True, timeout=timeout
+        )
 
     def _check_kept(self, ran: ExecutionResult, when: str) -> None:
         """A restarted kernel lost the session: it ends here (DSPy's protocol: a lost session

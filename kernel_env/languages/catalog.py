@@ -24,13 +24,18 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
 from kernel_env.errors import InvalidInput
-from kernel_env.inkernel.contract import BASH_KERNEL_MODULE, SHIMS
+from kernel_env.inkernel.contract import (
+    BASH_KERNEL_MODULE,
+    EXTENSION,
+    SETUP_METADATA,
+    SHIMS,
+    STATE_EXPRESSION,
+)
 from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.kernel.factory import local_kernel_class
 from kernel_env.kernel.isolation.sandbox import GiB, SandboxLimits
 from kernel_env.kernel.pool import KernelPool
 from kernel_env.kernel.sandboxed import SandboxedKernel
-from kernel_env.inkernel.contract import EXTENSION, SETUP_METADATA, STATE_EXPRESSION
 
 __all__ = [
     "DEFAULT_KERNEL",
