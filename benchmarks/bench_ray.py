@@ -56,8 +56,8 @@ def ray_call_host() -> Any:
 
     from kernel_env.models import REPLAction
     from kernel_env.ray.host import KernelEnvHost
-    from kernel_env.server import protocol
     from kernel_env.server.auth import DEFAULT_TENANT, Tenant
+    from kernel_env.server.openenv import protocol
 
     owner = Tenant(DEFAULT_TENANT, "operator")
 

@@ -138,11 +138,11 @@ def __getattr__(name: str) -> Any:
 
 def load_ipython_extension(shell: Any) -> None:
     """``%load_ext kernel_env``: the agent helpers in your own notebook (and the per-cell
-    tuning of ipykernel, :mod:`kernel_env.kernel_tuning`)."""
-    from kernel_env import kernel_side, kernel_tuning
+    tuning of ipykernel, :mod:`kernel_env.inkernel.tuning`)."""
+    from kernel_env.inkernel import extension, tuning
 
-    kernel_side.install(shell)
-    kernel_tuning.tune(shell)
+    extension.install(shell)
+    tuning.tune(shell)
 
 
 def unload_ipython_extension(shell: Any) -> None:

@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kernel_env.answers import find_final, find_final_var
 from kernel_env.llm import Budget, BudgetExceeded, LLMBackend, MeteredBackend, Usage
-from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, StepResult
+from kernel_env.models import (
+    MAX_ITERATIONS,
+    CodeBlockResult,
+    REPLAction,
+    REPLObservation,
+    StepResult,
+)
 from kernel_env.outputs import truncate
 from kernel_env.recursion import CHILD_TASK, ParentLink
 
@@ -279,7 +285,7 @@ async def run_agent(
     await env.reset(
         context=context,
         task_prompt=task,
-        max_iterations=min(100_000, max_iterations * 10 + 2),
+        max_iterations=min(MAX_ITERATIONS, max_iterations * 10 + 2),
         agent_max_turns=max_iterations,
         **({"expected_answer": expected_answer} if expected_answer is not None else {}),
     )

@@ -16,6 +16,7 @@ Errors in the *agent's* code are not exceptions: they are data in the observatio
     ├── InvalidInput             input refused (also a ValueError): the caller's fault
     │   ├── LimitExceeded        over a limit of the episode (code, context size)
     │   ├── RequestError         a kernel's host call is malformed
+    │   ├── LanguageRefused      a language no kernel of this server runs
     │   └── ExportPathError      an export path would leave the export directory
     │       └── ArchiveError     an export archive holds what the client will not write
     ├── RubricError              a user's rubric raised, or returned no number
@@ -27,6 +28,9 @@ Errors in the *agent's* code are not exceptions: they are data in the observatio
     │   └── SessionClosed        closed by its owner, or by the server's shutdown
     ├── UnknownSession           no server session has this id
     ├── CapacityReached          the server's ``max_sessions`` sessions are open
+    ├── KernelCallError          an operation run in a session's kernel, outside its episode,
+    │                            was refused (``code``: a Connect status name)
+    ├── SandboxError             E2B's control plane refused a request (``status``: HTTP's)
     └── RemoteError              the server refused, or answered with an error
 
 The server answers ``InvalidInput`` (and request validation) with 422 / ``VALIDATION_ERROR``;
@@ -56,18 +60,21 @@ __all__ = [
     "ExportPathError",
     "ForkRefused",
     "InvalidInput",
+    "KernelCallError",
     "KernelCapacity",
     "KernelDied",
     "KernelEnvError",
     "KernelError",
     "KernelStartError",
     "LLMError",
+    "LanguageRefused",
     "LimitExceeded",
     "LiveForkUnavailable",
     "RemoteError",
     "RequestError",
     "ResetNeeded",
     "RubricError",
+    "SandboxError",
     "SessionClosed",
     "SessionError",
     "SessionExpired",
@@ -169,6 +176,10 @@ class RequestError(InvalidInput):
     """A kernel's request is malformed; the kernel gets the message back as an error."""
 
 
+class LanguageRefused(InvalidInput):
+    """A language (E2B's name for one, or a kernel's) that no kernel of this server runs."""
+
+
 class ExportPathError(InvalidInput):
     """An export path would leave the export directory."""
 
@@ -228,6 +239,27 @@ class CapacityReached(KernelEnvError):
         )
         self.active_sessions = active_sessions
         self.max_sessions = max_sessions
+
+
+class KernelCallError(KernelEnvError):
+    """An operation run in a session's kernel between its cells, outside its episode (E2B's
+    file and process calls), was refused: ``code`` is a Connect status name (``not_found``,
+    ``unavailable``, ``internal``, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class SandboxError(KernelEnvError):
+    """E2B's control plane refused a request: ``status`` is the HTTP status its answer
+    carries, in E2B's shape ``{"code": status, "message": ...}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 class RemoteError(KernelEnvError):

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_env.errors import RequestError
-from kernel_env.kernel_side import REQUEST_TAG, take_recorded
-from kernel_env.languages.protocol import REQUEST_TAG as LANGUAGE_REQUEST_TAG
+from kernel_env.inkernel.contract import LANGUAGE_REQUEST_TAG, REQUEST_TAG, take_recorded
 from kernel_env.llm import Budget, LLMBackend, MeteredBackend, Usage, call_off_loop
 
 __all__ = ["HostCalls", "LLMBatchFn", "LLMCall", "LLMQueryFn", "RLMRunner"]

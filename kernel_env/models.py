@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "MAX_ITERATIONS",
     "CodeBlockResult",
     "REPLAction",
     "REPLObservation",
@@ -20,6 +21,11 @@ __all__ = [
     "ResetOptions",
     "StepResult",
 ]
+
+
+# The largest iteration budget a reset accepts: an episode that in practice never runs out of
+# cells (an E2B sandbox's, an rlm episode's, whose own loops keep their budgets).
+MAX_ITERATIONS = 100_000
 
 
 class REPLAction(BaseModel):
@@ -105,7 +111,7 @@ class ResetOptions(BaseModel):
 
     context: str = ""
     task_prompt: str = ""
-    max_iterations: int = Field(default=30, ge=1, le=100_000)
+    max_iterations: int = Field(default=30, ge=1, le=MAX_ITERATIONS)
     seed: int | None = Field(default=None, ge=0)
     episode_id: str | None = Field(default=None, max_length=255)
     hf_token: str | None = Field(default=None, repr=False, exclude=True)

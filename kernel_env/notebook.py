@@ -25,6 +25,7 @@ from nbformat.corpus.words import generate_corpus_id
 from nbformat.v4 import new_notebook
 
 from kernel_env.errors import ExportPathError
+from kernel_env.inkernel.contract import EXTENSION_MODULE, RECORDED_MAGIC
 from kernel_env.languages.catalog import DEFAULT_KERNEL, language_for
 from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.text import shorten
@@ -46,8 +47,6 @@ __all__ = [
 
 INLINE_CONTEXT_CHARS = 10_000  # larger contexts go to a sidecar file next to the notebook
 SETUP_TAG = "kernel-env-setup"
-# The magic a cell that could not be re-run is given (it timed out or killed its kernel).
-RECORDED_MAGIC = "%%kernel_env_recorded"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -136,10 +135,10 @@ def _setup_source(record: EpisodeRecord, context_file: str | None) -> str:
     args = ", ".join(f"{k}={v!r}" for k, v in params.items())
     return (
         "# kernel_env: restore this episode's `context` and helpers. Recorded llm_query answers\n"
-        "# replay offline; with a model configured (kernel_side.register_llm or the\n"
-        "# KERNEL_ENV_LLM_* variables) the calls go to it instead.\n"
+        f"# replay offline; with a model configured ({EXTENSION_MODULE}.register_llm\n"
+        "# or the KERNEL_ENV_LLM_* variables) the calls go to it instead.\n"
         "%load_ext kernel_env\n"
-        "import kernel_env.kernel_side as _kernel_env\n"
+        f"import {EXTENSION_MODULE} as _kernel_env\n"
         f"_kernel_env.setup_notebook({args})"
     )
 

@@ -17,8 +17,8 @@ import nbformat
 
 from kernel_env.client import KernelEnv
 from kernel_env.environment import KernelSource
-from kernel_env.kernel_side import take_recorded
-from kernel_env.notebook import RECORDED_MAGIC, cells_match, normalize_outputs, recorded_steps
+from kernel_env.inkernel.contract import RECORDED_MAGIC, take_recorded
+from kernel_env.notebook import cells_match, normalize_outputs, recorded_steps
 
 __all__ = ["CellReport", "ReplayReport", "output_diff", "read_notebook", "replay_notebook"]
 

@@ -24,9 +24,11 @@ __all__ = [
     "RubricError",
     "StepRubric",
     "as_rubric",
+    "give_expected",
     "is_step_rubric",
     "normalize",
     "score_final",
+    "score_step",
 ]
 
 # Relative tolerance for numeric equality: loose enough for "0.1 + 0.2" style float noise.
@@ -182,3 +184,29 @@ def as_rubric(value: object) -> Rubric:
         f"rubric must be None, 'exact', 'fuzzy' or a callable (answer, expected) -> float, "
         f"got {type(value).__name__}: {value!r}"
     )
+
+
+def score_step(rubric: StepRubric, action: Any, observation: Any) -> tuple[float, str | None]:
+    """An OpenEnv rubric's reward for a step; a rubric that raises or returns no number
+    scores 0 with its error, so the step itself is never lost."""
+    name = type(rubric).__qualname__
+    try:
+        result = rubric(action, observation)
+    except Exception as exc:  # user code: any failure is the rubric's, reported as data
+        return 0.0, f"rubric {name} raised {type(exc).__name__}: {exc}"
+    try:
+        return float(result), None
+    except (TypeError, ValueError):
+        return 0.0, f"rubric {name} returned {result!r}, which is not a number or bool"
+
+
+def give_expected(rubric: StepRubric | None, expected: str | None) -> None:
+    """Give an OpenEnv rubric a new episode's expected answer, as upstream's reset does."""
+    if rubric is None:
+        return
+    reset = getattr(rubric, "reset", None)
+    if callable(reset):
+        reset()
+    set_expected = getattr(rubric, "set_expected", None)
+    if callable(set_expected) and expected is not None:
+        set_expected(expected)

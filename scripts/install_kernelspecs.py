@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 KERNELS = Path(sys.prefix) / "share" / "jupyter" / "kernels"
-BASH_KERNEL = [sys.executable, "-m", "kernel_env.languages.bash_kernel"]
+BASH_KERNEL = [sys.executable, "-m", "kernel_env.inkernel.bash_kernel"]
 
 
 def _write(name: str, spec: dict[str, object]) -> None:

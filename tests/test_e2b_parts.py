@@ -1,5 +1,5 @@
 """The E2B front door's pure parts: output events -> E2B's lines, and envd's file operations
-as the kernel runs them (``kernel_env.envd_side``, called here in-process on a temporary
+as the kernel runs them (``kernel_env.inkernel.envd``, called here in-process on a temporary
 home)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_env import envd_side
+from kernel_env.inkernel import envd
 from kernel_env.server.e2b.interpreter import e2b_output
 
 
@@ -50,7 +50,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def call(name: str, **args: object) -> object:
-    answer = json.loads(repr(envd_side.call(name, json.dumps(args))))
+    answer = json.loads(repr(envd.call(name, json.dumps(args))))
     return answer.get("ok", answer.get("error"))
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from kernel_env.environment import EnvConfig, KernelEnvironment
 from kernel_env.errors import EpisodeFinished
+from kernel_env.inkernel.contract import REQUEST_TAG, SETUP_METADATA
 from kernel_env.kernel import Cell, ScriptedSource
-from kernel_env.kernel_side import REQUEST_TAG, SETUP_METADATA
 from kernel_env.llm import ScriptedBackend
 from kernel_env.models import REPLAction
 
@@ -71,7 +71,7 @@ async def test_the_first_request_carries_the_setup_and_no_cell_is_added() -> Non
         kernel = source.kernels[0]
         assert kernel.executed == ["x = 1", "print('hi')"]
         assert kernel._namespace["context"] == "CONTEXT"
-        assert env._setup is None
+        assert env._episode is not None and env._episode.setup is None
         assert "x" in obs.available_variables
     finally:
         await env.close()
@@ -208,8 +208,8 @@ async def test_the_iteration_budget_ends_the_episode() -> None:
         await env.close()
 
 
-async def test_the_scripted_kernel_speaks_kernel_sides_protocol() -> None:
-    """What the scripted kernel reads and answers is kernel_side's: the setup metadata key
+async def test_the_scripted_kernel_keeps_the_contract() -> None:
+    """What the scripted kernel reads and answers is the contract's: the setup metadata key
     and the tagged stdin request."""
     source = ScriptedSource({"q": Cell(queries=["p"])})
     kernel = await source()

@@ -6,8 +6,9 @@ import base64
 
 import pytest
 
-from kernel_env import EpisodeFinished, KernelEnv, REPLAction, ResetNeeded, check_env, kernel_tuning
+from kernel_env import EpisodeFinished, KernelEnv, REPLAction, ResetNeeded, check_env
 from kernel_env.errors import KernelError
+from kernel_env.inkernel import tuning
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
@@ -146,7 +147,9 @@ def test_an_empty_first_step_carries_the_setup(env: KernelEnv) -> None:
     same (not the setup cell a kernel that ignores the request's metadata gets instead)."""
     env.reset(context="xyz")
     assert env.execute("").observation.result.success
-    carried = "import kernel_env.kernel_side as k\nprint(context, k._episode.setup_token != None)"
+    carried = (
+        "import kernel_env.inkernel.extension as k\nprint(context, k._episode.setup_token != None)"
+    )
     assert env.execute(carried).observation.result.stdout == "xyz True\n"
 
 
@@ -210,7 +213,7 @@ def test_a_cell_is_transformed_once_and_a_new_transformer_applies_to_the_next(
     env: KernelEnv,
 ) -> None:
     """ipykernel transforms each cell, then IPython's run_cell transforms it again: a tuned
-    episode kernel (kernel_env.kernel_tuning; not on an untested ipykernel) does it once.
+    episode kernel (kernel_env.inkernel.tuning; not on an untested ipykernel) does it once.
     What a cell changes still changes the next cell: a transformer it adds applies there, and
     top-level ``await`` still runs."""
     env.reset()
@@ -225,7 +228,7 @@ def test_a_cell_is_transformed_once_and_a_new_transformer_applies_to_the_next(
     env.execute("x = 1")
     seen = env.execute("print(_transforms)").observation.result.stdout
     once = ["x = 1", "print(_transforms)"]
-    expected = once if kernel_tuning.enabled() else [c for c in once for _ in (1, 2)]
+    expected = once if tuning.enabled() else [c for c in once for _ in (1, 2)]
     assert seen == f"{expected}\n"  # once each when tuned, not twice
 
     env.execute(

@@ -645,7 +645,7 @@ def test_a_failed_llm_query_traceback_ends_at_the_models_line() -> None:
     (error,) = [o for o in result.outputs if o["output_type"] == "error"]
     shown = "\n".join(error["traceback"])
     assert "answer_ = ask()" in shown and "return llm_query('hi')" in shown  # the model's frames
-    assert "kernel_side" not in shown and "site-packages" not in shown
+    assert "inkernel" not in shown and "site-packages" not in shown
     assert str(Path(__file__).resolve().parent.parent) not in shown
     assert error["evalue"] == "RuntimeError: model down"
 

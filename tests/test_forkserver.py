@@ -306,14 +306,14 @@ async def test_an_aggressive_reset_drops_only_what_cells_imported(forkserver: Fo
     code = (
         "import sys, wave\nget_ipython().run_line_magic('reset', '-f --aggressive')\n"
         "import sys\nprint(sorted(m for m in ('wave', 'numpy', 'IPython', "
-        "'kernel_env.kernel_side') if m in sys.modules))"
+        "'kernel_env.inkernel.extension') if m in sys.modules))"
     )
-    kept = {"forked": "['IPython', 'kernel_env.kernel_side', 'numpy']"}
+    kept = {"forked": "['IPython', 'kernel_env.inkernel.extension', 'numpy']"}
     for kind, source in (("forked", _source(forkserver)), ("cold", _source(ForkServerStub()))):
         async with AsyncKernelEnv(kernel_source=source) as env:
             await env.reset()
             after = (await _run(env, code)).strip().splitlines()[-1]
-            assert after == kept.get(kind, "['IPython', 'kernel_env.kernel_side']"), after
+            assert after == kept.get(kind, "['IPython', 'kernel_env.inkernel.extension']"), after
 
 
 class ForkServerStub(ForkServer):

@@ -178,7 +178,7 @@ def test_the_kernel_image_runs_enterprise_gateways_launcher() -> None:
     assert "KERNEL_ID, RESPONSE_ADDRESS, and PUBLIC_KEY are required" in run.stdout + run.stderr
     probe = subprocess.run(
         ["docker", "run", "--rm", "--network", "none", "--entrypoint", "python", IMAGE, "-c",
-         "import Cryptodome, kernel_env.kernel_side, ipykernel; print('ok')"],
+         "import Cryptodome, kernel_env.inkernel.extension, ipykernel; print('ok')"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert probe.stdout.strip() == "ok", probe.stderr

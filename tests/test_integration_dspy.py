@@ -20,8 +20,8 @@ from dspy.primitives.code_interpreter import (  # noqa: E402
 from dspy.utils import DummyLM  # noqa: E402
 from dspy.utils.callback import BaseCallback  # noqa: E402
 
+from kernel_env.inkernel.contract import DSPY_MODULE  # noqa: E402
 from kernel_env.integrations.dspy import KernelInterpreter  # noqa: E402
-from kernel_env.integrations.dspy_kernel import MODULE_NAME  # noqa: E402
 from kernel_env.kernel import GatewayConfig  # noqa: E402
 from kernel_env.kernel.factory import gateway_source, local_source  # noqa: E402
 
@@ -171,7 +171,7 @@ def test_the_session_is_never_left_half_prepared() -> None:
     (never an internal KeyError)."""
     with KernelInterpreter(kernel_source=LOCAL, execution_timeout=10) as it:
         it.execute("import sys, os\nkept = 5")
-        it.execute(f"del sys.modules[{MODULE_NAME!r}]")
+        it.execute(f"del sys.modules[{DSPY_MODULE!r}]")
         assert it.execute("print(kept + v)", {"v": 1}) == "6"
         with pytest.raises(CodeInterpreterError, match="restarted"):
             it.execute("os._exit(1)")

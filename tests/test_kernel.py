@@ -12,8 +12,8 @@ import pytest
 import zmq
 from procs import alive
 
-from kernel_env import kernel_tuning
 from kernel_env.errors import KernelError, KernelStartError
+from kernel_env.inkernel import tuning
 from kernel_env.kernel import LocalKernel, versions
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
@@ -334,11 +334,11 @@ async def test_a_kernel_that_welcomes_its_subscribers_is_not_asked_for_kernel_in
 async def test_the_per_cell_tuning_switches_off_and_cells_behave_the_same(
     switch: str | None,
 ) -> None:
-    """An episode kernel is tuned (kernel_env.kernel_tuning) unless KERNEL_ENV_TUNING=off is
+    """An episode kernel is tuned (kernel_env.inkernel.tuning) unless KERNEL_ENV_TUNING=off is
     in its environment; either way a cell's result, a top-level await and an error are the
     same."""
     extra = {"KERNEL_ENV_TUNING": switch} if switch is not None else {}
-    tuned = switch is None and kernel_tuning.enabled()  # not on an untested ipykernel
+    tuned = switch is None and tuning.enabled()  # not on an untested ipykernel
     async with LocalKernel(extra_env=extra) as kernel:
         name = await kernel.execute("get_ipython().transform_cell.__name__")
         assert name.stdout == ("'remembered'\n" if tuned else "'transform_cell'\n")

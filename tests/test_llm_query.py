@@ -87,7 +87,7 @@ def test_token_never_reaches_the_kernel(monkeypatch) -> None:
     with KernelEnv(llm_query_fn=str) as env:
         env.reset(hf_token="hf_reset_secret_value")
         res = env.execute(
-            "import os, glob, kernel_env.kernel_side as ks\n"
+            "import os, glob, kernel_env.inkernel.extension as ks\n"
             "request = get_ipython().kernel.get_parent('shell')\n"
             "assert 'kernel_env.setup' in request['metadata']\n"
             "blob = repr(request) + repr(ks._episode.setup_params)\n"
@@ -121,7 +121,7 @@ def test_malformed_tagged_request_is_rejected() -> None:
         env.reset()
         res = env.execute(
             "import sys\n"
-            "ks = sys.modules['kernel_env.kernel_side']\n"
+            "ks = sys.modules['kernel_env.inkernel.extension']\n"
             "ks._episode.call_host('llm_query_batched', prompts='not a list')"
         ).observation.result
     assert "bad request" in (res.exception or "") and calls == []
@@ -135,7 +135,7 @@ def test_spare_probe_reply_is_never_an_answer() -> None:
         env.reset()
         res = env.execute(
             "import sys\n"
-            "ks = sys.modules['kernel_env.kernel_side']\n"
+            "ks = sys.modules['kernel_env.inkernel.extension']\n"
             "k = get_ipython().kernel\n"
             "spare, real_input = [ks.PROBE_REPLY], k.raw_input\n"
             "k.raw_input = lambda prompt='': spare.pop() if spare else real_input(prompt)\n"

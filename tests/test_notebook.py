@@ -134,7 +134,7 @@ def test_live_llm_in_own_notebook(tmp_path: Path) -> None:
         cells=[
             nbformat.v4.new_code_cell(
                 "%load_ext kernel_env\n"
-                "import kernel_env.kernel_side as ks\n"
+                "import kernel_env.inkernel.extension as ks\n"
                 "ks.register_llm(lambda prompt: prompt[::-1])"
             ),
             nbformat.v4.new_code_cell("llm_query('abc'), llm_query_batched(['xy', 'z'])"),

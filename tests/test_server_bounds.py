@@ -112,7 +112,7 @@ def test_the_host_refuses_long_prompts_the_kernel_sent() -> None:
     over-long prompt refused by the host, and the record keeps only the error."""
     code = (
         "import sys\n"
-        "ks = sys.modules['kernel_env.kernel_side']\n"
+        "ks = sys.modules['kernel_env.inkernel.extension']\n"
         "ks._episode.call_host('llm_query', prompt='q' * 2_000_000, model=None)"
     )
     with FakeOpenAI(lambda body: "ok") as fake:

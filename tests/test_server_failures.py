@@ -11,7 +11,8 @@ import pytest
 from serverkit import kernel_pids, make_client, wait_until
 
 CONTEXT_PATH = (
-    "import sys\nprint(sys.modules['kernel_env.kernel_side']._episode.setup_params['context_path'])"
+    "import sys\n"
+    "print(sys.modules['kernel_env.inkernel.extension']._episode.setup_params['context_path'])"
 )
 
 

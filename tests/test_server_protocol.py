@@ -16,9 +16,9 @@ from kernel_env.errors import (
     ResetNeeded,
 )
 from kernel_env.models import CodeBlockResult, REPLObservation
-from kernel_env.server.protocol import (
+from kernel_env.server.openenv.failures import error_for
+from kernel_env.server.openenv.protocol import (
     Request,
-    error_for,
     mcp_response,
     observation_frame,
     parse_frame,

@@ -65,15 +65,15 @@ def test_release_numbers_are_read_leniently() -> None:
 def test_the_tuning_is_off_for_an_untested_ipykernel_or_when_switched_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """kernel_tuning tunes only a tested ipykernel, and KERNEL_ENV_TUNING=off turns it off."""
-    from kernel_env import kernel_tuning
+    """The tuning tunes only a tested ipykernel, and KERNEL_ENV_TUNING=off turns it off."""
+    from kernel_env.inkernel import tuning
 
-    monkeypatch.delenv(kernel_tuning.SWITCH, raising=False)
-    assert kernel_tuning.enabled() == (versions.untested() is None)
+    monkeypatch.delenv(tuning.SWITCH, raising=False)
+    assert tuning.enabled() == (versions.untested() is None)
     monkeypatch.setitem(versions.TESTED, "ipykernel", ((0, 0), (99, 0)))  # 6.29 too
-    assert kernel_tuning.enabled()
-    monkeypatch.setenv(kernel_tuning.SWITCH, "off")
-    assert not kernel_tuning.enabled()
-    monkeypatch.delenv(kernel_tuning.SWITCH)
+    assert tuning.enabled()
+    monkeypatch.setenv(tuning.SWITCH, "off")
+    assert not tuning.enabled()
+    monkeypatch.delenv(tuning.SWITCH)
     monkeypatch.setitem(versions.TESTED, "ipykernel", ((99, 0), (99, 1)))
-    assert not kernel_tuning.enabled()
+    assert not tuning.enabled()

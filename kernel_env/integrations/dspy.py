@@ -9,8 +9,8 @@ works) instead of Deno + Pyodide. ::
     # or for every module: dspy.configure(interpreter_factory=KernelInterpreter)
 
 Tools (DSPy's ``llm_query``, ``llm_query_batched``, and the user's) stay on the host: the kernel
-gets stubs that ask over the Jupyter stdin channel (see :mod:`.dspy_kernel`), so no credential or
-host callable enters the kernel. DSPy's interpreter callbacks (``callbacks=`` and
+gets stubs that ask over the Jupyter stdin channel (see :mod:`kernel_env.inkernel.dspy`), so
+no credential or host callable enters the kernel. DSPy's interpreter callbacks (``callbacks=`` and
 ``dspy.settings.callbacks``) see each start, execute, tool call and shutdown. Needs
 ``pip install 'kernel-env[dspy]'``.
 """
@@ -28,22 +28,23 @@ from typing import Any, TypeVar
 from dspy.primitives.code_interpreter import CodeExecutionError, CodeInterpreterError, FinalOutput
 from dspy.utils.callback import BaseCallback, with_callbacks
 
-from kernel_env.environment import KernelSource, _json_expression
-from kernel_env.integrations.dspy_kernel import (
-    MODULE_EXPRESSION,
-    MODULE_NAME,
-    OUTCOME_EXPRESSION,
-    TOOL_TAG,
+from kernel_env.environment import KernelSource
+from kernel_env.inkernel.contract import (
+    DSPY_MODULE,
+    DSPY_MODULE_EXPRESSION,
+    DSPY_OUTCOME_EXPRESSION,
+    DSPY_TOOL_TAG,
 )
 from kernel_env.kernel import ExecutionResult, Kernel
 from kernel_env.kernel.base import StdinHandler
+from kernel_env.observation import json_expression
 
 __all__ = ["KernelInterpreter"]
 
 T = TypeVar("T")
 
 _EOF = "\x04"  # the kernel's input() raises EOFError
-_LOAD = f"import {MODULE_NAME}"
+_LOAD = f"import {DSPY_MODULE}"
 _RESERVED = frozenset({"SUBMIT", "__builtins__"})
 # Variables up to this size (their JSON) are pasted into the preparing cell; larger ones are
 # staged in a file the kernel reads (a long literal costs IPython's cell transforms seconds a
@@ -61,7 +62,7 @@ _SYNTAX = {"SyntaxError", "IndentationError", "TabError"}
 _ASK_OUTCOME: dict[str, Any] = {
     "silent": True,
     "timeout": 30.0,
-    "user_expressions": {"outcome": OUTCOME_EXPRESSION},
+    "user_expressions": {"outcome": DSPY_OUTCOME_EXPRESSION},
 }
 
 
@@ -193,7 +194,7 @@ class KernelInterpreter:
         loaded = await kernel.execute(_LOAD, silent=True, timeout=30.0)
         if not loaded.success:
             await kernel.shutdown()
-            raise CodeInterpreterError(f"the kernel cannot load {MODULE_NAME}: {_error(loaded)}")
+            raise CodeInterpreterError(f"the kernel cannot load {DSPY_MODULE}: {_error(loaded)}")
         return kernel
 
     async def _execute(self, code: str, payload: bytes) -> Any:
@@ -208,7 +209,7 @@ class KernelInterpreter:
             code,
             timeout=self.execution_timeout,
             stdin=self._tool_handler(),
-            user_expressions={"outcome": OUTCOME_EXPRESSION},
+            user_expressions={"outcome": DSPY_OUTCOME_EXPRESSION},
         )
         self._check_kept(ran, "")
         # ipykernel evaluates user_expressions only after a cell that succeeded; SUBMIT ends
@@ -234,7 +235,9 @@ class KernelInterpreter:
                     f"the variables could not be staged for the kernel: {exc.strerror}"
                 ) from None
             call = f"prepare_file({json.dumps(path)})"
-        return await kernel.execute(f"{MODULE_EXPRESSION}.{call}", silent=True, timeout=timeout)
+        return await kernel.execute(
+            f"{DSPY_MODULE_EXPRESSION}.{call}", silent=True, timeout=timeout
+        )
 
     def _check_kept(self, ran: ExecutionResult, when: str) -> None:
         """A restarted kernel lost the session: it ends here (DSPy's protocol: a lost session
@@ -262,10 +265,10 @@ class KernelInterpreter:
         tools = set(self.tools)
 
         async def answer(prompt: str) -> str:
-            if not prompt.startswith(TOOL_TAG):
+            if not prompt.startswith(DSPY_TOOL_TAG):
                 return _EOF  # input() and friends: nobody is there to type
             try:
-                request = json.loads(prompt[len(TOOL_TAG) :])
+                request = json.loads(prompt[len(DSPY_TOOL_TAG) :])
                 name = request["name"]
                 if name not in tools:
                     raise CodeInterpreterError(f"Unknown tool: {name}")
@@ -331,7 +334,7 @@ def _payload(
     output_fields: list[dict[str, Any]] | None,
     variables: dict[str, Any],
 ) -> bytes:
-    """The JSON for dspy_kernel.prepare, encoded."""
+    """The JSON for the kernel's ``prepare`` (:mod:`kernel_env.inkernel.dspy`), encoded."""
     if not isinstance(variables, dict):
         raise CodeInterpreterError("variables must map Python identifiers to JSON values")
     invalid = [
@@ -350,7 +353,7 @@ def _payload(
 
 
 def _outcome(ran: ExecutionResult) -> dict[str, Any] | None:
-    return _json_expression(ran.user_expressions.get("outcome"))
+    return json_expression(ran.user_expressions.get("outcome"))
 
 
 def _error(ran: ExecutionResult) -> str:

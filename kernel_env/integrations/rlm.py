@@ -39,12 +39,13 @@ from rlm.environments.base_env import NonIsolatedEnv, extract_tool_value, valida
 from kernel_env.client import TOKEN_VARIABLE, KernelEnv
 from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.llm import Completion, Messages
+from kernel_env.models import MAX_ITERATIONS
 
 __all__ = ["ENVIRONMENT", "KernelREPL", "register"]
 
 ENVIRONMENT = "kernel_env"
 # rlm enforces its own iteration limit; the episode's is only a backstop.
-_EPISODE_ITERATIONS = 100_000
+_EPISODE_ITERATIONS = MAX_ITERATIONS
 _NOT_RUN = "not run: the episode already ended with a final answer"
 
 

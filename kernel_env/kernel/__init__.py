@@ -13,8 +13,9 @@ By role, and by the process the code runs in:
 - ``fork/``: the forkserver, its zygote and spawner, and live forks, which run outside the
   host process (its ``__init__`` says their rules).
 
-What runs *inside* a kernel lives beside this package: ``kernel_env.kernel_side`` (the
-episode's helpers) and ``kernel_env.kernel_tuning`` (the per-cell tuning of ipykernel).
+What runs *inside* a kernel lives beside this package, in ``kernel_env.inkernel`` (the
+episode's helpers, the per-cell tuning of ipykernel, ...); the host reaches it only through
+``kernel_env.inkernel.contract``.
 
 Import rule (``tests/test_layers.py``): modules here import the foundation layer and each
 other, never an episode, a client or the server; ``isolation/`` and ``fork/`` are stricter.

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from kernel_env.errors import KernelDied, KernelError, KernelStartError, LiveForkUnavailable
-from kernel_env.kernel_side import PROBE_REPLY
+from kernel_env.inkernel.contract import PROBE_REPLY
 from kernel_env.outputs import OutputCollector
 from kernel_env.streaming import event_from_message
 
@@ -243,12 +243,12 @@ class Kernel(ABC):
         await self.shutdown()
 
     # Whether this host alone reads the kernel's iopub, so that an episode's setup may ask it
-    # to send only what the host reads (kernel_side._publish_only_what_the_host_reads). Not
+    # to send only what the host reads (inkernel.extension._publish_only_what_the_host_reads). Not
     # for a gateway's kernel: the gateway reads its busy status too.
     quiet_iopub = False
 
     # Whether the kernel refuses an input request to a stdin peer it has not seen and asks
-    # again (kernel_side._insist_on_a_stdin_peer, an episode kernel's extension) rather than
+    # again (inkernel.extension._insist_on_a_stdin_peer, an episode kernel's extension) rather than
     # losing the request: its readiness then needs no probe of stdin (_wait_connected).
     _stdin_waits_for_the_host = False
 

@@ -57,8 +57,8 @@ from jupyter_client.jsonutil import json_default
 from jupyter_client.session import Session
 from websockets.asyncio.client import ClientConnection
 
-from kernel_env import kernel_side
 from kernel_env.errors import KernelError, KernelStartError
+from kernel_env.inkernel import contract, extension
 from kernel_env.kernel.base import ExecutionResult, Kernel
 from kernel_env.kernel.modes import DEFAULT_KERNEL_USERNAME
 
@@ -78,18 +78,24 @@ _ATTACHED: contextvars.ContextVar[tuple[dict[str, Any], list[bytes]] | None] = (
 # Code sent to the kernel is constant; its parameters travel in the message's metadata and
 # buffers, which ipykernel keeps in ``kernel.get_parent()`` while the cell runs.
 _HELPERS_LOADED = (
-    f"__import__('sys').modules.get({kernel_side.MODULE_NAME!r}) is not None"
-    f" or get_ipython().extension_manager.load_extension({kernel_side.MODULE_NAME!r}) is None"
+    f"__import__('sys').modules.get({contract.EXTENSION_MODULE!r}) is not None"
+    f" or get_ipython().extension_manager.load_extension({contract.EXTENSION_MODULE!r}) is None"
 )
+# A kernel without kernel_env is sent the extension's source and the contract's, each run as
+# the module of its name (the metadata's names, the buffers' sources, in order): the
+# extension's ``from kernel_env.inkernel.contract import ...`` finds the contract in
+# sys.modules, without the packages above it. The last one is loaded as the extension.
+_SHIPPED = (contract, extension)
 _SHIP_HELPERS = """\
-def _kernel_env_ship(source):
+def _kernel_env_ship(parent):
     import sys, types
-    module = types.ModuleType("kernel_env.kernel_side")
-    module.__file__ = "<kernel_env.kernel_side>"
-    sys.modules[module.__name__] = module
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    for name, source in zip(parent["metadata"]["kernel_env_ship"], parent["buffers"]):
+        module = types.ModuleType(name)
+        module.__file__ = f"<{name}>"
+        sys.modules[name] = module
+        exec(compile(bytes(source).decode("utf-8"), module.__file__, "exec"), module.__dict__)
     module.load_ipython_extension(get_ipython())
-_kernel_env_ship(bytes(get_ipython().kernel.get_parent()["buffers"][0]).decode("utf-8"))
+_kernel_env_ship(get_ipython().kernel.get_parent())
 del _kernel_env_ship
 """
 # A private directory for staged files, removed when the kernel process exits.
@@ -178,8 +184,8 @@ def _ssl_context(verify: bool | str) -> ssl.SSLContext:
 
 
 @functools.cache
-def _helpers_source() -> bytes:
-    return inspect.getsource(kernel_side).encode("utf-8")
+def _helpers_source() -> tuple[bytes, ...]:
+    return tuple(inspect.getsource(module).encode("utf-8") for module in _SHIPPED)
 
 
 class _QuickAckConnection(ClientConnection):
@@ -337,12 +343,16 @@ class GatewayKernel(Kernel):
                 return
             if self.config.ship_helpers is False:
                 raise KernelStartError(
-                    "the kernel cannot import kernel_env.kernel_side (ship_helpers=False)",
+                    f"the kernel cannot import {contract.EXTENSION_MODULE} (ship_helpers=False)",
                     kernel_id=self.kernel_id,
                 )
         log.info("kernel %s lacks kernel_env: sending the helpers' source", self.kernel_id)
+        names = [module.__name__ for module in _SHIPPED]
         result = await self._execute_with(
-            _SHIP_HELPERS, {}, [_helpers_source()], self.config.request_timeout
+            _SHIP_HELPERS,
+            {"kernel_env_ship": names},
+            list(_helpers_source()),
+            self.config.request_timeout,
         )
         if not result.success:
             self._helpers_needed = True

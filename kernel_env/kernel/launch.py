@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from kernel_env.errors import KernelStartError
+from kernel_env.inkernel.contract import EXTENSION_MODULE, TUNING_MODULE
 from kernel_env.kernel.isolation import privilege
 
 __all__ = [
@@ -34,10 +35,11 @@ log = logging.getLogger(__name__)
 # Settings measured to matter: no ANSI colours in tracebacks (the model reads them), no
 # history database (an sqlite file per kernel, and a lock shared between kernels). Two
 # extensions: the helpers an episode needs, and the per-cell tuning of ipykernel
-# (kernel_env.kernel_tuning), which KERNEL_ENV_TUNING=off in the kernel's environment turns off.
+# (kernel_env.inkernel.tuning), which KERNEL_ENV_TUNING=off in the kernel's environment turns
+# off.
 _KERNEL_FLAGS = (
-    "--ext=kernel_env.kernel_side",
-    "--ext=kernel_env.kernel_tuning",
+    f"--ext={EXTENSION_MODULE}",
+    f"--ext={TUNING_MODULE}",
     "--colors=nocolor",
     "--HistoryManager.enabled=False",
 )

@@ -30,6 +30,7 @@ from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.session import Session
 
 from kernel_env.errors import KernelError, KernelStartError, LiveForkUnavailable
+from kernel_env.inkernel.contract import LIVE_FORK_MODULE
 from kernel_env.kernel import versions
 from kernel_env.kernel.base import STDIN_PROBE_CODE as _STDIN_PROBE_CODE
 from kernel_env.kernel.base import Kernel, probe_request
@@ -338,7 +339,7 @@ class LocalKernel(Kernel):
     async def _fork_copies(self, requests: list[dict[str, Any]]) -> list[int]:
         """Ask the kernel to fork itself (a silent execute); the copies' pids."""
         expression = (
-            "__import__('kernel_env.kernel.fork.live', fromlist=['_']).fork_copies("
+            f"__import__({LIVE_FORK_MODULE!r}, fromlist=['_']).fork_copies("
             f"__import__('json').loads({json.dumps(json.dumps(requests))}))"
         )
         result = await self.execute("", user_expressions={"pids": expression}, silent=True)
@@ -382,7 +383,7 @@ class LocalKernel(Kernel):
         self._start_client()
         await self._wait_ready()
         if not reseed:
-            restore = "__import__('kernel_env.kernel.fork.live', fromlist=['_']).restore_random()"
+            restore = f"__import__({LIVE_FORK_MODULE!r}, fromlist=['_']).restore_random()"
             await self.execute(restore, silent=True, store_history=False)
         self.started = True
 

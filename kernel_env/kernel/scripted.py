@@ -29,8 +29,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kernel_env.errors import KernelError
+from kernel_env.inkernel.contract import REQUEST_TAG, SETUP_METADATA, STATE_EXPRESSION
 from kernel_env.kernel.base import Kernel
-from kernel_env.kernel_side import REQUEST_TAG, SETUP_METADATA, STATE_EXPRESSION
 
 __all__ = ["Cell", "ScriptedKernel", "ScriptedSource"]
 

@@ -1,7 +1,7 @@
 """The ipykernel and jupyter_client releases kernel_env was tested with.
 
 The forkserver's kernel template (:mod:`.fork.template`) and the per-cell tuning
-(:mod:`kernel_env.kernel_tuning`) reach into ipykernel's internals, which any release may
+(:mod:`kernel_env.inkernel.tuning`) reach into ipykernel's internals, which any release may
 change. A new release must never make kernels fail: with a version outside :data:`TESTED`,
 the zygote does not start (kernels start cold, and the log says why once) and the tuning
 stays off; cold kernels and kernel_env's extension use only what ipykernel documents, or

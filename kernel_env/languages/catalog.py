@@ -1,9 +1,12 @@
 """Which kernels an episode may run in, what each language's shim offers, and where kernels
 of a given name come from.
 
-A reset names its kernel (``kernel_name``, Jupyter's term; default ``python3``). Python keeps
-kernel_env's extension and the forkserver; the languages below get a shim (``shims/``) sent
-as the episode's setup cell; any other installed kernelspec runs plain steps, without
+A reset names its kernel (``kernel_name``, Jupyter's term; default ``python3``). Each name
+has a :class:`Language`: what its episodes expose, how their setup reaches the kernel, how
+their final answer is found. Python (:data:`PYTHON`) keeps kernel_env's extension and the
+forkserver: its setup rides on a request, its kernel reports the episode's state after each
+cell. The other languages below get a shim (``inkernel/shims/``) sent as the episode's setup
+cell, and end with a display; any other installed kernelspec runs plain steps, without
 helpers (:attr:`Language.lacks` says which). Host side.
 """
 
@@ -21,6 +24,13 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
 from kernel_env.errors import InvalidInput
+from kernel_env.inkernel.contract import (
+    BASH_KERNEL_MODULE,
+    EXTENSION,
+    SETUP_METADATA,
+    SHIMS,
+    STATE_EXPRESSION,
+)
 from kernel_env.kernel.base import Kernel, KernelSource
 from kernel_env.kernel.factory import local_kernel_class
 from kernel_env.kernel.isolation.sandbox import GiB, SandboxLimits
@@ -30,6 +40,7 @@ from kernel_env.kernel.sandboxed import SandboxedKernel
 __all__ = [
     "DEFAULT_KERNEL",
     "LANGUAGES",
+    "PYTHON",
     "PYTHON_HELPERS",
     "KernelMenu",
     "Language",
@@ -41,12 +52,11 @@ __all__ = [
 ]
 
 DEFAULT_KERNEL = "python3"
-# What a Python episode has (kernel_env.kernel_side); other languages say which they lack.
+# What a Python episode has (kernel_env.inkernel.extension); other languages say which they lack.
 PYTHON_HELPERS = (
     "context", "answer", "llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched",
     "FINAL", "FINAL_VAR", "SHOW_VARS",
 )  # fmt: skip
-_SHIMS = Path(__file__).parent / "shims"
 _RELAY = Path(__file__).with_name("relay.py")
 RELAY_PLACEHOLDER = "{tcp_connection_file}"  # relay.PLACEHOLDER: the relay runs by path
 _SHIM_HELPERS = ("context", "task_prompt", "llm_query", "llm_query_batched", "FINAL", "FINAL_VAR")
@@ -60,7 +70,7 @@ class Language:
     language: str
     helpers: tuple[str, ...] = ()
     channel: str = "none: this kernel gets no helpers"  # how helpers reach the host, in words
-    shim: str | None = None  # a file of shims/, sent before the setup call
+    shim: str | None = None  # a file of the contract's SHIMS, sent before the setup call
     setup: str | None = None  # the setup call; {context} and {task}: the staged files' paths
     quote: Callable[[str], str] = json.dumps  # a path as a literal of the language
     # A silent cell that asks the host for one line on stdin (the readiness probe of a kernel
@@ -84,6 +94,24 @@ class Language:
     # Seconds a cell's output may come after its idle (Deno forwards console output from a
     # task of its own, and gives it 5 ms: under load it comes after the idle).
     idle_grace: float = 0.0
+    # The names an episode shows before its kernel reports its namespace.
+    names: tuple[str, ...] = ("context",)
+    # A user expression whose value (JSON) is the episode's state after each cell: the final
+    # answer, ``answer``, the namespace, the setup's token. None: the kernel reports none,
+    # and its final answer is a display (protocol.FINAL_MIME) or a printed FINAL(...).
+    state_expression: str | None = None
+    # A user expression that reads the variable a printed FINAL_VAR(name) names; {name}: the
+    # name as a literal (``quote``). None: FINAL_VAR names no variable the host can read.
+    lookup: str | None = None
+    # The request metadata key that carries the episode's setup into the kernel, checked
+    # against the token its state reports; None: the setup is a cell of its own (``setup``).
+    setup_key: str | None = None
+    # The same setup as a silent cell, for a kernel that ignores the metadata; {params}: its
+    # JSON as a literal (``params_literal``).
+    setup_fallback: str | None = None
+    # Its kernels come from the environment's own source (KernelEnvironment's
+    # ``kernel_source``: a warm pool, a tenant's pool, a gateway), not from the menu's.
+    own_source: bool = False
 
     @property
     def lacks(self) -> tuple[str, ...]:
@@ -121,6 +149,20 @@ class Language:
         shim = _shim_text(self.shim) if self.shim else ""
         return "\n".join(part for part in (header, shim, call) if part)
 
+    def lookup_expression(self, name: str) -> str | None:
+        """The user expression that reads ``name``'s value, or None."""
+        return None if self.lookup is None else self.lookup.format(name=self.quote(name))
+
+    def setup_metadata(self, params: dict[str, Any]) -> dict[str, str] | None:
+        """The metadata of a request that carries the setup ``params``, or None."""
+        return None if self.setup_key is None else {self.setup_key: json.dumps(params)}
+
+    def setup_fallback_code(self, params: dict[str, Any]) -> str | None:
+        """The setup ``params`` as a silent cell of their own, or None."""
+        if self.setup_fallback is None:
+            return None
+        return self.setup_fallback.format(params=self.params_literal(json.dumps(params)))
+
     def commented(self, code: str, why: str) -> str:
         """``code`` as comments of the language, after a line saying ``why``."""
         lines = [f"{self.comment} kernel_env: {why}"]
@@ -138,10 +180,32 @@ class Language:
 
 @functools.cache
 def _shim_text(name: str) -> str:
-    return (_SHIMS / name).read_text()
+    return (SHIMS / name).read_text()
 
+
+# kernel_env's extension, as the kernel's own code reaches it.
+_EXTENSION = EXTENSION
+
+PYTHON = Language(
+    kernel_name=DEFAULT_KERNEL,
+    language="python",
+    helpers=PYTHON_HELPERS,
+    channel="Jupyter stdin: kernel_env's IPython extension (inkernel.extension) asks with input()",
+    ipykernel_app=True,
+    ready_hint="Use answer['content'] to store your answer, and set answer['ready'] = True "
+    "when done.",
+    names=("answer", "context"),
+    state_expression=STATE_EXPRESSION,
+    lookup=f"{_EXTENSION}.lookup({{name}})",
+    quote=repr,
+    setup_key=SETUP_METADATA,
+    setup_fallback=f"{_EXTENSION}.setup({{params}})",
+    params_literal=json.dumps,
+    own_source=True,
+)
 
 LANGUAGES: dict[str, Language] = {
+    DEFAULT_KERNEL: PYTHON,
     "ir": Language(
         kernel_name="ir",
         language="R",
@@ -165,7 +229,7 @@ LANGUAGES: dict[str, Language] = {
         notebook="__kernel_env_notebook <<'KERNEL_ENV_PARAMS'\n{params}\nKERNEL_ENV_PARAMS",
         probe="__kernel_env_probe",
         ipykernel_app=True,
-        argv=(sys.executable, "-m", "kernel_env.languages.bash_kernel", "-f", "{connection_file}"),
+        argv=(sys.executable, "-m", BASH_KERNEL_MODULE, "-f", "{connection_file}"),
     ),
     "deno": Language(
         kernel_name="deno",
@@ -253,7 +317,7 @@ class KernelMenu:
 
     def __init__(
         self,
-        sources: Mapping[str, tuple[KernelSource, Language | None]],
+        sources: Mapping[str, tuple[KernelSource, Language]],
         unavailable: Mapping[str, str] | None = None,
     ) -> None:
         self._sources = dict(sources)
@@ -263,9 +327,9 @@ class KernelMenu:
     def names(self) -> list[str]:
         return sorted(self._sources)
 
-    def choose(self, kernel_name: str) -> tuple[KernelSource, Language | None]:
-        """The source and language of ``kernel_name`` (None: Python's own), or
-        :class:`InvalidInput` naming the kernels available."""
+    def choose(self, kernel_name: str) -> tuple[KernelSource, Language]:
+        """The source and language of ``kernel_name``, or :class:`InvalidInput` naming the
+        kernels available."""
         chosen = self._sources.get(kernel_name)
         if chosen is not None:
             return chosen
@@ -279,14 +343,8 @@ class KernelMenu:
     def describe(self) -> dict[str, Any]:
         """For ``/metadata``: each available kernel's language and helpers, and why others
         are not available."""
-        available = {}
-        for name, (_, language) in sorted(self._sources.items()):
-            available[name] = (
-                language.describe()
-                if language is not None
-                else {"language": "python", "helpers": list(PYTHON_HELPERS), "lacks": []}
-            )
-        return {"available": available, "unavailable": dict(self.unavailable)}
+        available = {name: language.describe() for name, (_, language) in self._sources.items()}
+        return {"available": dict(sorted(available.items())), "unavailable": dict(self.unavailable)}
 
     @classmethod
     def local(
@@ -301,14 +359,14 @@ class KernelMenu:
         (default: every kernelspec installed)."""
         specs = installed_kernels()
         wanted = names if names is not None else [DEFAULT_KERNEL, *specs]
-        sources: dict[str, tuple[KernelSource, Language | None]] = {}
+        sources: dict[str, tuple[KernelSource, Language]] = {}
         unavailable = {}
         for name in dict.fromkeys(wanted):
-            if name == DEFAULT_KERNEL:
-                sources[name] = (python, None)
-                continue
             spec = specs.get(name)
             language = language_for(name, spec)
+            if language.own_source:
+                sources[name] = (python, language)
+                continue
             if spec is None and name in LANGUAGES:
                 unavailable[name] = f"no kernelspec {name!r} installed: run `make kernels`"
                 continue
@@ -347,7 +405,7 @@ def served_kernels(
     if getattr(settings, "gateway_url", None):
         others = {n: "a gateway's kernels are python3 only here" for n in names}
         others.pop(DEFAULT_KERNEL, None)
-        return KernelMenu({DEFAULT_KERNEL: (python, None)}, others), []
+        return KernelMenu({DEFAULT_KERNEL: (python, PYTHON)}, others), []
     hidden = tuple(getattr(settings, "secret_files", ()))
     menu = KernelMenu.local(
         python,
@@ -360,7 +418,7 @@ def served_kernels(
     limit = getattr(settings, "kernel_limit", None)
     pools = []
     for name, (source, language) in list(menu._sources.items()):
-        if language is None:
+        if language.own_source:  # the caller's source, pooled already
             continue
         pool = KernelPool(source, size=pool_size, max_kernels=limit)
         pools.append(pool)

@@ -20,7 +20,7 @@ __all__ = ["collect", "process_rss"]
 def collect(sessions: SessionManager, pool: KernelPool, started: float) -> dict[str, Any]:
     """A snapshot of every counter; ``started`` is the server's ``time.monotonic()`` at start."""
     live = sessions.sessions()
-    in_sessions = sum(1 for s in live if s.env.kernel is not None)
+    in_sessions = sum(1 for s in live if s.holds_kernel)
     counters = sessions.counters()
     return {
         "sessions_active": len(live),

@@ -1,5 +1,6 @@
 """Routes for the people who run a server: a landing page, readiness, Prometheus metrics and
-the list of running episodes.
+the list of running episodes. Not a protocol's door: they read the runtime and the session
+manager, and answer errors as the app does.
 
 ``/health`` stays liveness (the process answers); ``/ready`` is readiness: 503 while kernels
 cannot start (an unreachable gateway, say) and no warm kernel is left, so a load balancer sends
@@ -13,14 +14,17 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.routing import APIRoute
 
 from kernel_env import __version__
 from kernel_env.server import metrics
 from kernel_env.server.auth import require_operator, tenant_of
 
-__all__ = ["add_operator_routes"]
+__all__ = ["OPERATOR_PUBLIC", "ROUTES", "add_operator_routes"]
+
+OPERATOR_PUBLIC = ("/", "/ready")  # no token needed: they tell nothing of an episode
 
 _LINKS = (
     ("/web", "the running episodes, live, as notebooks"),
@@ -33,53 +37,84 @@ _LINKS = (
 )
 
 
-def add_operator_routes(app: FastAPI) -> None:
-    @app.get("/", include_in_schema=False)
-    async def landing() -> HTMLResponse:
-        items = "".join(
-            f'<li><a href="{path}">{path}</a> {html.escape(text)}</li>' for path, text in _LINKS
-        )
-        return HTMLResponse(
-            f"<!doctype html><html><head><meta charset='utf-8'><title>kernel_env</title>"
-            f"</head><body><h1>kernel_env {html.escape(__version__)}</h1>"
-            f"<p>REPL environments for language-model agents, in real IPython kernels.</p>"
-            f"<ul>{items}</ul></body></html>",
-            headers={"Content-Security-Policy": "default-src 'none'"},
-        )
+async def landing() -> HTMLResponse:
+    items = "".join(
+        f'<li><a href="{path}">{path}</a> {html.escape(text)}</li>' for path, text in _LINKS
+    )
+    return HTMLResponse(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>kernel_env</title>"
+        f"</head><body><h1>kernel_env {html.escape(__version__)}</h1>"
+        f"<p>REPL environments for language-model agents, in real IPython kernels.</p>"
+        f"<ul>{items}</ul></body></html>",
+        headers={"Content-Security-Policy": "default-src 'none'"},
+    )
 
-    @app.get("/ready", tags=["Health"], summary="Readiness: 503 while kernels cannot start")
-    async def ready(request: Request) -> JSONResponse:
-        runtime = request.app.state.runtime
-        pool = runtime.pool
-        if runtime.sessions.draining:
-            return JSONResponse({"status": "not ready", "reason": "shutting down"}, 503)
-        if not pool.can_start:
-            reason = f"kernels cannot start: {pool.last_failure}"
-            return JSONResponse({"status": "not ready", "reason": reason}, 503)
-        return JSONResponse({"status": "ready", "warm_kernels": pool.warm})
 
-    @app.get("/metrics", tags=["Operations"], summary="Server counters (JSON or Prometheus)")
-    async def get_metrics(request: Request) -> Any:
-        require_operator(request)
-        snapshot = _snapshot(request)
-        accept = request.headers.get("accept", "")
-        if "text/plain" in accept and "application/json" not in accept:
-            return _prometheus(snapshot)
-        return snapshot
+async def ready(request: Request) -> JSONResponse:
+    runtime = request.app.state.runtime
+    pool = runtime.pool
+    if runtime.sessions.draining:
+        return JSONResponse({"status": "not ready", "reason": "shutting down"}, 503)
+    if not pool.can_start:
+        reason = f"kernels cannot start: {pool.last_failure}"
+        return JSONResponse({"status": "not ready", "reason": reason}, 503)
+    return JSONResponse({"status": "ready", "warm_kernels": pool.warm})
 
-    @app.get("/metrics/prometheus", tags=["Operations"], summary="Counters, Prometheus' format")
-    async def get_prometheus(request: Request) -> Response:
-        require_operator(request)
-        return _prometheus(_snapshot(request))
 
-    @app.get(
+async def get_metrics(request: Request) -> Any:
+    require_operator(request)
+    snapshot = _snapshot(request)
+    accept = request.headers.get("accept", "")
+    if "text/plain" in accept and "application/json" not in accept:
+        return _prometheus(snapshot)
+    return snapshot
+
+
+async def get_prometheus(request: Request) -> Response:
+    require_operator(request)
+    return _prometheus(_snapshot(request))
+
+
+async def list_sessions(request: Request) -> dict[str, Any]:
+    sessions = request.app.state.runtime.sessions
+    return {"sessions": [s.summary() for s in sessions.visible_to(tenant_of(request))]}
+
+
+ROUTES = [
+    APIRoute("/", landing, methods=["GET"], include_in_schema=False),
+    APIRoute(
+        "/ready",
+        ready,
+        methods=["GET"],
+        tags=["Health"],
+        summary="Readiness: 503 while kernels cannot start",
+    ),
+    APIRoute(
+        "/metrics",
+        get_metrics,
+        methods=["GET"],
+        tags=["Operations"],
+        summary="Server counters (JSON or Prometheus)",
+    ),
+    APIRoute(
+        "/metrics/prometheus",
+        get_prometheus,
+        methods=["GET"],
+        tags=["Operations"],
+        summary="Counters, Prometheus' format",
+    ),
+    APIRoute(
         "/sessions",
+        list_sessions,
+        methods=["GET"],
         tags=["Operations"],
         summary="Running sessions and their episodes (a client's own; all for an operator)",
-    )
-    async def list_sessions(request: Request) -> dict[str, Any]:
-        sessions = request.app.state.runtime.sessions
-        return {"sessions": [s.summary() for s in sessions.visible_to(tenant_of(request))]}
+    ),
+]
+
+
+def add_operator_routes(app: FastAPI) -> None:
+    app.include_router(APIRouter(routes=list(ROUTES)))
 
 
 def _snapshot(request: Request) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What a running server owns: its kernel pool, its sessions, its model and its forkserver.
 
-The HTTP routes (:mod:`.app`) and the WebSocket (:mod:`.websocket`) both reach it through
+Every door (:mod:`.openenv`, :mod:`.e2b`) and the operator's routes reach it through
 ``app.state.runtime``; it is created in the app's lifespan, on the app's event loop.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kernel_env.agent import solve_child
 from kernel_env.environment import EnvConfig, KernelEnvironment
@@ -23,7 +24,7 @@ from kernel_env.server.sessions import SessionManager
 from kernel_env.server.settings import ServerSettings
 from kernel_env.server.tenant_pools import TenantPools
 
-__all__ = ["Runtime", "llm_backend_from"]
+__all__ = ["Runtime", "describe_kernels", "llm_backend_from"]
 
 # On shutdown, seconds a pool's kernel start in flight may take to finish before it is
 # cancelled: the whole stop must fit in what ``docker stop`` grants (10 s) after the drain of
@@ -166,3 +167,18 @@ class Runtime:
         if self.settings.gateway_url:
             return "started by the gateway"
         return "cold start (a new interpreter per kernel; forkserver off)"
+
+
+def describe_kernels(state: Any) -> dict[str, str]:
+    """Where kernels run, how they start, what isolates them and which limits hold, for an
+    app's ``state`` (its settings; its runtime once started; ``isolation``, once described)."""
+    cached = getattr(state, "isolation", None)
+    if cached is None:
+        from kernel_env.kernel.factory import describe_backend, describe_limits
+
+        settings = state.settings
+        cached = {"backend": describe_backend(settings), **describe_limits(settings)}
+        state.isolation = cached
+    runtime = getattr(state, "runtime", None)
+    start = runtime.start_mode if runtime is not None else "not started"
+    return {"backend": cached["backend"], "start": start, **cached}

@@ -17,6 +17,11 @@ only its own sessions, and another's id, open or closed, is answered as an id no
 had (``UnknownSession``), so ids cannot be probed. ``max_sessions_per_tenant`` caps what one
 client tenant holds; its own unclaimed sessions make room first, as at ``max_sessions``.
 
+A :class:`Session` is the core every front door speaks to (OpenEnv's routes and ``/ws``,
+E2B's sandboxes, the web view): an episode's reset, step and state, an export of its record,
+a call in its kernel outside the episode, an interrupt. No door holds the kernel or the
+environment behind it (``tests/test_layers.py``); what a door needs is added here, for all.
+
 Session exceptions (all ``KernelEnvError``)::
 
     SessionError        the session cannot serve requests any more  -> SESSION_ERROR / HTTP 410
@@ -44,6 +49,7 @@ from kernel_env.errors import (
     CapacityReached,
     ForkRefused,
     InvalidInput,
+    KernelCallError,
     KernelEnvError,
     ResetNeeded,
     SessionClosed,
@@ -169,6 +175,42 @@ class Session:
     async def run_exclusive(self, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` under the session's lock, as its steps run."""
         return await self._run(call)
+
+    async def kernel_call(self, expression: str, *, timeout: float) -> dict[str, Any]:
+        """Evaluate ``expression`` in the session's kernel between its cells (under the
+        session's lock), outside its episode: one silent request, of which nothing enters the
+        record or the notebook. The answer is Jupyter's ``user_expressions`` entry for it
+        (``status``, ``data`` or ``ename`` / ``evalue``)."""
+
+        async def run() -> dict[str, Any]:
+            kernel = self.env.kernel
+            if kernel is None:
+                raise KernelCallError("unavailable", "the session has no kernel")
+            execution = await kernel.execute(
+                "", silent=True, timeout=timeout, user_expressions={"r": expression}
+            )
+            return dict(execution.user_expressions.get("r") or {})
+
+        return await self._run(run)
+
+    async def interrupt(self) -> None:
+        """Interrupt the cell the session's kernel runs, if any (its client went away); not
+        behind the lock, which that cell holds. A kernel that cannot be reached is left to the
+        step's own timeout ladder."""
+        kernel = self.env.kernel
+        if kernel is not None:
+            with contextlib.suppress(Exception):
+                await kernel.interrupt()
+
+    @property
+    def record(self) -> EpisodeRecord | None:
+        """The current (or last) episode's record; None before the first reset."""
+        return self.env.record
+
+    @property
+    def holds_kernel(self) -> bool:
+        """Whether a kernel is the session's now (between a reset and its close)."""
+        return self.env.kernel is not None
 
     async def export(self, export: Callable[[EpisodeRecord], T]) -> T:
         """``export(record)`` of the current (or last) episode, in a thread, between steps."""
@@ -317,13 +359,22 @@ class SessionManager:
         if (self.idle_ttl > 0 or self.claim_ttl > 0) and self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_forever(), name="session-reaper")
 
-    def open(self, kind: Kind, owner: Tenant, env: KernelEnvironment | None = None) -> Session:
+    def open(
+        self,
+        kind: Kind,
+        owner: Tenant,
+        env: KernelEnvironment | None = None,
+        *,
+        claimed: bool = False,
+    ) -> Session:
         """A new session of ``owner`` (around ``env``, else a new environment), or
-        :class:`CapacityReached` (when no unclaimed session can go)."""
+        :class:`CapacityReached` (when no unclaimed session can go). ``claimed``: asked for
+        by name (a fork's copy, a sandbox), so never evicted as an unclaimed reset."""
         if self.draining:
             raise SessionClosed(_SHUTTING_DOWN)
         self._make_room(owner, 1)
         session = Session(self, secrets.token_hex(16), kind, env or self._env_factory(owner), owner)
+        session.claimed = session.claimed or claimed
         self._sessions[session.id] = session
         self.opened_total += 1
         return session
@@ -338,8 +389,7 @@ class SessionManager:
         children: list[Session] = []
         try:
             for env in envs:
-                child = self.open("http", session.owner, env)
-                child.claimed = True  # asked for by name: not an unclaimed reset to evict
+                child = self.open("http", session.owner, env, claimed=True)
                 record = env.record
                 if record is not None:
                     child.feed.episode_started(

@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
-from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse
+from fastapi.routing import APIRoute
 
 from kernel_env.notebook import PAGE_CSP, named_notebook, notebook_html
 from kernel_env.record import EpisodeRecord
 from kernel_env.server.auth import tenant_of
 from kernel_env.server.sessions import UnknownSession
 
-__all__ = ["WEB_PUBLIC", "add_web_routes"]
+__all__ = ["ROUTES", "WEB_PUBLIC", "add_web_routes"]
 
 _FILES = Path(__file__).parent / "webview"
 _CSP = (
@@ -54,41 +55,26 @@ _STATIC = {"/web": "index.html", "/web/app.js": "app.js", "/web/app.css": "app.c
 WEB_PUBLIC = tuple(_STATIC)  # the page and its files hold no data: no token needed
 
 
-def add_web_routes(app: FastAPI) -> None:
-    for path, name in _STATIC.items():
-        app.add_api_route(path, _static(name), methods=["GET"], include_in_schema=False)
+async def events(
+    request: Request,
+    session_id: str,
+    after: int = Query(0, ge=0),
+    wait: float = Query(0.0, ge=0, le=30),
+) -> dict[str, Any]:
+    sessions = request.app.state.runtime.sessions
+    session = sessions.peek(session_id, tenant_of(request))  # watching is no claim
+    if session is None:
+        raise UnknownSession(f"no open session {session_id[:40]!r}")
+    events = await session.feed.wait(after, wait) if wait else session.feed.since(after)
+    last = events[-1]["seq"] if events else after
+    return {"events": events, "last": last, "closed": session.feed.closed}
 
-    @app.get(
-        "/web/api/sessions/{session_id}/events",
-        tags=["Operations"],
-        summary="A session's live feed for the web view (waits up to `wait` s for news)",
-    )
-    async def events(
-        request: Request,
-        session_id: str,
-        after: int = Query(0, ge=0),
-        wait: float = Query(0.0, ge=0, le=30),
-    ) -> dict[str, Any]:
-        sessions = request.app.state.runtime.sessions
-        session = sessions.peek(session_id, tenant_of(request))  # watching is no claim
-        if session is None:
-            raise UnknownSession(f"no open session {session_id[:40]!r}")
-        events = await session.feed.wait(after, wait) if wait else session.feed.since(after)
-        last = events[-1]["seq"] if events else after
-        return {"events": events, "last": last, "closed": session.feed.closed}
 
-    @app.get(
-        "/sessions/{session_id}/notebook.html",
-        tags=["Sessions"],
-        summary="The session's current (or last) episode as an HTML page (needs nbconvert)",
-        response_class=Response,
-        responses={200: {"content": {"text/html": {}}}},
-    )
-    async def notebook_page(request: Request, session_id: str) -> Response:
-        session = request.app.state.runtime.sessions.get(session_id, tenant_of(request))
-        name, page = await session.export(_page)
-        headers = {**_PAGE_HEADERS, "Content-Disposition": f'attachment; filename="{name}"'}
-        return Response(page, media_type="text/html", headers=headers)
+async def notebook_page(request: Request, session_id: str) -> Response:
+    session = request.app.state.runtime.sessions.get(session_id, tenant_of(request))
+    name, page = await session.export(_page)
+    headers = {**_PAGE_HEADERS, "Content-Disposition": f'attachment; filename="{name}"'}
+    return Response(page, media_type="text/html", headers=headers)
 
 
 def _static(name: str) -> Any:
@@ -96,6 +82,34 @@ def _static(name: str) -> Any:
         return FileResponse(_FILES / name, headers=_HEADERS)
 
     return serve
+
+
+ROUTES = [
+    *(
+        APIRoute(path, _static(name), methods=["GET"], include_in_schema=False)
+        for path, name in _STATIC.items()
+    ),
+    APIRoute(
+        "/web/api/sessions/{session_id}/events",
+        events,
+        methods=["GET"],
+        tags=["Operations"],
+        summary="A session's live feed for the web view (waits up to `wait` s for news)",
+    ),
+    APIRoute(
+        "/sessions/{session_id}/notebook.html",
+        notebook_page,
+        methods=["GET"],
+        tags=["Sessions"],
+        summary="The session's current (or last) episode as an HTML page (needs nbconvert)",
+        response_class=Response,
+        responses={200: {"content": {"text/html": {}}}},
+    ),
+]
+
+
+def add_web_routes(app: FastAPI) -> None:
+    app.include_router(APIRouter(routes=list(ROUTES)))
 
 
 def _page(record: EpisodeRecord) -> tuple[str, str]:

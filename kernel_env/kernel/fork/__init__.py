@@ -14,5 +14,7 @@ Import rule (``tests/test_layers.py``): ``server`` imports the host's modules it
 imports the standard library alone. ``zygote`` and ``template`` import the standard library,
 what every kernel preloads (ipykernel, IPython, zmq, ...), each other, ``spawner``,
 ``kernel.isolation.seccomp`` and ``kernel.versions``: nothing of the host. ``live`` may also
-import what runs in every kernel (``kernel_env.kernel_side``, ``kernel_env.kernel_tuning``).
+import what runs in every kernel (``kernel_env.inkernel.extension``, ``.tuning``). ``live``
+stays here, not in ``kernel_env.inkernel``: it runs in the kernel, but it is the forkserver's
+other half, built on ``template`` and ``spawner``, which the zygote runs too.
 """

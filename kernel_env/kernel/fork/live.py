@@ -37,7 +37,7 @@ import sys
 import threading
 from typing import Any
 
-from kernel_env import kernel_side, kernel_tuning
+from kernel_env.inkernel import extension, tuning
 from kernel_env.kernel import versions
 from kernel_env.kernel.fork.spawner import join_cgroups
 from kernel_env.kernel.fork.template import KernelTemplate, grow_descriptor_table, reseed
@@ -180,8 +180,8 @@ def _become_copy(app: Any, request: dict[str, Any]) -> None:
         template.identify(request["connection_file"])
         template.connect()
         template.own_directory()
-        kernel_side.after_fork()
-        kernel_tuning.after_fork(getattr(app, "kernel", None))
+        extension.after_fork()
+        tuning.after_fork(getattr(app, "kernel", None))
         if request["reseed"]:
             reseed()
         else:  # restored once the host has its kernel_info (IPython's banner draws a tip)

@@ -96,8 +96,8 @@ KERNEL_MODULES = (
     "cmd",
     "faulthandler",
     "pdb",
-    "kernel_env.kernel_side",
-    "kernel_env.kernel_tuning",
+    "kernel_env.inkernel.extension",
+    "kernel_env.inkernel.tuning",
 )
 
 # The processes' names (``ps -o comm``, /proc/<pid>/comm): a forked kernel keeps the zygote's

@@ -9,7 +9,13 @@ limits and tenants as OpenEnv's front door. The modules, by concept:
 - :mod:`.sandboxes`: sandboxes over sessions: templates, timeouts, tokens, pause;
 - :mod:`.control`: E2B's REST API (create, list, get, connect, timeout, kill, pause, resume);
 - :mod:`.interpreter`: the code interpreter (``/execute``, contexts);
-- :mod:`.envd`: the sandbox daemon's ``/health`` (and its Connect RPC services).
+- :mod:`.envd`: the sandbox daemon's ``/health`` (and its Connect RPC services);
+- :mod:`.kernelcalls`: envd's file and process operations, as kernel calls of the session;
+- :mod:`.failures`: exceptions -> E2B's answers (its JSON errors, Connect codes, error
+  lines), in one place.
+
+Like every door, it speaks to sessions only through the session core's public methods
+(:class:`~kernel_env.server.sessions.Session`), never to a kernel.
 
 ``add_e2b(app)`` mounts it all; docs/e2b.md is the user's guide.
 """

@@ -10,7 +10,6 @@ metrics APIs) is refused with 501 and a sentence saying so.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,19 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kernel_env.errors import CapacityReached, ForkRefused, InvalidInput, KernelEnvError
+from kernel_env.errors import KernelEnvError, SandboxError
 from kernel_env.server.auth import Tenant, Tenants
-from kernel_env.server.e2b.sandboxes import (
-    DEFAULT_TEMPLATE,
-    MAX_TIMEOUT,
-    Sandbox,
-    SandboxError,
-    Sandboxes,
-)
+from kernel_env.server.e2b.failures import control_error, error_response
+from kernel_env.server.e2b.sandboxes import DEFAULT_TEMPLATE, MAX_TIMEOUT, Sandbox, Sandboxes
 
-__all__ = ["CONTROL_PREFIXES", "control_app", "error_response"]
-
-log = logging.getLogger(__name__)
+__all__ = ["CONTROL_PREFIXES", "ROUTES", "control_app"]
 
 # The paths of E2B's API: requests to these (without a sandbox header) are the control plane's.
 CONTROL_PREFIXES = (
@@ -62,147 +54,156 @@ _OUT_OF_SCOPE = {
 }
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+def control_app(tenants: Callable[[], Tenants], sandboxes: Callable[[], Sandboxes]) -> Starlette:
+    """The control plane's app: :data:`ROUTES`, over the server's tenants and sandboxes."""
+    app = Starlette(routes=ROUTES)
+    app.state.tenants = tenants
+    app.state.sandboxes = sandboxes
+    return app
 
 
-def control_app(
-    tenants: Callable[[], Tenants],
-    sandboxes: Callable[[], Sandboxes],
-    prepare: Callable[[Sandbox], Awaitable[None]] | None = None,
-) -> Starlette:
-    """The control plane's routes. ``prepare`` finishes a new sandbox (its envs)."""
+def _authed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` behind the API key, with its failures answered in E2B's shape."""
 
-    def authed(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            tenant = _tenant(request, tenants())
-            if tenant is None:
-                return error_response(401, "Invalid API key: use the kernel_env server's token")
-            try:
-                return await handler(request, tenant)
-            except SandboxError as exc:
-                return error_response(exc.status, exc.message)
-            except CapacityReached as exc:
-                return error_response(429, str(exc))
-            except ForkRefused as exc:
-                return error_response(409, str(exc))
-            except InvalidInput as exc:  # a template's kernel this server does not offer
-                return error_response(400, str(exc))
-            except KernelEnvError as exc:
-                log.warning("e2b: %s failed: %s", request.url.path, exc)
-                return error_response(500, f"{type(exc).__name__}: {exc}")
+    async def endpoint(request: Request) -> Response:
+        tenant = _tenant(request, request.app.state.tenants())
+        if tenant is None:
+            return error_response(401, "Invalid API key: use the kernel_env server's token")
+        try:
+            return await handler(request, tenant)
+        except KernelEnvError as exc:
+            return control_error(exc, request.url.path)
 
-        return endpoint
+    return endpoint
 
-    async def create(request: Request, tenant: Tenant) -> Response:
-        body = await _json(request)
-        template = body.get("templateID") or DEFAULT_TEMPLATE
-        if body.get("volumeMounts"):
-            raise SandboxError(501, _OUT_OF_SCOPE["volumes"])
-        sandbox = await sandboxes().create(
-            tenant,
-            str(template),
-            _timeout(body.get("timeout"), DEFAULT_TIMEOUT),
-            _strings(body.get("metadata"), "metadata"),
-            _strings(body.get("envVars"), "envVars"),
-            prepare,
-        )
-        return JSONResponse(sandbox.created(), status_code=201)
 
-    async def listing(request: Request, tenant: Tenant) -> Response:
-        wanted = _metadata_query(request.query_params.get("metadata"))
-        states = set(filter(None, request.query_params.get("state", "").split(",")))
-        found = [
-            {k: v for k, v in s.detail().items() if k != "envdAccessToken"}
-            for s in sandboxes().visible_to(tenant)
-            if all(s.metadata.get(k) == v for k, v in wanted.items())
-            and (not states or s.state in states)
-        ]
-        return JSONResponse(found)
+def _registry(request: Request) -> Sandboxes:
+    registry: Sandboxes = request.app.state.sandboxes()
+    return registry
 
-    async def get_info(request: Request, tenant: Tenant) -> Response:
-        return JSONResponse(_sandbox(request, tenant).detail())
 
-    async def kill(request: Request, tenant: Tenant) -> Response:
-        await sandboxes().kill(_sandbox(request, tenant))
-        return Response(status_code=204)
+def _sandbox(request: Request, tenant: Tenant) -> Sandbox:
+    return _registry(request).get(request.path_params["sandbox_id"], tenant)
 
-    async def set_timeout(request: Request, tenant: Tenant) -> Response:
-        sandbox = _sandbox(request, tenant)
-        body = await _json(request)
-        sandboxes().set_timeout(sandbox, _timeout(body.get("timeout"), None))
-        return Response(status_code=204)
 
-    async def connect(request: Request, tenant: Tenant) -> Response:
-        sandbox = _sandbox(request, tenant)
-        body = await _json(request)
-        timeout = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
-        registry = sandboxes()
-        if sandbox.state == "paused":
-            registry.resume(sandbox, timeout)
-            return JSONResponse(sandbox.created(), status_code=201)
-        # A running sandbox's end moves only later, as E2B's does.
-        if sandbox.end < _now() + timeout:
-            registry.set_timeout(sandbox, timeout)
-        return JSONResponse(sandbox.created(), status_code=200)
+async def create(request: Request, tenant: Tenant) -> Response:
+    body = await _json(request)
+    template = body.get("templateID") or DEFAULT_TEMPLATE
+    if body.get("volumeMounts"):
+        raise SandboxError(501, _OUT_OF_SCOPE["volumes"])
+    sandbox = await _registry(request).create(
+        tenant,
+        str(template),
+        _timeout(body.get("timeout"), DEFAULT_TIMEOUT),
+        _strings(body.get("metadata"), "metadata"),
+        _strings(body.get("envVars"), "envVars"),
+    )
+    return JSONResponse(sandbox.created(), status_code=201)
 
-    async def pause(request: Request, tenant: Tenant) -> Response:
-        sandboxes().pause(_sandbox(request, tenant))
-        return Response(status_code=204)
 
-    async def resume(request: Request, tenant: Tenant) -> Response:
-        sandbox = _sandbox(request, tenant)
-        if sandbox.state != "paused":
-            raise SandboxError(409, f"sandbox {sandbox.id!r} is not paused")
-        body = await _json(request)
-        sandboxes().resume(sandbox, _timeout(body.get("timeout"), DEFAULT_TIMEOUT))
-        return JSONResponse(sandbox.created(), status_code=201)
-
-    async def fork(request: Request, tenant: Tenant) -> Response:
-        sandbox = _sandbox(request, tenant)
-        body = await _json(request)
-        count = body.get("count", 1)
-        if isinstance(count, bool) or not isinstance(count, int):
-            raise SandboxError(400, "count must be an integer")
-        timeout = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
-        copies = await sandboxes().fork(sandbox, count, timeout)
-        return JSONResponse([{"sandbox": c.created()} for c in copies], status_code=201)
-
-    def _sandbox(request: Request, tenant: Tenant) -> Sandbox:
-        return sandboxes().get(request.path_params["sandbox_id"], tenant)
-
-    def refuse(what: str) -> Handler:
-        async def refused(request: Request, tenant: Tenant) -> Response:
-            return error_response(501, _OUT_OF_SCOPE[what])
-
-        return refused
-
-    sandbox_path = "/sandboxes/{sandbox_id}"
-    routes = [
-        Route("/sandboxes", authed(create), methods=["POST"]),
-        Route("/v2/sandboxes", authed(create), methods=["POST"]),
-        Route("/sandboxes", authed(listing), methods=["GET"]),
-        Route("/v2/sandboxes", authed(listing), methods=["GET"]),
-        Route("/sandboxes/metrics", authed(refuse("metrics")), methods=["GET"]),
-        Route(sandbox_path, authed(get_info), methods=["GET"]),
-        Route(sandbox_path, authed(kill), methods=["DELETE"]),
-        Route(f"{sandbox_path}/timeout", authed(set_timeout), methods=["POST"]),
-        Route(f"{sandbox_path}/connect", authed(connect), methods=["POST"]),
-        Route(f"/v2{sandbox_path}/connect", authed(connect), methods=["POST"]),
-        Route(f"{sandbox_path}/pause", authed(pause), methods=["POST"]),
-        Route(f"{sandbox_path}/resume", authed(resume), methods=["POST"]),
-        Route(f"{sandbox_path}/fork", authed(fork), methods=["POST"]),
-        Route(f"{sandbox_path}/snapshots", authed(refuse("snapshots")), methods=["POST"]),
-        Route(f"{sandbox_path}/network", authed(refuse("network")), methods=["PUT"]),
-        Route(f"{sandbox_path}/metrics", authed(refuse("metrics")), methods=["GET"]),
+async def listing(request: Request, tenant: Tenant) -> Response:
+    wanted = _metadata_query(request.query_params.get("metadata"))
+    states = set(filter(None, request.query_params.get("state", "").split(",")))
+    found = [
+        {k: v for k, v in s.detail().items() if k != "envdAccessToken"}
+        for s in _registry(request).visible_to(tenant)
+        if all(s.metadata.get(k) == v for k, v in wanted.items())
+        and (not states or s.state in states)
     ]
-    for prefix in CONTROL_PREFIXES[2:]:
-        what = prefix.rsplit("/", 1)[-1]
-        for path in (prefix, prefix + "/{rest:path}"):
-            routes.append(
-                Route(path, authed(refuse(what)), methods=["GET", "POST", "PATCH", "PUT", "DELETE"])
-            )
-    return Starlette(routes=routes)
+    return JSONResponse(found)
+
+
+async def get_info(request: Request, tenant: Tenant) -> Response:
+    return JSONResponse(_sandbox(request, tenant).detail())
+
+
+async def kill(request: Request, tenant: Tenant) -> Response:
+    await _registry(request).kill(_sandbox(request, tenant))
+    return Response(status_code=204)
+
+
+async def set_timeout(request: Request, tenant: Tenant) -> Response:
+    sandbox = _sandbox(request, tenant)
+    body = await _json(request)
+    _registry(request).set_timeout(sandbox, _timeout(body.get("timeout"), None))
+    return Response(status_code=204)
+
+
+async def connect(request: Request, tenant: Tenant) -> Response:
+    sandbox = _sandbox(request, tenant)
+    body = await _json(request)
+    timeout = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
+    registry = _registry(request)
+    if sandbox.state == "paused":
+        registry.resume(sandbox, timeout)
+        return JSONResponse(sandbox.created(), status_code=201)
+    # A running sandbox's end moves only later, as E2B's does.
+    if sandbox.end < _now() + timeout:
+        registry.set_timeout(sandbox, timeout)
+    return JSONResponse(sandbox.created(), status_code=200)
+
+
+async def pause(request: Request, tenant: Tenant) -> Response:
+    _registry(request).pause(_sandbox(request, tenant))
+    return Response(status_code=204)
+
+
+async def resume(request: Request, tenant: Tenant) -> Response:
+    sandbox = _sandbox(request, tenant)
+    if sandbox.state != "paused":
+        raise SandboxError(409, f"sandbox {sandbox.id!r} is not paused")
+    body = await _json(request)
+    _registry(request).resume(sandbox, _timeout(body.get("timeout"), DEFAULT_TIMEOUT))
+    return JSONResponse(sandbox.created(), status_code=201)
+
+
+async def fork(request: Request, tenant: Tenant) -> Response:
+    sandbox = _sandbox(request, tenant)
+    body = await _json(request)
+    count = body.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise SandboxError(400, "count must be an integer")
+    timeout = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
+    copies = await _registry(request).fork(sandbox, count, timeout)
+    return JSONResponse([{"sandbox": c.created()} for c in copies], status_code=201)
+
+
+def _refuse(what: str) -> Handler:
+    """A handler for what kernel_env does not do: 501, and why."""
+
+    async def refused(request: Request, tenant: Tenant) -> Response:
+        return error_response(501, _OUT_OF_SCOPE[what])
+
+    return refused
+
+
+_SANDBOX = "/sandboxes/{sandbox_id}"
+_ANY = ["GET", "POST", "PATCH", "PUT", "DELETE"]
+
+ROUTES = [
+    Route("/sandboxes", _authed(create), methods=["POST"]),
+    Route("/v2/sandboxes", _authed(create), methods=["POST"]),
+    Route("/sandboxes", _authed(listing), methods=["GET"]),
+    Route("/v2/sandboxes", _authed(listing), methods=["GET"]),
+    Route("/sandboxes/metrics", _authed(_refuse("metrics")), methods=["GET"]),
+    Route(_SANDBOX, _authed(get_info), methods=["GET"]),
+    Route(_SANDBOX, _authed(kill), methods=["DELETE"]),
+    Route(f"{_SANDBOX}/timeout", _authed(set_timeout), methods=["POST"]),
+    Route(f"{_SANDBOX}/connect", _authed(connect), methods=["POST"]),
+    Route(f"/v2{_SANDBOX}/connect", _authed(connect), methods=["POST"]),
+    Route(f"{_SANDBOX}/pause", _authed(pause), methods=["POST"]),
+    Route(f"{_SANDBOX}/resume", _authed(resume), methods=["POST"]),
+    Route(f"{_SANDBOX}/fork", _authed(fork), methods=["POST"]),
+    Route(f"{_SANDBOX}/snapshots", _authed(_refuse("snapshots")), methods=["POST"]),
+    Route(f"{_SANDBOX}/network", _authed(_refuse("network")), methods=["PUT"]),
+    Route(f"{_SANDBOX}/metrics", _authed(_refuse("metrics")), methods=["GET"]),
+    # The rest of E2B's API (templates, volumes, snapshots, secrets): out of kernel_env's scope.
+    *(
+        Route(path, _authed(_refuse(prefix.rsplit("/", 1)[-1])), methods=_ANY)
+        for prefix in CONTROL_PREFIXES[2:]
+        for path in (prefix, prefix + "/{rest:path}")
+    ),
+]
 
 
 def _tenant(request: Request, tenants: Tenants) -> Tenant | None:

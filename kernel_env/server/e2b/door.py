@@ -21,7 +21,9 @@ from collections.abc import Callable
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kernel_env.server.e2b.sandboxes import Sandbox, SandboxError, Sandboxes
+from kernel_env.errors import SandboxError
+from kernel_env.server.e2b.failures import error_response
+from kernel_env.server.e2b.sandboxes import Sandbox, Sandboxes
 
 __all__ = ["SANDBOX_KEY", "E2BDoor"]
 
@@ -75,17 +77,17 @@ class E2BDoor:
         try:
             sandbox = self.sandboxes().get(sandbox_id)
         except SandboxError:
-            return _refusal(502, "The sandbox was not found", sandbox_id)
+            return error_response(502, "The sandbox was not found", sandbox_id)
         token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
         if not sandbox.admits(token):
-            return _refusal(401, "invalid access token")
+            return error_response(401, "invalid access token")
         if sandbox.state == "paused":
-            return _refusal(502, "The sandbox is paused: connect() resumes it", sandbox_id)
+            return error_response(502, "The sandbox is paused: connect() resumes it", sandbox_id)
         port = headers.get("e2b-sandbox-port", "")
         app = self.ports.get(port)
         if app is None:
             served = ", ".join(sorted(self.ports))
-            return _refusal(
+            return error_response(
                 502, f"port {port!r} is not open in a kernel_env sandbox (served: {served})"
             )
         return sandbox, app
@@ -101,10 +103,3 @@ def sandbox_in(scope: Scope) -> Sandbox:
 
 def _under(path: str, prefixes: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p + "/") for p in prefixes)
-
-
-def _refusal(status: int, message: str, sandbox_id: str | None = None) -> JSONResponse:
-    body: dict[str, object] = {"code": status, "message": message}
-    if sandbox_id is not None:
-        body["sandboxId"] = sandbox_id
-    return JSONResponse(body, status_code=status)

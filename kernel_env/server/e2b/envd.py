@@ -30,8 +30,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kernel_env.errors import KernelCallError, SessionError
 from kernel_env.server.e2b.door import sandbox_in
-from kernel_env.server.e2b.kernelcalls import KernelCallError, in_kernel
+from kernel_env.server.e2b.failures import connect_error, error_response, file_error
+from kernel_env.server.e2b.kernelcalls import in_kernel
 from kernel_env.server.e2b.proto.filesystem import filesystem_pb as fs
 from kernel_env.server.e2b.proto.filesystem.filesystem_connect import (
     Filesystem,
@@ -40,7 +42,7 @@ from kernel_env.server.e2b.proto.filesystem.filesystem_connect import (
 from kernel_env.server.e2b.proto.process import process_pb as pb
 from kernel_env.server.e2b.proto.process.process_connect import Process, ProcessASGIApplication
 from kernel_env.server.e2b.sandboxes import Sandbox
-from kernel_env.server.sessions import SessionError, SessionManager
+from kernel_env.server.sessions import SessionManager
 
 __all__ = ["ENVD_PORT", "envd_app"]
 
@@ -62,11 +64,8 @@ class _Calls:
         try:
             async with manager.request(sandbox.session):
                 return await in_kernel(sandbox.session, name, **args)
-        except KernelCallError as exc:
-            known = exc.code in {code.value for code in Code}
-            raise ConnectError(Code(exc.code) if known else Code.INTERNAL, exc.message) from None
-        except SessionError as exc:  # killed, timed out or reaped meanwhile: E2B's "gone"
-            raise ConnectError(Code.UNAVAILABLE, str(exc)) from None
+        except (KernelCallError, SessionError) as exc:
+            raise connect_error(exc) from None
 
 
 class ProcessService(Process):
@@ -239,11 +238,11 @@ def envd_app(sessions: Callable[[], SessionManager]) -> Callable[[Scope, Receive
     async def download(request: Request) -> Response:
         path = request.query_params.get("path")
         if not path:
-            return _error(400, "path is required")
+            return error_response(400, "path is required")
         try:
             data = await call("read", path=path)
         except ConnectError as exc:
-            return _error(404 if exc.code == Code.NOT_FOUND else 400, exc.message)
+            return file_error(exc, missing=404)
         return Response(base64.b64decode(data), media_type="application/octet-stream")
 
     async def upload(request: Request) -> Response:
@@ -257,7 +256,7 @@ def envd_app(sessions: Callable[[], SessionManager]) -> Callable[[Scope, Receive
                     await call("write", path=path, data=base64.b64encode(data).decode("ascii"))
                 )
             except ConnectError as exc:
-                return _error(400, exc.message)
+                return file_error(exc)
         return JSONResponse(written)
 
     http = Starlette(
@@ -289,12 +288,12 @@ async def _uploaded(request: Request) -> list[tuple[str, bytes]] | Response:
     kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if kind == "application/octet-stream":
         if not path:
-            return _error(400, "path is required")
+            return error_response(400, "path is required")
         if request.headers.get("content-encoding", "").lower() == "gzip":
-            return _error(400, "gzip uploads are not served; send the file as it is")
+            return error_response(400, "gzip uploads are not served; send the file as it is")
         return [(path, await request.body())]
     if kind != "multipart/form-data":
-        return _error(400, "send multipart/form-data or application/octet-stream")
+        return error_response(400, "send multipart/form-data or application/octet-stream")
     form = await request.form()
     files: list[tuple[str, bytes]] = []
     for _, part in form.multi_items():
@@ -302,9 +301,5 @@ async def _uploaded(request: Request) -> list[tuple[str, bytes]] | Response:
             continue
         files.append((path if path and len(form) == 1 else part.filename or "", await part.read()))
     if not files or not all(p for p, _ in files):
-        return _error(400, "each file needs a path")
+        return error_response(400, "each file needs a path")
     return files
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)

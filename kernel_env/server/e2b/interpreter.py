@@ -17,26 +17,24 @@ default context, made at its first use.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kernel_env.errors import EpisodeFinished, KernelEnvError
+from kernel_env.errors import KernelEnvError, LanguageRefused
 from kernel_env.models import REPLAction
-from kernel_env.server.e2b.sandboxes import Sandbox
+from kernel_env.server.e2b.door import sandbox_in
+from kernel_env.server.e2b.failures import refused, step_failure
+from kernel_env.server.e2b.sandboxes import Sandbox, Sandboxes
 from kernel_env.server.sessions import Session, SessionManager
 
-__all__ = ["JUPYTER_PORT", "e2b_output", "interpreter_app"]
-
-log = logging.getLogger(__name__)
+__all__ = ["JUPYTER_PORT", "ROUTES", "e2b_output", "interpreter_app"]
 
 JUPYTER_PORT = "49999"
 HOME = "/home/user"  # E2B's default cwd, reported for contexts
@@ -127,10 +125,6 @@ class Contexts:
         return found[0] if found is not None and found[0].closed is None else None
 
 
-class LanguageRefused(ValueError):
-    """A language this server does not run (said in E2B's plain-text 400)."""
-
-
 def _kernel_of(language: Any) -> str:
     kernel = LANGUAGES.get(str(language).lower())
     if kernel is None:
@@ -140,116 +134,134 @@ def _kernel_of(language: Any) -> str:
     return kernel
 
 
-def interpreter_app(
-    sandbox_of: Callable[[Request], Sandbox],
-    sessions: Callable[[], SessionManager],
-) -> Starlette:
-    """The code interpreter's routes; ``sandbox_of`` finds (and authorizes) the sandbox."""
-    contexts = Contexts()
+def interpreter_app(sandboxes: Callable[[], Sandboxes]) -> Starlette:
+    """The code interpreter's app: :data:`ROUTES`, over the server's sandboxes (the one a
+    request is for is the one :class:`~.door.E2BDoor` checked)."""
+    app = Starlette(routes=ROUTES)
+    app.state.sandboxes = sandboxes
+    app.state.contexts = Contexts()
+    return app
 
-    async def execute(request: Request) -> Response:
-        sandbox = sandbox_of(request)
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return PlainTextResponse("the body is not JSON", status_code=400)
-        code = body.get("code")
-        if not isinstance(code, str):
-            return PlainTextResponse("code must be a string", status_code=400)
-        context_id, language = body.get("context_id"), body.get("language")
-        if context_id and language:
-            return PlainTextResponse(
-                "Only one of context_id or language can be provided", status_code=400
+
+def _registry(request: Request) -> Sandboxes:
+    registry: Sandboxes = request.app.state.sandboxes()
+    return registry
+
+
+async def execute(request: Request) -> Response:
+    sandbox = sandbox_in(request.scope)
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        return refused("the body is not JSON")
+    code = body.get("code")
+    if not isinstance(code, str):
+        return refused("code must be a string")
+    context_id, language = body.get("context_id"), body.get("language")
+    if context_id and language:
+        return refused("Only one of context_id or language can be provided")
+    if body.get("env_vars"):
+        return refused(
+            "env_vars per execution are not served here: set envs when the sandbox is created"
+        )
+    try:
+        session = await _context_session(request, sandbox, context_id, language)
+    except LanguageRefused as exc:
+        return refused(str(exc))
+    if session is None:
+        return refused(f"Context {context_id} not found", 404)
+    manager = _registry(request).sessions
+    return StreamingResponse(_run(session, code, manager), media_type="application/x-ndjson")
+
+
+async def _context_session(
+    request: Request, sandbox: Sandbox, context_id: str | None, language: str | None
+) -> Session | None:
+    """The session a cell runs in: the sandbox's own, its language's default context (made at
+    its first use), or the context it names (None: no such context)."""
+    contexts: Contexts = request.app.state.contexts
+    if context_id and context_id != sandbox.id:
+        found = contexts.of(sandbox).get(context_id)
+        return found[0] if found is not None else None
+    if language:
+        kernel = _kernel_of(language)
+        if kernel != sandbox.kernel_name:
+            return contexts.default(sandbox, kernel) or await _open_context(
+                request, sandbox, kernel, str(language), HOME, default=True
             )
-        session = sandbox.session
-        if language:
-            try:
-                kernel = _kernel_of(language)
-                if kernel != sandbox.kernel:
-                    session = contexts.default(sandbox, kernel) or await open_context(
-                        sandbox, kernel, str(language), HOME, default=True
-                    )
-            except LanguageRefused as exc:
-                return PlainTextResponse(str(exc), status_code=400)
-        if context_id and context_id != sandbox.id:
-            found = contexts.of(sandbox).get(context_id)
-            if found is None:
-                return PlainTextResponse(f"Context {context_id} not found", status_code=404)
-            session = found[0]
-        env_vars = body.get("env_vars") or {}
-        if env_vars:
-            return PlainTextResponse(
-                "env_vars per execution are not served here: set envs when the sandbox is created",
-                status_code=400,
-            )
-        return StreamingResponse(_run(session, code, sessions()), media_type="application/x-ndjson")
+    return sandbox.session
 
-    async def open_context(
-        sandbox: Sandbox, kernel: str, language: str, cwd: str, *, default: bool = False
-    ) -> Session:
-        """A new context of ``sandbox``: a session whose episode runs ``kernel``."""
-        manager = sessions()
-        session = manager.open("http", sandbox.owner)
-        session.claimed = True
-        try:
-            async with manager.request(session):
-                await session.reset({"max_iterations": 100_000, "kernel_name": kernel})
-        except KernelEnvError as exc:  # a kernel this server does not offer, say
-            await asyncio.shield(manager.close_soon(session))
-            raise LanguageRefused(f"language {language!r}: {exc}") from None
-        except BaseException:
-            await asyncio.shield(manager.close_soon(session))
-            raise
-        contexts.of(sandbox)[session.id] = (session, language, cwd)
-        if default:
-            contexts.defaults.setdefault(sandbox.id, {})[kernel] = session.id
-        sandbox.on_kill.append(lambda: manager.close_soon(session))
-        return session
 
-    async def create_context(request: Request) -> Response:
-        sandbox = sandbox_of(request)
-        body = json.loads(await request.body() or b"{}")
-        language = str(body.get("language") or "python").lower()
-        cwd = str(body.get("cwd") or HOME)
-        try:
-            session = await open_context(sandbox, _kernel_of(language), language, cwd)
-        except LanguageRefused as exc:
-            return PlainTextResponse(str(exc), status_code=400)
-        return JSONResponse({"id": session.id, "language": language, "cwd": cwd})
+async def _open_context(
+    request: Request,
+    sandbox: Sandbox,
+    kernel: str,
+    language: str,
+    cwd: str,
+    *,
+    default: bool = False,
+) -> Session:
+    """A new context of ``sandbox``: a session whose episode runs ``kernel``."""
+    registry, contexts = _registry(request), request.app.state.contexts
+    try:
+        session = await registry.start_session(sandbox.owner, kernel)
+    except KernelEnvError as exc:  # a kernel this server does not offer, say
+        raise LanguageRefused(f"language {language!r}: {exc}") from None
+    contexts.of(sandbox)[session.id] = (session, language, cwd)
+    if default:
+        contexts.defaults.setdefault(sandbox.id, {})[kernel] = session.id
+    manager = registry.sessions
+    sandbox.on_kill.append(lambda: manager.close_soon(session))
+    return session
 
-    async def list_contexts(request: Request) -> Response:
-        sandbox = sandbox_of(request)
-        own = next((name for name, k in LANGUAGES.items() if k == sandbox.kernel), "python")
-        listed = [{"id": sandbox.id, "language": own, "cwd": HOME}]
-        listed += [
-            {"id": cid, "language": lang, "cwd": cwd}
-            for cid, (session, lang, cwd) in contexts.of(sandbox).items()
-            if session.closed is None
-        ]
-        return JSONResponse(listed)
 
-    async def remove_context(request: Request) -> Response:
-        sandbox = sandbox_of(request)
-        context_id = request.path_params["context_id"]
-        found = contexts.of(sandbox).pop(context_id, None)
-        if found is None:
-            return PlainTextResponse(f"Context {context_id} not found", status_code=404)
-        await sessions().close_session(found[0])
-        return Response(status_code=200)
+async def create_context(request: Request) -> Response:
+    sandbox = sandbox_in(request.scope)
+    body = json.loads(await request.body() or b"{}")
+    language = str(body.get("language") or "python").lower()
+    cwd = str(body.get("cwd") or HOME)
+    try:
+        session = await _open_context(request, sandbox, _kernel_of(language), language, cwd)
+    except LanguageRefused as exc:
+        return refused(str(exc))
+    return JSONResponse({"id": session.id, "language": language, "cwd": cwd})
 
-    async def health(request: Request) -> Response:
-        sandbox_of(request)
-        return JSONResponse("OK")
 
-    return Starlette(
-        routes=[
-            Route("/execute", execute, methods=["POST"]),
-            Route("/contexts", create_context, methods=["POST"]),
-            Route("/contexts", list_contexts, methods=["GET"]),
-            Route("/contexts/{context_id}", remove_context, methods=["DELETE"]),
-            Route("/health", health, methods=["GET"]),
-        ]
-    )
+async def list_contexts(request: Request) -> Response:
+    sandbox = sandbox_in(request.scope)
+    contexts: Contexts = request.app.state.contexts
+    own = next((name for name, k in LANGUAGES.items() if k == sandbox.kernel_name), "python")
+    listed = [{"id": sandbox.id, "language": own, "cwd": HOME}]
+    listed += [
+        {"id": cid, "language": lang, "cwd": cwd}
+        for cid, (session, lang, cwd) in contexts.of(sandbox).items()
+        if session.closed is None
+    ]
+    return JSONResponse(listed)
+
+
+async def remove_context(request: Request) -> Response:
+    sandbox = sandbox_in(request.scope)
+    context_id = request.path_params["context_id"]
+    found = request.app.state.contexts.of(sandbox).pop(context_id, None)
+    if found is None:
+        return refused(f"Context {context_id} not found", 404)
+    await _registry(request).sessions.close_session(found[0])
+    return Response(status_code=200)
+
+
+async def health(request: Request) -> Response:
+    sandbox_in(request.scope)
+    return JSONResponse("OK")
+
+
+ROUTES = [
+    Route("/execute", execute, methods=["POST"]),
+    Route("/contexts", create_context, methods=["POST"]),
+    Route("/contexts", list_contexts, methods=["GET"]),
+    Route("/contexts/{context_id}", remove_context, methods=["DELETE"]),
+    Route("/health", health, methods=["GET"]),
+]
 
 
 async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIterator[str]:
@@ -274,10 +286,8 @@ async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIte
                 lines.put_nowait(
                     {"type": "number_of_executions", "execution_count": obs.result.execution_count}
                 )
-        except EpisodeFinished:
-            tell(_failure("EpisodeFinished", "the sandbox's episode is over (FINAL was called)"))
         except KernelEnvError as exc:
-            tell(_failure(type(exc).__name__, str(exc)))
+            tell(step_failure(exc))
         finally:
             lines.put_nowait(None)
 
@@ -288,12 +298,5 @@ async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIte
         yield json.dumps({"type": "end_of_execution"}) + "\n"
     finally:
         if not task.done():
-            kernel = session.env.kernel
-            if kernel is not None:
-                with contextlib.suppress(Exception):
-                    await kernel.interrupt()
+            await session.interrupt()
         await asyncio.shield(task)
-
-
-def _failure(name: str, value: str) -> dict[str, Any]:
-    return {"output_type": "error", "ename": name, "evalue": value, "traceback": []}

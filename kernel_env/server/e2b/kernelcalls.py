@@ -1,7 +1,7 @@
-"""envd's operations, run in a sandbox's kernel (:mod:`kernel_env.envd_side`) from the host.
+"""envd's operations, run in a sandbox's kernel (:mod:`kernel_env.inkernel.envd`) from the host.
 
-Each call is one silent request to the session's kernel, between its cells (under the
-session's lock), that is not part of the episode: nothing of it enters the record or the
+Each call is one kernel call of the sandbox's session (:meth:`Session.kernel_call`): a silent
+request between its cells, not part of the episode, so nothing of it enters the record or the
 notebook. A kernel without kernel_env (a gateway's) cannot serve them.
 """
 
@@ -10,37 +10,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kernel_env.errors import KernelCallError
+from kernel_env.inkernel.contract import ENVD_MODULE
 from kernel_env.server.sessions import Session
 
 __all__ = ["KernelCallError", "in_kernel"]
 
-_MODULE = "kernel_env.envd_side"
 _TIMEOUT = 30.0
 
 
-class KernelCallError(Exception):
-    """An operation the kernel refused: ``code`` is a Connect code (``not_found``, ...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 async def in_kernel(session: Session, name: str, **args: Any) -> Any:
-    """The result of ``envd_side``'s operation ``name`` in ``session``'s kernel."""
-    expression = f"__import__({_MODULE!r}, fromlist=['call']).call({name!r}, {json.dumps(args)!r})"
-
-    async def run() -> dict[str, Any]:
-        kernel = session.env.kernel
-        if kernel is None:
-            raise KernelCallError("unavailable", "the sandbox has no kernel")
-        execution = await kernel.execute(
-            "", silent=True, timeout=_TIMEOUT, user_expressions={"r": expression}
-        )
-        return dict(execution.user_expressions.get("r") or {})
-
-    reply = await session.run_exclusive(run)
+    """The result of the envd operation ``name`` in ``session``'s kernel."""
+    call = f"__import__({ENVD_MODULE!r}, fromlist=['call']).call"
+    expression = f"{call}({name!r}, {json.dumps(args)!r})"
+    reply = await session.kernel_call(expression, timeout=_TIMEOUT)
     if reply.get("status") != "ok":
         name_, value = reply.get("ename", "?"), reply.get("evalue", "")
         if name_ == "ModuleNotFoundError":

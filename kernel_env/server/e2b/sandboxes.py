@@ -19,12 +19,15 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from kernel_env.errors import SandboxError
+from kernel_env.models import MAX_ITERATIONS
 from kernel_env.server.auth import Tenant
+from kernel_env.server.e2b.kernelcalls import in_kernel
 from kernel_env.server.sessions import Session, SessionManager
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "ENVD_VERSION",
     "KERNELS",
     "TEMPLATES",
+    "UNLIMITED_EPISODE",
     "Sandbox",
     "SandboxError",
     "Sandboxes",
@@ -39,11 +43,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The kernels a sandbox may run, by kernel name: the reset options that start one (those the
-# server does not offer, --kernels, are refused at create with the names it does).
-KERNELS: dict[str, dict[str, Any]] = {
-    name: {"kernel_name": name} for name in ("python3", "ir", "bash", "deno")
-}
+# The kernels a sandbox may run, by kernel name (those the server does not offer, --kernels,
+# are refused at create with the names it does).
+KERNELS = ("python3", "ir", "bash", "deno")
 # E2B's template names (and kernel names themselves) -> the kernel a sandbox runs.
 TEMPLATES: dict[str, str] = {
     "code-interpreter-v1": "python3",
@@ -58,18 +60,9 @@ ENVD_VERSION = "0.5.7"
 CLIENT_ID = "kernel-env"
 MAX_TIMEOUT = 24 * 3600  # seconds, as E2B's longest
 # An episode as long as E2B code runs: no iteration budget in practice.
-_EPISODE = {"max_iterations": 100_000}
+UNLIMITED_EPISODE: dict[str, Any] = {"max_iterations": MAX_ITERATIONS}
 
 State = Literal["running", "paused"]
-
-
-class SandboxError(Exception):
-    """A control-plane refusal, answered with E2B's error shape ``{"code", "message"}``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass(eq=False)
@@ -78,7 +71,7 @@ class Sandbox:
 
     session: Session
     template: str
-    kernel: str
+    kernel_name: str
     metadata: dict[str, str]
     envs: dict[str, str]
     started: float  # wall clock, for startedAt
@@ -121,7 +114,7 @@ class Sandbox:
         """E2B's ``SandboxDetail`` / ``ListedSandbox``."""
         return {
             "templateID": self.template,
-            "alias": self.kernel,
+            "alias": self.kernel_name,
             "sandboxID": self.id,
             "clientID": CLIENT_ID,
             "startedAt": _iso(self.started),
@@ -154,32 +147,39 @@ class Sandboxes:
         timeout: float,
         metadata: dict[str, str],
         envs: dict[str, str],
-        prepare: Callable[[Sandbox], Awaitable[None]] | None = None,
     ) -> Sandbox:
-        """A new sandbox of ``owner`` whose session has started its episode."""
-        kernel = TEMPLATES.get(template)
-        if kernel is None:
+        """A new sandbox of ``owner`` whose session has started its episode, with E2B's
+        ``envs`` as its kernel's variables (and so its commands')."""
+        kernel_name = TEMPLATES.get(template)
+        if kernel_name is None:
             known = ", ".join(sorted(TEMPLATES))
             raise SandboxError(
                 400,
                 f"template {template!r} is not served here: kernel_env runs kernels, not "
                 f"images built from Dockerfiles; choose one of {known}",
             )
-        session = self.sessions.open("http", owner)
-        session.claimed = True
+        session = await self.start_session(owner, kernel_name, envs)
         now = time.time()
-        sandbox = Sandbox(session, template, kernel, metadata, envs, now, now)
-        try:
-            async with self.sessions.request(session):
-                await session.reset({**_EPISODE, **KERNELS[kernel]})
-                if prepare is not None:
-                    await prepare(sandbox)
-        except BaseException:
-            await asyncio.shield(self.sessions.close_soon(session))
-            raise
+        sandbox = Sandbox(session, template, kernel_name, metadata, envs, now, now)
         self._all[sandbox.id] = sandbox
         self.set_timeout(sandbox, timeout)
         return sandbox
+
+    async def start_session(
+        self, owner: Tenant, kernel_name: str, envs: dict[str, str] | None = None
+    ) -> Session:
+        """A new session of ``owner`` (claimed: it is asked for by id) whose episode runs
+        ``kernel_name`` with no iteration budget; closed again if it cannot start."""
+        session = self.sessions.open("http", owner, claimed=True)
+        try:
+            async with self.sessions.request(session):
+                await session.reset({**UNLIMITED_EPISODE, "kernel_name": kernel_name})
+                if envs:
+                    await in_kernel(session, "set_envs", envs=envs)
+        except BaseException:
+            await asyncio.shield(self.sessions.close_soon(session))
+            raise
+        return session
 
     async def fork(self, parent: Sandbox, count: int, timeout: float) -> list[Sandbox]:
         """``count`` copies of ``parent``, each a sandbox of its own (kernel_env's fork: live
@@ -193,7 +193,7 @@ class Sandboxes:
             child = Sandbox(
                 session,
                 parent.template,
-                parent.kernel,
+                parent.kernel_name,
                 dict(parent.metadata),
                 dict(parent.envs),
                 now,

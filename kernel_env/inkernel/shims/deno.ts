@@ -3,7 +3,7 @@
 // notebook's setup cell calls __kernel_env_notebook({...}) instead, whose recorded llm_query
 // answers replay offline. They are globals (globalThis), as are context and task_prompt.
 // llm_query asks the host through prompt(), which Deno's kernel sends as a Jupyter stdin
-// input_request whose prompt is the tag and a JSON request (kernel_env/languages/protocol.py);
+// input_request whose prompt is the tag and a JSON request (kernel_env/inkernel/contract.py);
 // FINAL displays the answer under kernel_env's MIME type.
 {
   const TAG = "kernel_env/1:";

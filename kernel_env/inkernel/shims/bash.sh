@@ -1,5 +1,5 @@
 # kernel_env's helpers in a Bash episode, sourced by kernel_env's bash_kernel
-# (kernel_env/languages/bash_kernel.py) when its shell starts; the episode's setup cell is
+# (kernel_env/inkernel/bash_kernel.py) when its shell starts; the episode's setup cell is
 # __kernel_env_setup <context file> <task prompt file>, which sets $context and $task_prompt.
 #
 # bash_kernel has no stdin requests of its own: a helper writes a request line (the kernel's

@@ -3,15 +3,16 @@ cell, done once, each change measured (``benchmarks/README.md``) and tested for 
 behaviour.
 
 It runs *inside* the kernel, as an IPython extension of its own, loaded after
-:mod:`kernel_env.kernel_side` (``--ext=kernel_env.kernel_tuning`` in an episode kernel's
-flags; ``%load_ext kernel_env`` loads both). Unlike the helpers, it reaches into ipykernel's
-internals, so it holds itself to what was tested: it tunes only an ipykernel release
-:mod:`kernel_env.kernel.versions` names, checks each thing it replaces before it does, and
-``KERNEL_ENV_TUNING=off`` in the kernel's environment turns it off (for a local kernel:
-``LocalKernel(extra_env={"KERNEL_ENV_TUNING": "off"})``). An untuned kernel behaves the
-same, a little slower.
+:mod:`kernel_env.inkernel.extension` (``--ext=kernel_env.inkernel.tuning`` in an episode
+kernel's flags; ``%load_ext kernel_env`` loads both). Unlike the helpers, it reaches into
+ipykernel's internals, so it holds itself to what was tested: it tunes only an ipykernel
+release :mod:`kernel_env.kernel.versions` names, checks each thing it replaces before it
+does, and ``KERNEL_ENV_TUNING=off`` in the kernel's environment turns it off (for a local
+kernel: ``LocalKernel(extra_env={"KERNEL_ENV_TUNING": "off"})``). An untuned kernel behaves
+the same, a little slower.
 
-Standard library, IPython and ipykernel only: nothing of the host.
+Standard library, IPython, ipykernel and :mod:`kernel_env.kernel.versions` (the releases
+tested; standard library alone) only: nothing of the host.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def enabled() -> bool:
 
 
 def load_ipython_extension(shell: Any) -> None:
-    """``--ext=kernel_env.kernel_tuning``: tune this kernel (see :func:`tune`)."""
+    """``--ext=kernel_env.inkernel.tuning``: tune this kernel (see :func:`tune`)."""
     tune(shell)
 
 

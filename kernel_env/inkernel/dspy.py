@@ -5,12 +5,11 @@ The host loads this module into the kernel and calls :func:`prepare` (small vari
 as a literal) or :func:`prepare_file` (large ones, staged in a file the host wrote) before each
 of DSPy's ``execute`` calls; either parses everything before it changes anything, so a
 preparation that fails leaves the session as it was. A tool is a stub here that asks the host
-over the Jupyter stdin channel, as ``llm_query`` does: an ``input_request`` whose prompt is
-:data:`TOOL_TAG` followed by JSON ``{"name", "args", "kwargs"}``; the host runs the tool and
-replies with JSON ``{"ok": true, "value": ...}`` or ``{"ok": false, "error": "..."}``. No host
-callable ever enters the kernel.
+over the Jupyter stdin channel, as ``llm_query`` does, in the requests of
+:mod:`kernel_env.inkernel.contract` (``DSPY_TOOL_TAG``); the host runs the tool and replies.
+No host callable ever enters the kernel.
 
-Standard library and IPython only, like :mod:`kernel_env.kernel_side`.
+Standard library, IPython and the contract only, like :mod:`kernel_env.inkernel.extension`.
 """
 
 from __future__ import annotations
@@ -21,13 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-MODULE_NAME = "kernel_env.integrations.dspy_kernel"
-TOOL_TAG = "\x00kernel_env/dspy-tool:"
-# This module in the kernel, imported again if a cell removed it from sys.modules.
-MODULE_EXPRESSION = f"__import__('importlib').import_module({MODULE_NAME!r})"
-# Evaluated after each cell (user_expressions): whether SUBMIT ran, and with what; else the
-# value of the cell's bare last expression, if it had one.
-OUTCOME_EXPRESSION = f"{MODULE_EXPRESSION}.outcome()"
+from kernel_env.inkernel.contract import DSPY_TOOL_TAG, EXTENSION_MODULE
 
 _NOTHING: Any = object()
 
@@ -91,9 +84,9 @@ def prepare_file(path: str) -> None:
 
 
 def _release_episode_helpers(names: list[str]) -> None:
-    # kernel_side puts its own llm_query & co. back before each cell; DSPy's tools of the
+    # The extension puts its own llm_query & co. back before each cell; DSPy's tools of the
     # same names must stay.
-    episode_side = sys.modules.get("kernel_env.kernel_side")
+    episode_side = sys.modules.get(EXTENSION_MODULE)
     release: Callable[[list[str]], None] | None = getattr(episode_side, "release_helpers", None)
     if release is not None:
         release(names)
@@ -102,7 +95,7 @@ def _release_episode_helpers(names: list[str]) -> None:
 def _tool(name: str) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        request = TOOL_TAG + json.dumps({"name": name, "args": args, "kwargs": kwargs})
+        request = DSPY_TOOL_TAG + json.dumps({"name": name, "args": args, "kwargs": kwargs})
         with _session.lock:
             raw = _shell().kernel.raw_input(request)
         reply = json.loads(raw)
@@ -134,9 +127,10 @@ def submit(*args: Any, **kwargs: Any) -> None:
 
 
 def outcome() -> _JSON:
-    """``{"submitted": bool, "value": ...}`` for the host (see OUTCOME_EXPRESSION): SUBMIT's
-    values, or the value of the last cell's bare last expression (``value`` left out when it
-    had none), as JSON where it can be, else its ``repr``."""
+    """``{"submitted": bool, "value": ...}`` for the host (the contract's
+    ``DSPY_OUTCOME_EXPRESSION``): SUBMIT's values, or the value of the last cell's bare last
+    expression (``value`` left out when it had none), as JSON where it can be, else its
+    ``repr``."""
     if _session.final is not _NOTHING:
         return _JSON({"submitted": True, "value": _jsonable(_session.final)})
     last = getattr(_shell(), "last_execution_result", None)

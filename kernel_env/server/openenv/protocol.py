@@ -1,9 +1,9 @@
 """The ``/ws`` frames of the OpenEnv contract, as plain data in and out (no I/O here).
 
 ``parse_frame`` turns a received frame into a request or an error frame; the ``*_frame``
-functions build what the server sends; ``error_for`` maps an exception to its error frame, in
-one place. ``mcp_response`` answers JSON-RPC for both ``POST /mcp`` and ``mcp`` frames.
-See ``docs/openenv-wire.md`` for the contract these follow.
+functions build what the server sends (which exception is which error frame is
+:mod:`.failures`'). ``mcp_response`` answers JSON-RPC for both ``POST /mcp`` and ``mcp``
+frames. See ``docs/openenv-wire.md`` for the contract these follow.
 """
 
 from __future__ import annotations
@@ -15,41 +15,36 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernel_env import errors
-from kernel_env.errors import (
-    NOT_INITIALIZED,
-    CapacityReached,
-    EpisodeFinished,
-    ForkRefused,
-    InvalidInput,
-    KernelError,
-    KernelStartError,
-    ResetNeeded,
-)
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
-from kernel_env.server.sessions import SessionError
+from kernel_env.server.sessions import Session
 from kernel_env.text import shorten
 
 __all__ = [
+    "SESSION_HEADER",
     "ErrorCode",
     "Frame",
     "Request",
-    "error_for",
     "error_frame",
-    "exception_name",
+    "fork_payload",
+    "invalid_frame",
     "mcp_response",
     "observation_frame",
     "observation_payload",
     "parse_frame",
+    "problem",
     "state_frame",
     "validation_errors",
 ]
 
 Frame = dict[str, Any]
 
-# NOT_INITIALIZED (from errors): OpenEnv's exact text for a step before reset; clients match it.
-# A step after the end, for a caller of /ws (who starts another with a reset frame).
-EPISODE_OVER_WS = 'the episode is over; send a reset frame ({"type": "reset"}) to start another'
+# The header that names an HTTP session: POST /reset answers with it, later requests send it.
+SESSION_HEADER = "X-Session-Id"
+
+# WebSocket close codes (RFC 6455): a normal end, a refused attach, a frame over the limit, a
+# server that is going away, one that is full.
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG = 1000, 1008, 1009
+CLOSE_RESTART, CLOSE_TRY_LATER = 1012, 1013
 
 
 class ErrorCode(StrEnum):
@@ -134,7 +129,7 @@ def parse_frame(raw: str | bytes) -> Request | Frame:
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than ~1000
         return error_frame(ErrorCode.INVALID_JSON, f"Invalid JSON: {_short(exc)}")
     if not isinstance(message, dict):
-        return _invalid([_error("model_type", (), "a frame must be a JSON object")])
+        return invalid_frame([problem("model_type", (), "a frame must be a JSON object")])
     kind = message.get("type")
     model = _FRAMES.get(kind) if isinstance(kind, str) else None
     if model is None:
@@ -152,7 +147,7 @@ def parse_frame(raw: str | bytes) -> Request | Frame:
         if isinstance(frame, _ForkFrame):
             return Request("fork", fork=ForkOptions.model_validate(frame.data))
     except ValidationError as exc:
-        return _invalid(validation_errors(exc))
+        return invalid_frame(validation_errors(exc))
     return Request("close" if isinstance(frame, _CloseFrame) else "state")
 
 
@@ -168,16 +163,16 @@ class ForkOptions(BaseModel):
     own_budget: bool = False
 
 
-def fork_payload(children: list[Any]) -> dict[str, Any]:
+def fork_payload(children: list[Session]) -> dict[str, Any]:
     """What a fork answers: each copy's session id and episode id, and how it was made."""
     forks = []
     for child in children:
-        record = child.env.record
-        origin = record.forked_from or {}
+        record = child.record  # a fork's copy holds its episode from the start
+        origin = (record.forked_from if record is not None else None) or {}
         forks.append(
             {
                 "session_id": child.id,
-                "episode_id": record.episode_id,
+                "episode_id": record.episode_id if record is not None else None,
                 "method": origin.get("method"),
                 "live_fork": origin.get("live_fork"),
                 "outputs_matched": origin.get("outputs_matched"),
@@ -214,56 +209,6 @@ def error_frame(code: ErrorCode, message: str, **extra: Any) -> Frame:
     return {"type": "error", "data": {"message": message, "code": code.value, **extra}}
 
 
-def exception_name(exc: BaseException) -> str | None:
-    """The public kernel_env exception class ``exc`` is (the first of
-    :mod:`kernel_env.errors`' in its MRO), by name; None for any other exception. An error
-    frame or HTTP error carries it as ``"exception"``, so that kernel_env's remote client
-    raises the class a local client would."""
-    for cls in type(exc).__mro__:
-        if cls.__name__ in errors.__all__ and getattr(errors, cls.__name__) is cls:
-            return cls.__name__
-    return None
-
-
-def error_for(exc: BaseException) -> Frame:
-    """The error frame for an exception raised while answering a request; a kernel_env
-    exception's frame names its class (``"exception"``)."""
-    frame = _frame_for(exc)
-    name = exception_name(exc)
-    if name is not None:
-        frame["data"]["exception"] = name
-    return frame
-
-
-def _frame_for(exc: BaseException) -> Frame:
-    if isinstance(exc, ValidationError):
-        return _invalid(validation_errors(exc))
-    if isinstance(exc, InvalidInput):  # the caller's input: over a limit, not text
-        return error_frame(
-            ErrorCode.VALIDATION_ERROR, str(exc), errors=[_error("value_error", (), str(exc))]
-        )
-    if isinstance(exc, ResetNeeded):
-        return error_frame(ErrorCode.EXECUTION_ERROR, NOT_INITIALIZED)
-    if isinstance(exc, EpisodeFinished):
-        return error_frame(ErrorCode.EXECUTION_ERROR, EPISODE_OVER_WS)
-    if isinstance(exc, KernelStartError):
-        return error_frame(ErrorCode.FACTORY_ERROR, str(exc), factory_name="kernel")
-    if isinstance(exc, KernelError):
-        return error_frame(ErrorCode.EXECUTION_ERROR, str(exc))
-    if isinstance(exc, SessionError):
-        return error_frame(ErrorCode.SESSION_ERROR, str(exc))
-    if isinstance(exc, CapacityReached):  # a fork's copies would not fit
-        return error_frame(
-            ErrorCode.CAPACITY_REACHED,
-            str(exc),
-            active_sessions=exc.active_sessions,
-            max_sessions=exc.max_sessions,
-        )
-    if isinstance(exc, ForkRefused):
-        return error_frame(ErrorCode.EXECUTION_ERROR, str(exc))
-    return error_frame(ErrorCode.EXECUTION_ERROR, f"{type(exc).__name__}: {exc}")
-
-
 def validation_errors(exc: ValidationError) -> list[dict[str, Any]]:
     """Pydantic's errors without the offending input (it may be a token, or 100 MB)."""
     return [
@@ -272,7 +217,8 @@ def validation_errors(exc: ValidationError) -> list[dict[str, Any]]:
     ]
 
 
-def _invalid(errors: list[dict[str, Any]]) -> Frame:
+def invalid_frame(errors: list[dict[str, Any]]) -> Frame:
+    """The frame that answers a request whose input failed validation (``errors``)."""
     return error_frame(ErrorCode.VALIDATION_ERROR, "Invalid message", errors=errors)
 
 
@@ -281,7 +227,8 @@ def _short(value: Any) -> str:
     return shorten(str(value), 120, one_line=True)
 
 
-def _error(kind: str, loc: tuple[Any, ...], msg: str) -> dict[str, Any]:
+def problem(kind: str, loc: tuple[Any, ...], msg: str) -> dict[str, Any]:
+    """One validation problem, in pydantic's shape (``type``, ``loc``, ``msg``)."""
     return {"type": kind, "loc": list(loc), "msg": msg}
 
 

@@ -1,19 +1,18 @@
 """The code that runs *inside* an episode's IPython kernel, as an IPython extension.
 
-Loaded at kernel start (``--ext kernel_env.kernel_side``) or by ``%load_ext kernel_env``. It
-defines the helpers an agent's code sees (``context``, ``answer``, ``FINAL``, ``FINAL_VAR``,
-``SHOW_VARS``, ``llm_query`` and friends), caps output inside the kernel, and makes ``input()``
-fail at once.
+Loaded at kernel start (``--ext kernel_env.inkernel.extension``) or by ``%load_ext
+kernel_env``. It defines the helpers an agent's code sees (``context``, ``answer``, ``FINAL``,
+``FINAL_VAR``, ``SHOW_VARS``, ``llm_query`` and friends), caps output inside the kernel, and
+makes ``input()`` fail at once.
 
 The kernel never holds credentials and needs no network route to the host: ``llm_query`` asks
-the host through the Jupyter stdin channel, as an ``input_request`` whose prompt is
-:data:`REQUEST_TAG` followed by a JSON request; the host answers with an ``input_reply`` whose
-value is a JSON reply ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``.
+the host through the Jupyter stdin channel, in the requests of
+:mod:`kernel_env.inkernel.contract`, which also names the setup's metadata key and the state
+expression the host reads after each cell.
 
-This module depends on the standard library and IPython only, so that its source can be sent
-to a remote kernel that lacks the package (it then registers itself in ``sys.modules`` under
-:data:`MODULE_NAME`). The host reads episode state after each cell through the
-``user_expressions`` of the ``execute_request``: :data:`STATE_EXPRESSION`.
+This module depends on the standard library, IPython and the contract only, so that its
+source and the contract's can be sent to a remote kernel that lacks the package (it then
+registers itself in ``sys.modules`` under the contract's ``EXTENSION_MODULE``).
 """
 
 from __future__ import annotations
@@ -31,20 +30,30 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-MODULE_NAME = "kernel_env.kernel_side"
-REQUEST_TAG = "\x00kernel_env/1:"
-# The host's answer to its readiness probe of the stdin channel (kernel.base): never a reply
-# to a helper's request, though a spare one may still be on its way when the first cell asks.
-PROBE_REPLY = "\x00kernel_env/probe"
+# ``from ... import``, never ``import kernel_env.inkernel.contract``: a gateway's kernel
+# without the package has the contract in sys.modules alone, without its parent packages.
+from kernel_env.inkernel.contract import (
+    DEFAULT_DISPLAY_CHARS,
+    DEFAULT_DISPLAY_COUNT,
+    DEFAULT_OUTPUT_CAP,
+    EXTENSION_MODULE,
+    PROBE_REPLY,
+    RECORDED_MAGIC,
+    REQUEST_TAG,
+    SETUP_METADATA,
+    take_recorded,
+    unsent_marker,
+)
+
 # An episode kernel's input request to a host whose stdin socket has not connected yet is
 # refused, and asked again this often, for this long (see _insist_on_a_stdin_peer).
 _STDIN_RETRY = 0.002  # seconds
 _STDIN_WAIT = 10.0
-# Evaluated by the kernel after every cell (in the execute_request's user_expressions).
-STATE_EXPRESSION = f"__import__('sys').modules[{MODULE_NAME!r}].state()"
-# An execute_request's metadata key for the episode's setup (JSON, see ``setup``), applied
-# before the request's code runs (see _take_setup_from_requests).
-SETUP_METADATA = "kernel_env.setup"
+_TAIL_KEEP = 20_000  # chars kept from the end of an over-cap stream
+_SNAPSHOT_MAX_VARS = 100
+_SNAPSHOT_REPR_CHARS = 500
+# A stream's flush this soon after a full one, with nothing written since, is skipped.
+_FLUSH_AGAIN = 0.005  # seconds
 
 HELPER_NAMES = (
     "FINAL",
@@ -57,31 +66,9 @@ HELPER_NAMES = (
     "rlm_query_batched",
 )
 
-DEFAULT_OUTPUT_CAP = 1_000_000  # chars per stream per cell that cross the wire
-# Rich outputs (display(), publish_display_data) a cell may send: how many, and their chars.
-DEFAULT_DISPLAY_COUNT = 200
-DEFAULT_DISPLAY_CHARS = 8_000_000
-_TAIL_KEEP = 20_000  # chars kept from the end of an over-cap stream
-_SNAPSHOT_MAX_VARS = 100
-_SNAPSHOT_REPR_CHARS = 500
-# A stream's flush this soon after a full one, with nothing written since, is skipped.
-_FLUSH_AGAIN = 0.005  # seconds
-
 
 class HostCallError(RuntimeError):
     """A helper failed on the host side (LLM error, budget exhausted, bad request)."""
-
-
-def take_recorded(pairs: list[Any], prompt: str) -> str | None:
-    """The response recorded for ``prompt``, taken out of ``pairs`` (``(prompt, response)``
-    pairs, as tuples or JSON lists, in call order), or None. Matched by prompt, first unused
-    first: a batch's calls completed in any order. Replays in the kernel and on the host
-    (``kernel_env.replay``) both use it."""
-    for i, (recorded_prompt, response) in enumerate(pairs):
-        if recorded_prompt == prompt:
-            del pairs[i]
-            return response
-    return None
 
 
 class _Episode:
@@ -119,8 +106,9 @@ class _Episode:
         if not self.hosted:
             raise HostCallError(
                 f"{op}: no model is configured in this notebook. Call "
-                "kernel_env.kernel_side.register_llm(fn), or set KERNEL_ENV_LLM_BASE_URL and "
-                "KERNEL_ENV_LLM_MODEL (and KERNEL_ENV_LLM_API_KEY) before %load_ext kernel_env."
+                "kernel_env.inkernel.extension.register_llm(fn), or set "
+                "KERNEL_ENV_LLM_BASE_URL and KERNEL_ENV_LLM_MODEL (and KERNEL_ENV_LLM_API_KEY) "
+                "before %load_ext kernel_env."
             )
         kernel = getattr(self.shell, "kernel", None)
         raw_input = getattr(kernel, "raw_input", None)
@@ -297,11 +285,6 @@ def _llm_from_environ() -> Callable[[str], str] | None:
 
 
 # -- output cap ---------------------------------------------------------------------------
-
-
-def unsent_marker(count: int) -> str:
-    """The line an over-cap stream carries where ``count`` chars were not sent."""
-    return f"\n... (kernel_env: {count} chars not sent from the kernel) ...\n"
 
 
 class _CappedStream:
@@ -610,7 +593,7 @@ _episode: _Episode | None = None
 
 
 def load_ipython_extension(shell: Any) -> None:
-    """An episode kernel's extension (``--ext=kernel_env.kernel_side``): the helpers, and
+    """An episode kernel's extension (``--ext=kernel_env.inkernel.extension``): the helpers, and
     input requests that wait for the host's stdin socket rather than get lost."""
     already = _episode is not None and _episode.shell is shell
     install(shell)
@@ -626,7 +609,7 @@ def install(shell: Any) -> None:
     if _episode is not None and _episode.shell is shell:
         return
     episode = _episode = _Episode(shell)
-    sys.modules.setdefault(MODULE_NAME, sys.modules[__name__])
+    sys.modules.setdefault(EXTENSION_MODULE, sys.modules[__name__])
     episode.helpers = _make_helpers(episode)
     shell.push(episode.helpers, interactive=False)  # hidden from %who
     shell.user_ns.setdefault("context", "")
@@ -636,7 +619,7 @@ def install(shell: Any) -> None:
     _cap_display(shell, episode)
     _cap_publish(shell, episode)
     shell.register_magic_function(
-        _recorded_cell, magic_kind="cell", magic_name="kernel_env_recorded"
+        _recorded_cell, magic_kind="cell", magic_name=RECORDED_MAGIC.removeprefix("%%")
     )
     shell.events.register("pre_run_cell", _pre_run_cell)
     shell.events.register("post_execute", _finish_streams)
@@ -777,7 +760,7 @@ def _pre_run_cell(info: Any = None) -> None:
 
 
 def state() -> _JSONState:
-    """Episode state after a cell, for the host (see STATE_EXPRESSION)."""
+    """Episode state after a cell, for the host (the contract's ``STATE_EXPRESSION``)."""
     if _episode is None:
         return _JSONState({"error": "kernel_env extension not loaded"})
     return _JSONState(_episode.state())

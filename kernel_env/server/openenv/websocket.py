@@ -20,12 +20,12 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from kernel_env.errors import KernelEnvError
 from kernel_env.outputs import output_size
 from kernel_env.server.auth import tenant_of
-from kernel_env.server.protocol import (
-    ErrorCode,
+from kernel_env.server.openenv.failures import connect_refusal, error_for
+from kernel_env.server.openenv.protocol import (
+    CLOSE_NORMAL,
+    CLOSE_TOO_BIG,
     Frame,
     Request,
-    error_for,
-    error_frame,
     fork_payload,
     mcp_response,
     observation_frame,
@@ -46,9 +46,6 @@ log = logging.getLogger(__name__)
 # Frames bigger than this are parsed / encoded in a thread: a 100 MB context must not stall
 # every other session's pings and steps while json works through it.
 _OFF_LOOP_BYTES = 1 << 20
-
-_CLOSE_NORMAL, _CLOSE_POLICY, _CLOSE_TOO_BIG = 1000, 1008, 1009
-_CLOSE_RESTART, _CLOSE_TRY_LATER = 1012, 1013
 
 
 async def websocket_endpoint(websocket: WebSocket) -> None:
@@ -75,17 +72,10 @@ async def _session_for(websocket: WebSocket, runtime: Runtime) -> Session | None
         if attach is not None:
             return runtime.sessions.take(attach, tenant)
         return runtime.sessions.open("ws", tenant)
-    except CapacityReached as exc:
-        frame = error_frame(
-            ErrorCode.CAPACITY_REACHED,
-            str(exc),
-            active_sessions=exc.active_sessions,
-            max_sessions=exc.max_sessions,
-        )
-        await _refuse(websocket, frame, _CLOSE_TRY_LATER)
-    except (SessionError, UnknownSession) as exc:  # shutting down; or no such session to take
-        code = _CLOSE_POLICY if attach is not None else _CLOSE_RESTART
-        await _refuse(websocket, error_frame(ErrorCode.SESSION_ERROR, str(exc)), code)
+    except (CapacityReached, SessionError, UnknownSession) as exc:
+        # Full; shutting down; or no such session to take.
+        frame, code = connect_refusal(exc, attaching=attach is not None)
+        await _refuse(websocket, frame, code)
     return None
 
 
@@ -98,7 +88,7 @@ async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> No
             return
         raw: str | bytes = message.get("text") or message.get("bytes") or ""
         if len(raw) > limit:  # uvicorn enforces this first (ws_max_size); other servers may not
-            await _close(websocket, _CLOSE_TOO_BIG, f"frame exceeds {limit} bytes")
+            await _close(websocket, CLOSE_TOO_BIG, f"frame exceeds {limit} bytes")
             return
         parsed = await _off_loop_if_big(len(raw), parse_frame, raw)
         if isinstance(parsed, dict):  # an error frame answering a bad frame
@@ -106,7 +96,7 @@ async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> No
                 return
             continue
         if parsed.kind == "close":
-            await _close(websocket, _CLOSE_NORMAL)
+            await _close(websocket, CLOSE_NORMAL)
             return
         if parsed.kind == "reset" and parsed.stream is not None:
             streaming = parsed.stream

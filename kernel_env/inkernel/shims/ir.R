@@ -4,7 +4,7 @@
 # The helpers live on the search path ("kernel_env"), out of ls(); context and task_prompt are
 # global variables.
 # llm_query asks the host through IRkernel's readline(), a Jupyter stdin input_request whose
-# prompt is the tag and a JSON request (kernel_env/languages/protocol.py); FINAL publishes
+# prompt is the tag and a JSON request (kernel_env/inkernel/contract.py); FINAL publishes
 # the answer under kernel_env's MIME type.
 local({
   if ("kernel_env" %in% search()) detach("kernel_env", character.only = TRUE)

@@ -5,12 +5,12 @@ terminal just reads it. So the shim's helpers (``shims/bash.sh``, sourced when t
 starts) write a request line to the terminal: this kernel's tag (random per kernel, so no
 output matches it by chance), an operation and a file of NUL-separated arguments. This
 kernel sees the line among the shell's output, asks the host over the Jupyter stdin channel
-(``raw_input``: an ``input_request`` in the language-neutral protocol of
-:mod:`kernel_env.languages.protocol`), writes the answers into the file and sends the shell a
+(``raw_input``: an ``input_request`` in the language-neutral requests of
+:mod:`kernel_env.inkernel.contract`), writes the answers into the file and sends the shell a
 one-line status. ``FINAL`` becomes a display under the final-answer MIME type.
 
-Run as ``python -m kernel_env.languages.bash_kernel -f <connection file>``. Imports only what
-the bash kernel's process has: ipykernel, bash_kernel and the standard library.
+Run as ``python -m kernel_env.inkernel.bash_kernel -f <connection file>``. Imports only what
+the bash kernel's process has: ipykernel, bash_kernel, the standard library and the contract.
 """
 
 from __future__ import annotations
@@ -23,16 +23,21 @@ from typing import Any
 
 from bash_kernel.kernel import BashKernel
 
-from kernel_env.kernel_side import PROBE_REPLY as PYTHON_PROBE_REPLY
-from kernel_env.kernel_side import take_recorded
-from kernel_env.languages.protocol import FINAL_MIME, PROBE_REPLY, REQUEST_TAG
+from kernel_env.inkernel.contract import (
+    FINAL_MIME,
+    LANGUAGE_PROBE_REPLY,
+    LANGUAGE_REQUEST_TAG,
+    PROBE_REPLY,
+    SHIMS,
+    take_recorded,
+)
 
 __all__ = ["EpisodeBashKernel"]
 
-_SHIM = Path(__file__).parent / "shims" / "bash.sh"
+_SHIM = SHIMS / "bash.sh"
 _OPS = ("llm_query", "llm_query_batched", "FINAL", "probe", "notebook")
 # Spare answers to the host's readiness probe: never a reply to a request.
-_SPARES = (PROBE_REPLY, PYTHON_PROBE_REPLY)
+_SPARES = (LANGUAGE_PROBE_REPLY, PROBE_REPLY)
 
 
 class EpisodeBashKernel(BashKernel):
@@ -124,7 +129,7 @@ class EpisodeBashKernel(BashKernel):
         payload: dict[str, Any] = (
             {"prompt": args[0] if args else ""} if op == "llm_query" else {"prompts": args}
         )
-        request = REQUEST_TAG + json.dumps({"op": op, "args": payload})
+        request = LANGUAGE_REQUEST_TAG + json.dumps({"op": op, "args": payload})
         raw = self.raw_input(request)
         while raw in _SPARES:
             raw = self.raw_input(request)
