@@ -101,3 +101,77 @@ def test_the_checks_see_broken_references(tmp_path: Path) -> None:
         ("P", "12"),
         ("S", "5"),
     ]
+
+
+# -- the architecture's trees ----------------------------------------------------------------
+
+TREE_BRANCH = re.compile(r"^((?:│   |    )*)(?:├── |└── )(\S+)(.*)$")
+PY_NAME = re.compile(r"\b\w+\.py\b")
+# Not drawn: E2B's generated protocol code and the web view's static files.
+UNDRAWN = ("server/e2b/proto/", "server/webview/")
+
+
+def tree_modules(block: str) -> set[str]:
+    """The ``.py`` paths a text tree names: a file on a branch of its own, or a folder's
+    modules listed on its branch and the lines under it that continue it."""
+    lines = block.splitlines()
+    root, found = lines[0].split()[0], set()
+    stack: list[str] = [root]
+    folder_line = False
+    for line in lines[1:]:
+        branch = TREE_BRANCH.match(line)
+        if branch is None:  # a continuation of the line above
+            if folder_line:
+                found.update(stack[-1] + name for name in PY_NAME.findall(line))
+            continue
+        depth = len(branch.group(1)) // 4 + 1
+        del stack[depth:]
+        name, rest = branch.group(2), branch.group(3)
+        folder_line = name.endswith("/")
+        if folder_line:
+            stack.append(stack[-1] + name)
+            found.update(stack[-1] + module for module in PY_NAME.findall(rest))
+        else:
+            found.add(stack[-1] + name)
+    return {path for path in found if path.endswith(".py")}
+
+
+def _trees(page: str) -> list[str]:
+    return re.findall(r"```text\n(.*?)```", (ROOT / "docs" / page).read_text(), re.S)
+
+
+def test_the_architectures_trees_are_the_package() -> None:
+    """docs/architecture.md draws every module of the package (the layout's tree, and the
+    server's under Doors), and nothing that is not there."""
+    drawn = set().union(*(tree_modules(block) for block in _trees("architecture.md")))
+    drawn = {p.removeprefix("kernel_env/") for p in drawn}
+    package = ROOT / "kernel_env"
+    actual = {
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if not str(p.relative_to(package)).startswith(UNDRAWN)
+    }
+    undrawn_inits = {p for p in actual if p.endswith("/__init__.py")} - drawn
+    assert sorted(actual - undrawn_inits - drawn) == []
+    assert sorted(drawn - actual) == []
+
+
+def test_the_tree_reader_sees_files_and_folders() -> None:
+    """The tree reader takes files on branches, folders' listed modules, and their
+    continuation lines; a planted tree with a missing module shows it."""
+    block = (
+        "pkg/\n"
+        "├── a.py        one\n"
+        "├── sub/        x.py, y.py (about z.txt)\n"
+        "│               w.py\n"
+        "│   └── deep.py  three\n"
+        "└── b.py        two\n"
+    )
+    assert tree_modules(block) == {
+        "pkg/a.py",
+        "pkg/sub/x.py",
+        "pkg/sub/y.py",
+        "pkg/sub/w.py",
+        "pkg/sub/deep.py",
+        "pkg/b.py",
+    }
