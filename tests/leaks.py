@@ -1,7 +1,7 @@
 """No process a test started outlives the run: a pytest plugin (tests/conftest.py loads it).
 
 At its start, each pytest process (the one of ``-n 0``, or xdist's controller and each of its
-workers) puts a mark of its own in its environment, ``KERNEL_ENV_TEST_RUN=<pid>-<random>``,
+workers) puts a mark of its own in its environment, ``PYTEST_KERNEL_ENV_RUN=<pid>-<random>``,
 which every process it starts inherits, and the processes those start, unless one is given an
 environment of its own. At its end (after the session's fixtures are torn down), the processes
 still running that it started are: its descendants (a kernel gets a minimal environment, but
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from procs import alive, carrying, cmdline, descendants
 
-MARK = "KERNEL_ENV_TEST_RUN"
+MARK = "PYTEST_KERNEL_ENV_RUN"  # not KERNEL_ENV_*: the settings' names, which tests list
 GRACE = 5.0  # s for a process on its way out (a server draining) to end by itself
 _LEAKED = "kernel_env_leaked_processes"
 

@@ -11,6 +11,7 @@ one left to stop it. Five start at once, so that the start-ups race on a loaded 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -35,6 +36,7 @@ POINTS = (
 )
 STARTS = 2 * len(POINTS)  # each point with SIGINT at its default, then with it ignored
 AT_ONCE = 5
+REACH_WITHIN = 90.0  # s from the start to its point: a start that fails, or never gets there
 STOP_WITHIN = 20.0  # s from the SIGINT to the end of the server's process group
 
 
@@ -86,6 +88,7 @@ class _Start:
             preexec_fn=lambda: signal.signal(signal.SIGINT, disposition),
         )  # fmt: skip
         self.output = b""
+        self.started = time.monotonic()
         self.sigint_at: float | None = None
         self.sent: float | None = None
         self.stop: Stop | None = None
@@ -106,13 +109,20 @@ class _Start:
             os.killpg(self.process.pid, signal.SIGINT)
             self.sent = now
         if self.sent is None:
+            if self.process.poll() is not None or now - self.started > REACH_WITHIN:
+                self.stop = self._verdict(self.process.poll(), f"never reached {self.trigger}")
+                self._kill()
             return
         if self.process.poll() is not None and _group_gone(self.process.pid):
             self.stop = self._verdict(self.process.returncode)
         elif now - self.sent > STOP_WITHIN:
             self.stop = self._verdict(None)
+            self._kill()
+
+    def _kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        self.process.wait()
 
     def _reached(self) -> bool:
         if self.trigger == LISTENING:
@@ -121,9 +131,9 @@ class _Start:
             return b"\n" in self.output
         return b"kernel-env:   leftovers:" in self.output
 
-    def _verdict(self, status: int | None) -> Stop:
+    def _verdict(self, status: int | None, point: str = "") -> Stop:
         said = [line for line in self.output.decode(errors="replace").splitlines() if line]
-        point = f"{self.delay:.3f} s after {self.trigger}"
+        point = point or f"{self.delay:.3f} s after {self.trigger}"
         return Stop(point, self.ignored, (said or [""])[-1][-90:], status)
 
 
@@ -157,6 +167,8 @@ def test_one_sigint_stops_a_starting_server_at_any_point() -> None:
         for first in range(0, STARTS, AT_ONCE)
         for stop in _wave(range(first, min(first + AT_ONCE, STARTS)))
     ]
+    unreached = [stop for stop in stops if stop.point.startswith("never")]
+    assert not unreached, "servers that did not start:\n" + "\n".join(map(str, unreached))
     kept = [stop for stop in stops if stop.status is None]
     assert not kept, "servers a SIGINT did not stop:\n" + "\n".join(map(str, kept))
     # Stopped, not crashed: "stopped" (0) once serving began, "interrupted" (130) before.
