@@ -21,7 +21,9 @@ import difflib
 import ipaddress
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +41,7 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _honour_sigint()
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -52,6 +55,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kernel-env: interrupted", file=sys.stderr)
         return 130
     return status
+
+
+def _honour_sigint() -> None:
+    """Ctrl-C (SIGINT) stops kernel-env at any point, also where it started with SIGINT
+    ignored, as a job started in the background inherits it (CI, ``cmd &`` in a script):
+    uvicorn honours SIGINT once it serves whatever the start said, so a SIGINT during the
+    start-up, with the socket already listening, must not be lost. Python's own handler, then,
+    as for a start with SIGINT at its default: KeyboardInterrupt before uvicorn's handlers are
+    in, a graceful shutdown after."""
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 Tiers: a test that starts a process (a kernel, a server, a gateway, the CLI) is marked
 ``integration``; ``make check`` runs the others (``-m "not integration and not slow"``). The
 guard below fails an unmarked test that starts a process, so the quick tier stays quick.
+And no process a test started may outlive the run (tests/leaks.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from typing import Any
 
 import pytest
 from gateway import EnterpriseGatewayProcess, GatewayProcess
+from leaks import (  # noqa: F401  (the run fails if a process a test started outlives it)
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+    pytest_testnodedown,
+)
 
 from kernel_env import KernelEnv
 

@@ -1,4 +1,5 @@
-"""The tests' one reader of /proc: parents, children, descendants, and whether a pid runs."""
+"""The tests' one reader of /proc: parents, children, descendants, whether a pid runs, and
+which processes carry a variable in their environment."""
 
 from __future__ import annotations
 
@@ -78,3 +79,23 @@ def comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def environ_has(pid: int | str, entry: bytes) -> bool:
+    """Whether the environment ``pid`` started with holds ``entry`` (``NAME=value``); False
+    once it is gone or where it cannot be read (another uid's, for a non-root reader)."""
+    try:
+        return entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def carrying(entry: bytes) -> set[int]:
+    """This uid's processes whose starting environment holds ``entry`` (``NAME=value``)."""
+    uid = os.getuid()
+    found = set()
+    for p in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if p.isdigit() and os.stat(f"/proc/{p}").st_uid == uid and environ_has(p, entry):
+                found.add(int(p))
+    return found

@@ -22,6 +22,12 @@ def timed(env: KernelEnv, code: str):
     return result, time.monotonic() - t0
 
 
+def plain_step(env: KernelEnv) -> float:
+    """How long a step that does nothing takes here, now: what a loaded machine adds to
+    every bound below that is counted from the step's start."""
+    return timed(env, "pass")[1]
+
+
 def test_f1_infinite_loop_interrupted_state_kept(env: KernelEnv) -> None:
     """F1: `while True: pass` times out within T+1 s; same kernel, state kept."""
     env.reset()
@@ -57,9 +63,10 @@ def test_f2_uninterruptible_cell_restarts_kernel(env: KernelEnv, code: str) -> N
 def test_f3_os_exit_reported_fast(env: KernelEnv) -> None:
     """F3: os._exit(1) gives an error observation within 2 s; the next step works."""
     env.reset(context="ctx")
+    bound = 2.0 + plain_step(env)
     result, elapsed = timed(env, "import os; os._exit(1)")
     res = result.observation.result
-    assert elapsed <= 2.0
+    assert elapsed <= bound
     assert not res.success and res.kernel_restarted and res.state_lost
     assert res.exception.startswith("KernelDied")
     nxt, elapsed = timed(env, "context.upper()")
@@ -106,9 +113,10 @@ def test_f4_ten_million_prints(env: KernelEnv) -> None:
 def test_f7_input_fails_fast(env: KernelEnv, code: str) -> None:
     """F7: input() and getpass() fail within 1 s with a clear error, no hang."""
     env.reset()
+    bound = 1.0 + plain_step(env)
     result, elapsed = timed(env, code)
     res = result.observation.result
-    assert elapsed <= 1.0
+    assert elapsed <= bound
     assert res.exception.startswith("EOFError") and "not available" in res.exception
 
 

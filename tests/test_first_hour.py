@@ -586,7 +586,12 @@ def _first_lines(args: list[str], until: str, timeout: float = 60) -> str:
                     break
         finally:
             os.killpg(serve.pid, signal.SIGINT)
-            serve.wait(timeout=60)
+            try:
+                serve.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.pid, signal.SIGKILL)
+                serve.wait()
+                pytest.fail(f"kernel-env serve outlived its SIGINT by 60 s:\n{''.join(said)}")
     return "".join(said)
 
 

@@ -170,6 +170,16 @@ def secret_file(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         secret.unlink()
 
 
+def _landed(directory: str) -> bool:
+    """Whether a kernel's probe file is in ``directory`` on the host. A directory this uid
+    cannot search (/root, for an unprivileged user) holds none: the kernels run as this uid
+    or one with fewer rights, so none of them could have written there either."""
+    try:
+        return (Path(directory) / ".kernel-env-probe").exists()
+    except PermissionError:
+        return False
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_an_episode_in_each_language(name: str, tmp_path: Path, secret_file: Path) -> None:
     """Context, a variable, a traceback, llm_query (single and batched), a timeout after
@@ -196,7 +206,7 @@ def test_an_episode_in_each_language(name: str, tmp_path: Path, secret_file: Pat
             assert "probed" in probed.stdout, _text(probed)
             assert "SECRET" not in probed.stdout, probed.stdout
             assert not [d for d in dirs if f"WROTE {d}" in probed.stdout], probed.stdout
-            assert not any((Path(d) / ".kernel-env-probe").exists() for d in [*dirs, *masked])
+            assert not any(_landed(d) for d in [*dirs, *masked])
         assert "FINAL(answer)" in reset.observation.result.stdout
         assert env.run(case.read_context).stdout.strip() == str(len(CONTEXT))
         assert env.run(case.set_var).success
@@ -319,4 +329,4 @@ def test_on_an_unprivileged_server_each_language_writes_nothing_and_reads_no_sec
         finally:
             token.unlink()
             secrets_dir.rmdir()
-        assert not any((Path(d) / ".kernel-env-probe").exists() for d in dirs)
+        assert not any(_landed(d) for d in dirs)

@@ -62,19 +62,27 @@ def test_f5_memory_limit(senv: KernelEnv) -> None:
 
 
 def test_f6_process_bomb_capped_and_setsid_children_reaped(senv: KernelEnv) -> None:
-    """F6: forks stop at the pids cap; after close, no process of the episode survives."""
+    """F6: forks stop at the pids cap; after close, no process of the episode survives.
+    Where there is no pids cgroup to write (an unprivileged user without a delegated one),
+    nothing caps the forks: 40 of them, and the reaping is checked alone."""
+    from kernel_env.kernel.isolation import cgroups
+
+    capped = "pids" in cgroups.available_controllers()
     senv.reset()
     res = senv.execute(
         "import os, subprocess\n"
         "kids = []\n"
         "try:\n"
-        "    for _ in range(500):\n"
+        f"    for _ in range({500 if capped else 40}):\n"
         "        kids.append(subprocess.Popen(['sleep', '300'], start_new_session=True))\n"
         "except OSError as e:\n"
         "    print('capped after', len(kids), type(e).__name__)"
     ).observation.result
-    assert "capped after" in res.stdout
-    assert int(res.stdout.split()[2]) < 64
+    if capped:
+        assert "capped after" in res.stdout, res
+        assert int(res.stdout.split()[2]) < 64
+    else:
+        assert res.success and "capped after" not in res.stdout, res
     before = descendants(os.getpid())
     assert before  # the kernel and its children are ours
     senv.close()

@@ -22,7 +22,13 @@ from kernel_env.server.app import create_app
 from kernel_env.server.logs import log_config
 from kernel_env.server.settings import ServerSettings
 
-__all__ = ["DrainingServer", "bind", "build_server", "return_freed_memory"]
+__all__ = ["KEEP_ALIVE", "DrainingServer", "bind", "build_server", "return_freed_memory"]
+
+# How long an idle HTTP connection is kept open (uvicorn's default: 5 s). Longer than the
+# clients' pools keep one: E2B's SDK keeps idle connections 300 s, and a server that closes
+# first races the client's next request on that connection, which then gets a reset
+# (ECONNRESET) where the client took the connection as the server's FIN was on its way.
+KEEP_ALIVE = 330
 
 
 class DrainingServer(uvicorn.Server):
@@ -97,6 +103,7 @@ def build_server(
         else uvicorn.config.LOGGING_CONFIG,
         ws_max_size=settings.max_message_bytes,  # bigger frames: close 1009, never buffered
         timeout_graceful_shutdown=2,  # after our own drain, only stragglers are left
+        timeout_keep_alive=KEEP_ALIVE,
         # No permessage-deflate: it costs server CPU on every step (P6 is CPU-bound; see
         # benchmarks/README.md), and it would deflate a 100 MB state frame on the event loop.
         ws_per_message_deflate=False,
