@@ -62,7 +62,10 @@ NR = {
     "personality": (135, 92),
     "socket": (41, 198),
     "ioctl": (16, 29),
+    "statmount": (457, 457),
+    "listmount": (458, 458),
 }
+MODIFY_LDT = 154  # x86_64 only
 X32 = 0x40000000  # the x32 ABI's system call numbers on x86_64
 HIGH = 1 << 32  # arguments the kernel reads as 32-bit, with a high bit set
 
@@ -72,6 +75,7 @@ ABSENT = {
     "x86_64": {"stime", "umount", "vm86", "vm86old"},
     "aarch64": {
         *("_sysctl", "afs_syscall", "create_module", "get_kernel_syms", "getpmsg", "ioperm"),
+        "modify_ldt",
         *("iopl", "putpmsg", "query_module", "security", "stime", "sysfs", "tuxcall"),
         *("umount", "uselib", "ustat", "vm86", "vm86old", "vserver"),
     },
@@ -96,7 +100,7 @@ DOCKER_REFUSES = {
 }
 ALSO_REFUSED = {
     *("clock_adjtime", "name_to_handle_at", "memfd_secret", "vm86", "vm86old"),
-    *("open_tree_attr", "adjtimex"),
+    *("open_tree_attr", "adjtimex", "modify_ldt", "listmount", "statmount"),
 }
 ARG_REFUSED = {"clone", "personality", "socket", "ioctl"}
 
@@ -166,7 +170,7 @@ def test_each_program_has_a_rule_for_each_refused_call(machine: str) -> None:
     missing = set(seccomp.POLICY) - set(placed) - ABSENT[machine] - not_refused
     assert not missing
     assert not_refused <= {"lsm_get_self_attr", "lsm_set_self_attr", "lsm_list_modules"} | {
-        "open_tree_attr"
+        *("open_tree_attr", "listmount", "statmount")
     }
     if machine == MANIFEST["built_on"]:
         assert not not_refused
@@ -242,6 +246,9 @@ REFUSED_PROBES = [
     "ioctl(TIOCSTI)",
     "ioctl(TIOCSTI | 1 << 32)",
     "clone3",
+    "listmount",
+    "statmount",
+    "modify_ldt",
     "keyctl (x32 ABI)",
     "keyctl (i386 int 0x80)",
 ]
@@ -441,6 +448,8 @@ def _probes(target: int) -> dict[str, Callable[[], int]]:
             nr("ioctl"), reader, 0x5412 | HIGH, ctypes.byref(char)
         ),
         "clone3": lambda: syscall(nr("clone3"), 0, 0),
+        "listmount": lambda: syscall(nr("listmount"), 0, 0, 0, 0),  # no request: EFAULT
+        "statmount": lambda: syscall(nr("statmount"), 0, 0, 0, 0),
         # Allowed.
         "personality(query)": lambda: syscall(nr("personality"), 0xFFFFFFFF),
         "personality(PER_LINUX32)": lambda: syscall(nr("personality"), 0x8),
@@ -453,6 +462,8 @@ def _probes(target: int) -> dict[str, Callable[[], int]]:
         "getpid": lambda: syscall(39 if MACHINE == "x86_64" else 172),
     }
     if MACHINE == "x86_64":
+        ldt = ctypes.create_string_buffer(16)
+        probes["modify_ldt"] = lambda: syscall(MODIFY_LDT, 0, ldt, 16)  # read: harmless
         probes["keyctl (x32 ABI)"] = lambda: syscall(nr("keyctl") | X32, 0, -3, 0)
         probes["keyctl (i386 int 0x80)"] = _i386_keyctl()
     return probes

@@ -128,11 +128,10 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     """Outermost first: browser policy (Host, Origin), CORS if configured, the token, then the
     body limit, so a body is read only from an allowed, authenticated request."""
     # Added innermost first (each add_middleware wraps everything added before it).
-    step_bytes = min(settings.max_message_bytes, 6 * settings.max_code_chars + (64 << 10))
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_message_bytes,
-        per_path={"/reset": settings.max_message_bytes, "/step": step_bytes},
+        per_path={"/reset": settings.max_message_bytes, "/step": settings.step_body_bytes},
         default_bytes=min(settings.max_message_bytes, _SMALL_BODY),
     )
     app.add_middleware(

@@ -6,17 +6,27 @@ the body (chunked or not) only up to the limit before replaying it to the app, s
 buffers more than its limit. The limit depends on the route: only ``POST /reset`` carries a
 context (``max_bytes``); a step carries at most ``max_code_chars`` of code, and every other
 route a small JSON document (``default_bytes``). It runs after ``AuthGate``: a body is read
-only once the token is known to be right.
+only once the token is known to be right. The refusal is kernel_env's ``{"detail": ...}``
+unless the app speaks another protocol (``refusal``: E2B's door answers in E2B's shape).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from typing import Any
 
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodyLimit"]
+__all__ = ["BodyLimit", "Refusal", "too_large"]
+
+Refusal = Callable[[int, str], Response]  # (limit, path) -> the 413 to send
+
+
+def too_large(limit: int, path: str) -> Response:
+    """kernel_env's own answer to a body over ``limit`` bytes."""
+    detail = f"request body exceeds the server's limit of {limit} bytes for {path}"
+    return JSONResponse({"detail": detail}, status_code=413)
 
 
 class BodyLimit:
@@ -27,11 +37,13 @@ class BodyLimit:
         *,
         per_path: dict[str, int] | None = None,
         default_bytes: int | None = None,
+        refusal: Refusal = too_large,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.per_path = dict(per_path or {})
         self.default_bytes = default_bytes or max_bytes
+        self.refusal = refusal
 
     def limit_for(self, path: str) -> int:
         return self.per_path.get(path, self.default_bytes)
@@ -43,7 +55,7 @@ class BodyLimit:
         limit = self.limit_for(scope["path"])
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await self._too_large(send, limit, scope["path"])
+            await self._too_large(scope, receive, send, limit)
             return
         body = bytearray()
         while True:
@@ -52,28 +64,16 @@ class BodyLimit:
                 return
             body += message.get("body", b"")
             if len(body) > limit:
-                await self._too_large(send, limit, scope["path"])
+                await self._too_large(scope, receive, send, limit)
                 return
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(bytes(body), receive), send)
 
-    async def _too_large(self, send: Send, limit: int, path: str) -> None:
-        payload = json.dumps(
-            {"detail": f"request body exceeds the server's limit of {limit} bytes for {path}"}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        response = self.refusal(limit, scope["path"])
+        response.headers["connection"] = "close"  # the rest of the body is never read
+        await response(scope, receive, send)
 
 
 def _content_length(scope: Scope) -> int | None:

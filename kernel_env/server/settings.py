@@ -248,6 +248,12 @@ class ServerSettings:
         return self.max_kernels or self.max_sessions + self.pool_size
 
     @property
+    def step_body_bytes(self) -> int:
+        """The largest body of a step (OpenEnv's ``/step``, E2B's ``/execute``): its code,
+        JSON-escaped at up to 6 bytes a char, and room for the rest of the request."""
+        return min(self.max_message_bytes, 6 * self.max_code_chars + (64 << 10))
+
+    @property
     def secret_files(self) -> tuple[str, ...]:
         """The files holding this server's secrets that a sandboxed kernel must not see (the
         sandbox also hides every file a ``*_FILE`` variable names)."""

@@ -83,6 +83,12 @@ DENIED: tuple[Denial, ...] = (
         "holds no capability to do so, this removes the code paths too",
     ),
     Denial(
+        "mount listing",
+        ("listmount", "statmount"),
+        "walk the mount tree by mount id (Linux 6.8): new code no program here needs; "
+        "/proc/self/mountinfo already shows the sandbox its own mounts",
+    ),
+    Denial(
         "namespaces",
         ("setns", "unshare"),
         "leave or remake the sandbox's namespaces (clone's namespace flags: ARG_DENIALS)",
@@ -173,6 +179,12 @@ DENIED: tuple[Denial, ...] = (
         "x86 I/O ports and virtual 8086 mode",
         ("iopl", "ioperm", "vm86", "vm86old"),
         "raw hardware access (vm86 exists only for i386, whose calls are all refused anyway)",
+    ),
+    Denial(
+        "x86 local descriptor table",
+        ("modify_ldt",),
+        "16-bit and custom segments (Wine, DOSEMU), nothing an episode runs; exploited in the "
+        "past (CVE-2015-5157, CVE-2015-8830), unimplemented by gVisor",
     ),
     Denial(
         "obsolete",
@@ -295,6 +307,8 @@ NUMBERS: dict[str, int] = {
     "quotactl_fd": 443,
     "memfd_secret": 447,
     "set_mempolicy_home_node": 450,
+    "statmount": 457,
+    "listmount": 458,
     "lsm_get_self_attr": 459,
     "lsm_set_self_attr": 460,
     "lsm_list_modules": 461,

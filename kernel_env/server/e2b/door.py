@@ -11,7 +11,8 @@ the API key itself. Everything else passes on to kernel_env's own routes, behind
 :class:`~kernel_env.server.auth.AuthGate`.
 
 A sandbox that is gone (killed, timed out, never was) answers 502, as E2B's proxy does: the
-SDK reads that as "the sandbox is not running".
+SDK reads that as "the sandbox is not running". A live sandbox's id with a wrong or missing
+token gets that same answer, byte for byte, so ids cannot be probed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kernel_env.errors import SandboxError
-from kernel_env.server.e2b.failures import error_response
+from kernel_env.server.e2b.failures import error_response, sandbox_not_found
 from kernel_env.server.e2b.sandboxes import Sandbox, Sandboxes
 
 __all__ = ["SANDBOX_KEY", "E2BDoor"]
@@ -77,10 +78,10 @@ class E2BDoor:
         try:
             sandbox = self.sandboxes().get(sandbox_id)
         except SandboxError:
-            return error_response(502, "The sandbox was not found", sandbox_id)
+            return sandbox_not_found()
         token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
         if not sandbox.admits(token):
-            return error_response(401, "invalid access token")
+            return sandbox_not_found()
         if sandbox.state == "paused":
             return error_response(502, "The sandbox is paused: connect() resumes it", sandbox_id)
         port = headers.get("e2b-sandbox-port", "")

@@ -2,6 +2,8 @@
 
 - the control plane and envd's HTTP routes: E2B's shape, ``{"code": <status>, "message"}``
   (:func:`error_response`, :func:`control_error`, :func:`file_error`);
+- the door, for any port: a sandbox it cannot open (:func:`sandbox_not_found`) and a body
+  over its route's limit (:func:`too_large`), in the same shape;
 - envd's Connect services: a ``ConnectError`` with the code the kernel named
   (:func:`connect_error`);
 - the code interpreter: a plain-text 400 for a request it refuses (:func:`refused`), and an
@@ -34,7 +36,9 @@ __all__ = [
     "error_response",
     "file_error",
     "refused",
+    "sandbox_not_found",
     "step_failure",
+    "too_large",
 ]
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,20 @@ def error_response(status: int, message: str, sandbox_id: str | None = None) -> 
     if sandbox_id is not None:
         body["sandboxId"] = sandbox_id
     return JSONResponse(body, status_code=status)
+
+
+def sandbox_not_found() -> JSONResponse:
+    """The answer to a sandbox id that names no running sandbox and to one whose access token
+    is wrong (or missing): byte for byte the same, so that an id tells nothing to whoever does
+    not hold its token. 502, as E2B's proxy answers: the SDK reads it as "not running"."""
+    return error_response(502, "The sandbox was not found, or the access token is not its own")
+
+
+def too_large(limit: int, path: str) -> JSONResponse:
+    """The answer to a request body over its route's limit (sent before the body is read)."""
+    return error_response(
+        413, f"request body exceeds the server's limit of {limit} bytes for {path}"
+    )
 
 
 def control_error(exc: KernelEnvError, path: str) -> JSONResponse:

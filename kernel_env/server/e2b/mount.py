@@ -7,6 +7,7 @@ from fastapi import FastAPI
 from kernel_env.server.e2b.control import CONTROL_PREFIXES, control_app
 from kernel_env.server.e2b.door import E2BDoor
 from kernel_env.server.e2b.envd import ENVD_PORT, envd_app
+from kernel_env.server.e2b.failures import too_large
 from kernel_env.server.e2b.interpreter import JUPYTER_PORT, interpreter_app
 from kernel_env.server.e2b.sandboxes import Sandboxes
 from kernel_env.server.limits import BodyLimit
@@ -15,6 +16,7 @@ from kernel_env.server.sessions import SessionManager
 __all__ = ["mount"]
 
 _CONTROL_BODY = 1 << 20  # the control plane's requests are small JSON documents
+_CONTEXT_BODY = 64 << 10  # the code interpreter's other routes: a language and a directory
 
 
 def mount(app: FastAPI) -> None:
@@ -32,14 +34,22 @@ def mount(app: FastAPI) -> None:
             app.state.e2b_sandboxes = registry
         return registry
 
-    limit = settings.max_message_bytes
+    control = control_app(lambda: app.state.tenants, sandboxes)
+    step = settings.step_body_bytes  # a cell's code, bounded as OpenEnv's /step is
+    interpreter = BodyLimit(
+        interpreter_app(sandboxes),
+        step,
+        per_path={"/execute": step},
+        default_bytes=min(step, _CONTEXT_BODY),
+        refusal=too_large,
+    )
     app.add_middleware(
         E2BDoor,
-        control=BodyLimit(control_app(lambda: app.state.tenants, sandboxes), _CONTROL_BODY),
+        control=BodyLimit(control, _CONTROL_BODY, refusal=too_large),
         control_prefixes=CONTROL_PREFIXES,
         ports={
-            JUPYTER_PORT: BodyLimit(interpreter_app(sandboxes), limit),
-            ENVD_PORT: BodyLimit(envd_app(sessions), limit),
+            JUPYTER_PORT: interpreter,
+            ENVD_PORT: BodyLimit(envd_app(sessions), settings.max_message_bytes, refusal=too_large),
         },
         sandboxes=sandboxes,
     )
