@@ -185,6 +185,11 @@ def test_e2b_refuses_a_wrong_key_and_another_sandboxs_token(client: TestClient) 
     assert refused.status_code == 401
     first, second = _create(client), _create(client)
     borrowed = {**_sandbox(first), "X-Access-Token": second["envdAccessToken"]}
-    assert client.post("/execute", json={"code": "n"}, headers=borrowed).status_code == 401
+    stranger = {**borrowed, "E2b-Sandbox-Id": "0" * 32}
+    answer = client.post("/execute", json={"code": "n"}, headers=borrowed)
+    unknown_id = client.post("/execute", json={"code": "n"}, headers=stranger)
+    # another sandbox's token gets exactly the answer of an id that never existed
+    assert answer.status_code == unknown_id.status_code == 502
+    assert answer.content == unknown_id.content
     unknown = client.post("/sandboxes", json={"templateID": "my-dockerfile"}, headers=AUTH)
     assert unknown.status_code == 400 and "not served here" in unknown.json()["message"]
