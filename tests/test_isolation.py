@@ -12,6 +12,7 @@ scripts/docker-smoke.sh (tests/test_docker_image.py).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -582,13 +583,32 @@ def test_6_a_killed_servers_unsandboxed_leftovers_are_killed_by_the_next(tmp_pat
             f"{server.url}/step", json={"action": {"code": code}}, headers=session, timeout=60
         )
         assert wait_until(lambda: bool(_sleepers()), timeout=10)
+        # Held as a live server holds them, so that no other test's server sweeps the dead
+        # one's tree (it would, at its first kernel) before the survival is seen.
+        held = _hold_cgroup_trees(server.pid)
         os.kill(server.pid, signal.SIGKILL)
         server.process.wait(timeout=10)
-    time.sleep(0.5)
-    assert _sleepers(), "the orphan should survive the kill until someone sweeps"
+    try:
+        time.sleep(0.5)
+        assert _sleepers(), "the orphan should survive the kill until someone sweeps"
+    finally:
+        for fd in held:
+            os.close(fd)
     # The next process that starts a kernel sweeps what dead servers left.
     subprocess.run([sys.executable, "-c", NEXT_PROCESS], check=True, timeout=120)
     assert wait_until(lambda: not _sleepers(), timeout=10), _sleepers()
+
+
+def _hold_cgroup_trees(pid: int) -> list[int]:
+    """Shared locks on the server ``pid``'s cgroup directories (a sweep takes them exclusive)."""
+    held = []
+    for tree in cgroups._server_trees():
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(tree / str(pid), os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            held.append(fd)
+    assert held, "the server made no cgroup directory"
+    return held
 
 
 NEXT_PROCESS = """\
