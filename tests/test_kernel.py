@@ -223,7 +223,10 @@ async def test_a_cell_flooding_its_channels_does_not_stall_the_host() -> None:
         finally:
             done.set()
             await ticker
-    assert len(gaps) > 100 and max(gaps) < 1.0, f"the event loop stalled {max(gaps):.2f} s"
+    # The ticks spanned the whole flood (4 s), and none waited for it to end; how many came
+    # depends on the machine's load, not on the host.
+    assert sum(gaps) > 4, gaps
+    assert max(gaps) < 1.0, f"the event loop stalled {max(gaps):.2f} s"
 
 
 async def test_an_episode_kernel_sends_only_what_the_host_reads() -> None:
