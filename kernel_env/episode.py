@@ -42,6 +42,7 @@ class Counters:
     # cell went idle goes to the episode log, not a step; lost output reached neither.
     late_outputs: int = 0
     lost_outputs: int = 0
+    oversize_messages: int = 0  # over the host's limit: each restarted its kernel
 
     def add(self, other: Counters) -> None:
         for f in fields(self):

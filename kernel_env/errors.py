@@ -70,6 +70,7 @@ __all__ = [
     "LanguageRefused",
     "LimitExceeded",
     "LiveForkUnavailable",
+    "MessageTooLarge",
     "RemoteError",
     "RequestError",
     "ResetNeeded",
@@ -122,6 +123,11 @@ class KernelStartError(KernelError):
 
 class KernelDied(KernelError):
     """The kernel process exited while a request was in flight."""
+
+
+class MessageTooLarge(KernelDied):
+    """The kernel sent the host a message over the host's limit: the host dropped it unread
+    and restarts the kernel, as it does one that died."""
 
 
 class KernelCapacity(KernelError):

@@ -242,6 +242,8 @@ def _printed(text: str, unsent: dict[str, Any], name: str, extra: int = 0) -> in
 def _exception_text(ex: ExecutionResult) -> str | None:
     if ex.status == "timeout":
         return "TimeoutError: the cell exceeded the step timeout"
+    if ex.status == "died" and ex.fault is not None:
+        return f"MessageTooLarge: {ex.fault}"
     if ex.status == "died":
         return "KernelDied: the kernel process exited while running the cell"
     if ex.error:
@@ -250,6 +252,11 @@ def _exception_text(ex: ExecutionResult) -> str | None:
 
 
 def _fault_notes(ex: ExecutionResult, timeout: float) -> str:
+    if ex.fault is not None:
+        return (
+            f"\n[kernel_env] {ex.fault[:1].upper()}{ex.fault[1:]}, so the host restarted the "
+            "kernel. All variables were lost; `context` and the helpers were loaded again.\n"
+        )
     if ex.status == "timeout" and not ex.restarted:
         return (
             f"\n[kernel_env] The cell ran longer than {timeout:g} s and was interrupted. "

@@ -191,6 +191,49 @@ async def test_a_well_formed_message_with_a_wrong_signature_is_refused() -> None
             assert "FORGED" not in result.stdout  # reached only when the forgery was taken
 
 
+# A message whose frames are each under the host's limit but add up to more (shell), and one
+# over it sent by a thread after its cell ended (iopub).
+SPLIT_MESSAGE = (
+    "k = get_ipython().kernel\n"
+    "k.session.send(k.shell_stream, 'stream', {}, parent=k.get_parent('shell'),\n"
+    "               ident=k._parent_ident['shell'],\n"
+    "               buffers=[bytearray(40 * 2**20), bytearray(40 * 2**20)])\n"
+    "import time; time.sleep(1)"
+)
+LATE_MESSAGE = (
+    "import threading, time\n"
+    "k = get_ipython().kernel\n"
+    "def late():\n"
+    "    time.sleep(0.5)\n"
+    "    k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': 'late'},\n"
+    "                   buffers=[bytearray(100 * 2**20)])\n"
+    "threading.Thread(target=late).start()\n"
+    "x = 1"
+)
+
+
+async def test_a_message_over_the_hosts_limit_restarts_the_kernel() -> None:
+    """Frames adding up to more than the host's limit are dropped before they are read, and a
+    message over it from a thread after its cell is noticed before the next cell (which is
+    then not run): each restarts the kernel, says why, and is counted."""
+    from kernel_env.kernel.channels import MAX_KERNEL_MESSAGE_BYTES
+
+    async with LocalKernel() as kernel:
+        split = await asyncio.wait_for(kernel.execute(SPLIT_MESSAGE, timeout=30), 20)
+        assert (split.status, split.restarted) == ("died", True), split
+        assert f"over the host's limit of {MAX_KERNEL_MESSAGE_BYTES} bytes on shell" in (
+            split.fault or ""
+        )
+        assert (await kernel.execute(LATE_MESSAGE, timeout=30)).status == "ok"
+        await asyncio.sleep(2)
+        after = await asyncio.wait_for(kernel.execute("print('x' in dir())", timeout=30), 20)
+        assert (after.status, after.restarted, after.stdout) == ("died", True, ""), after
+        assert "on iopub" in (after.fault or "")  # restarted before the cell, which did not run
+        assert (kernel.oversize_messages, kernel.restarts) == (2, 2)
+        fresh = await asyncio.wait_for(kernel.execute("print('x' in dir())", timeout=30), 20)
+        assert (fresh.status, fresh.restarted, fresh.stdout) == ("ok", False, "False\n"), fresh
+
+
 async def test_a_cell_flooding_its_channels_does_not_stall_the_host() -> None:
     """A cell that sends the host signed messages as fast as it can (on its iopub socket, for
     4 s): the host reads them in turns with everything else on its event loop, so a tick

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import threading
 import zipfile
+from pathlib import Path
 
 import httpx
 import pytest
 from fake_openai import FakeOpenAI
-from serverkit import small_settings, thread_server
+from serverkit import metrics, serve_process, small_settings, thread_server
 
 from kernel_env import AsyncKernelEnv, EnvConfig
 
@@ -125,3 +128,51 @@ def test_the_host_refuses_long_prompts_the_kernel_sent() -> None:
     notebook = next(v for k, v in files.items() if k.endswith(".ipynb")).decode()
     assert "2,000,000 chars not kept: the call failed" in notebook
     assert fake.requests == []
+
+
+# A cell sends the host one 400 MB message on iopub, for its own request.
+HUGE_MESSAGE = """
+k = get_ipython().kernel
+k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': 'huge'},
+               parent=k.get_parent('shell'), buffers=[bytearray(400 * 2**20)])
+import time; time.sleep(1)
+print('sent')
+"""
+
+
+def _peak_kib(pid: int) -> int:
+    match = re.search(r"VmHWM:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+    assert match is not None
+    return int(match.group(1))
+
+
+def test_a_cells_huge_message_restarts_its_kernel_not_the_server() -> None:
+    """A 400 MB message from a cell to the host is dropped unread: the server's peak RSS grows
+    by at most 64 MiB, the step's kernel is restarted and its observation says why, /metrics
+    counts it, and another session steps normally meanwhile."""
+    with (
+        serve_process("--pool-size", "2", "--step-timeout", "60") as served,
+        httpx.Client(base_url=served.url, timeout=120) as client,
+    ):
+        one = client.post("/reset", json={"context": "c"}).headers["X-Session-Id"]
+        other = client.post("/reset", json={"context": "c"}).headers["X-Session-Id"]
+        _step(client, one, "x = 1")
+        Path(f"/proc/{served.pid}/clear_refs").write_text("5")  # VmHWM from the current RSS
+        before = _peak_kib(served.pid)
+        replies: list[httpx.Response] = []
+        attack = threading.Thread(target=lambda: replies.append(_step(client, one, HUGE_MESSAGE)))
+        attack.start()
+        for n in range(5):
+            result = _step(client, other, f"print({n} * 3)").json()["observation"]["result"]
+            assert result["stdout"] == f"{n * 3}\n", result
+        attack.join(timeout=150)
+        grown_mib = (_peak_kib(served.pid) - before) / 1024
+        result = replies[0].json()["observation"]["result"]
+        assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB; {result}"
+        assert result["kernel_restarted"] and result["state_lost"], result
+        assert "over the host's limit" in result["stderr"], result
+        assert "huge" not in result["stdout"]
+        seen = metrics(served.url)
+        assert seen["oversize_messages"] == 1 and seen["restarts"] == 1, seen
+        again = _step(client, one, "print('x' in dir())").json()["observation"]["result"]
+        assert again["stdout"] == "False\n", again  # a fresh kernel, which steps normally

@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from kernel_env.errors import KernelDied, KernelError, KernelStartError, LiveForkUnavailable
+from kernel_env.errors import (
+    KernelDied,
+    KernelError,
+    KernelStartError,
+    LiveForkUnavailable,
+    MessageTooLarge,
+)
 from kernel_env.inkernel.contract import PROBE_REPLY
 from kernel_env.outputs import OutputCollector
 from kernel_env.streaming import event_from_message
@@ -88,6 +94,7 @@ class ExecutionResult:
     duration: float
     interrupted: bool = False
     restarted: bool = False
+    fault: str | None = None  # why the host restarted the kernel, if not a timeout or a death
 
     @property
     def success(self) -> bool:
@@ -105,6 +112,7 @@ class _Run:
     status: Status | None = None
     interrupted: bool = False
     restarted: bool = False
+    fault: str | None = None
     on_output: Callable[[dict[str, Any]], None] | None = None  # each output event, at once
 
 
@@ -140,6 +148,7 @@ class Kernel(ABC):
         self._lock = asyncio.Lock()
         self.late_outputs: deque[dict[str, Any]] = deque(maxlen=1000)
         self.late_output_count = 0
+        self.oversize_messages = 0  # messages over the host's limit, each restarted the kernel
         self.restarts = 0
         self.started = False
 
@@ -196,11 +205,14 @@ class Kernel(ABC):
         self._failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def _transport_failed(self, exc: BaseException) -> None:
-        """A channel reader died: fail the execute in flight instead of letting it hang."""
+        """A channel reader died: fail the execute in flight instead of letting it hang. A
+        message over the host's limit fails it as a death does (the kernel is restarted)."""
         log.error("kernel %s: channel reader failed: %r", self.kernel_id, exc)
         if not self._failure.done():
             self._failure.set_exception(
-                KernelError(f"lost the kernel's channels: {exc!r}", kernel_id=self.kernel_id)
+                exc
+                if isinstance(exc, MessageTooLarge)
+                else KernelError(f"lost the kernel's channels: {exc!r}", kernel_id=self.kernel_id)
             )
 
     def _deliver(self, channel: str, msg: dict[str, Any]) -> None:
@@ -458,6 +470,10 @@ class Kernel(ABC):
         """
         async with self._lock:
             started, t0 = datetime.now(UTC), time.perf_counter()
+            fault = await self._recover()
+            if fault is not None:  # the cell is not run: the episode sets the kernel up first
+                lost = _Run("", status="died", restarted=True, fault=fault)
+                return _result(lost, started, time.perf_counter() - t0)
             msg_id = self._send(
                 "shell",
                 "execute_request",
@@ -479,11 +495,33 @@ class Kernel(ABC):
                     await self._read_late(run)
             except TimeoutError:
                 await self._on_timeout(run, stdin)
-            except KernelDied:
-                log.warning("kernel %s died during a cell; restarting", self.kernel_id)
+            except KernelDied as exc:
                 run.status = "died"
+                run.fault = await self._fault(exc)
+                if run.fault is None:
+                    log.warning("kernel %s died during a cell; restarting", self.kernel_id)
                 await self._restart_for(run)
             return _result(run, started, time.perf_counter() - t0)
+
+    async def _fault(self, exc: KernelDied) -> str | None:
+        """Why a kernel that did not die is restarted (a message over the host's limit, the
+        kernel alive), counted; None for a death."""
+        if not isinstance(exc, MessageTooLarge) or not await self.is_alive():
+            return None
+        log.warning("kernel %s: %s; restarting it", self.kernel_id, exc)
+        self.oversize_messages += 1
+        return str(exc)
+
+    async def _recover(self) -> str | None:
+        """Before a cell: restart a kernel whose channels failed since the last cell with a
+        message over the limit (from a thread, say); why, or None."""
+        failure = self._failure
+        exc = failure.exception() if failure.done() else None
+        if not isinstance(exc, KernelDied):
+            return None
+        fault = await self._fault(exc)
+        await self.restart()
+        return fault or "the kernel process exited after the previous cell"  # meanwhile
 
     async def _drive(self, run: _Run, stdin: StdinHandler | None) -> None:
         """Until reply and idle both arrived; raises KernelDied if the process exits first."""
@@ -633,4 +671,5 @@ def _result(run: _Run, started: datetime, duration: float) -> ExecutionResult:
         duration=duration,
         interrupted=run.interrupted,
         restarted=run.restarted,
+        fault=run.fault,
     )

@@ -46,6 +46,7 @@ def collect(sessions: SessionManager, pool: KernelPool, started: float) -> dict[
         "truncations": counters.truncations,
         "late_outputs": counters.late_outputs,
         "lost_outputs": counters.lost_outputs,
+        "oversize_messages": counters.oversize_messages,
         "uptime_s": round(time.monotonic() - started, 3),
         "rss_bytes": process_rss(),
     }
@@ -79,12 +80,14 @@ _COUNTERS = frozenset(
         "truncations",
         "late_outputs",
         "lost_outputs",
+        "oversize_messages",
     }
 )
 _HELP = {
     "uptime_s": "seconds since the server started",
     "rss_bytes": "the server process's resident memory",
     "lost_outputs": "output that reached neither an observation nor the episode log (stays 0)",
+    "oversize_messages": "messages over the host's limit a kernel sent (each restarted it)",
 }
 
 

@@ -102,7 +102,11 @@ class TenantAtCapacity(CapacityReached):
 
 def _kernel_counters(kernel: Kernel) -> Counters:
     late = kernel.late_output_count
-    return Counters(late_outputs=late, lost_outputs=max(0, late - len(kernel.late_outputs)))
+    return Counters(
+        late_outputs=late,
+        lost_outputs=max(0, late - len(kernel.late_outputs)),
+        oversize_messages=kernel.oversize_messages,
+    )
 
 
 def _env_counters(env: KernelEnvironment) -> Counters:
