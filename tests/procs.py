@@ -1,10 +1,13 @@
-"""The tests' one reader of /proc: parents, children, descendants, whether a pid runs, and
-which processes carry a variable in their environment."""
+"""The tests' one reader of /proc: parents, children, descendants, whether a pid runs,
+which processes carry a variable in their environment, and how much memory one holds."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -99,3 +102,59 @@ def carrying(entry: bytes) -> set[int]:
             if p.isdigit() and os.stat(f"/proc/{p}").st_uid == uid and environ_has(p, entry):
                 found.add(int(p))
     return found
+
+
+def _status_kib(pid: int, field: str) -> int:
+    match = re.search(rf"{field}:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+    assert match is not None, f"no {field} for {pid}"
+    return int(match.group(1))
+
+
+def rss_kib(pid: int) -> int:
+    """The process's resident memory now, in KiB."""
+    return _status_kib(pid, "VmRSS")
+
+
+def peak_kib(pid: int) -> int:
+    """The process's peak resident memory (since start, or since :func:`reset_peak`), in KiB."""
+    return _status_kib(pid, "VmHWM")
+
+
+def reset_peak(pid: int) -> bool:
+    """Start the peak again from the current RSS; False where this user may not (an
+    unprivileged server is not dumpable, so its ``clear_refs`` is root's)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as refs:
+            refs.write("5")
+    except PermissionError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def peak_growth(pid: int) -> Iterator[list[float]]:
+    """How much the process's peak RSS grew while the block ran, in MiB (the list's one item,
+    there after the block). From VmHWM where it can be reset, else from RSS sampled every
+    5 ms (what a request that takes longer than that makes the process hold)."""
+    grown: list[float] = []
+    hwm = reset_peak(pid)
+    before = peak_kib(pid) if hwm else rss_kib(pid)
+    samples = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            with contextlib.suppress(OSError, AssertionError):
+                samples.append(rss_kib(pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if not hwm:
+        sampler.start()
+    try:
+        yield grown
+    finally:
+        done.set()
+        if not hwm:
+            sampler.join(timeout=5)
+        peak = peak_kib(pid) if hwm else max(samples)
+        grown.append((peak - before) / 1024)

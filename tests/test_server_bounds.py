@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import threading
 import zipfile
-from pathlib import Path
 
 import httpx
 import pytest
+from attacks import HUGE_MESSAGE
 from fake_openai import FakeOpenAI
+from procs import peak_growth
 from serverkit import metrics, serve_process, small_settings, thread_server
 
 from kernel_env import AsyncKernelEnv, EnvConfig
@@ -130,22 +130,6 @@ def test_the_host_refuses_long_prompts_the_kernel_sent() -> None:
     assert fake.requests == []
 
 
-# A cell sends the host one 400 MB message on iopub, for its own request.
-HUGE_MESSAGE = """
-k = get_ipython().kernel
-k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': 'huge'},
-               parent=k.get_parent('shell'), buffers=[bytearray(400 * 2**20)])
-import time; time.sleep(1)
-print('sent')
-"""
-
-
-def _peak_kib(pid: int) -> int:
-    match = re.search(r"VmHWM:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
-    assert match is not None
-    return int(match.group(1))
-
-
 def test_a_cells_huge_message_restarts_its_kernel_not_the_server() -> None:
     """A 400 MB message from a cell to the host is dropped unread: the server's peak RSS grows
     by at most 64 MiB, the step's kernel is restarted and its observation says why, /metrics
@@ -157,16 +141,15 @@ def test_a_cells_huge_message_restarts_its_kernel_not_the_server() -> None:
         one = client.post("/reset", json={"context": "c"}).headers["X-Session-Id"]
         other = client.post("/reset", json={"context": "c"}).headers["X-Session-Id"]
         _step(client, one, "x = 1")
-        Path(f"/proc/{served.pid}/clear_refs").write_text("5")  # VmHWM from the current RSS
-        before = _peak_kib(served.pid)
         replies: list[httpx.Response] = []
         attack = threading.Thread(target=lambda: replies.append(_step(client, one, HUGE_MESSAGE)))
-        attack.start()
-        for n in range(5):
-            result = _step(client, other, f"print({n} * 3)").json()["observation"]["result"]
-            assert result["stdout"] == f"{n * 3}\n", result
-        attack.join(timeout=150)
-        grown_mib = (_peak_kib(served.pid) - before) / 1024
+        with peak_growth(served.pid) as grown:
+            attack.start()
+            for n in range(5):
+                result = _step(client, other, f"print({n} * 3)").json()["observation"]["result"]
+                assert result["stdout"] == f"{n * 3}\n", result
+            attack.join(timeout=150)
+        grown_mib = grown[0]
         result = replies[0].json()["observation"]["result"]
         assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB; {result}"
         assert result["kernel_restarted"] and result["state_lost"], result
