@@ -262,6 +262,22 @@ def _status_line(settings: ServerSettings) -> str:
         + "".join(
             f"\nkernel-env:   {name}: {value}" for name, value in describe_limits(settings).items()
         )
+        + f"\nkernel-env:   {_descriptors(settings)}"
+    )
+
+
+def _descriptors(settings: ServerSettings) -> str:
+    from kernel_env.server.runner import (
+        DESCRIPTORS_PER_KERNEL,
+        connection_cap,
+        raise_descriptor_limit,
+    )
+
+    open_files = raise_descriptor_limit()  # build_server raised it already: the limit now
+    return (
+        f"open files: {open_files} ({settings.kernel_limit} kernels at "
+        f"{DESCRIPTORS_PER_KERNEL} each); connections at most "
+        f"{connection_cap(settings, open_files)}, past them 503"
     )
 
 
