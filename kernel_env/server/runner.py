@@ -51,10 +51,11 @@ log = logging.getLogger(__name__)
 KEEP_ALIVE = 330
 
 
-# A live kernel's descriptors in the server, measured (benchmarks/README.md, "Descriptors per
-# kernel"): its shell, iopub and stdin sockets, each a connection and zmq's mailbox (an
-# eventfd): 6; the pidfd of a forked kernel's launch; the lock of its uid lease (a root
-# server). Two more once an interrupt or a shutdown request connects its control socket.
+# A live kernel's descriptors in the server, 8 measured (benchmarks/README.md, "The figures
+# behind the code's choices"): its shell, iopub and stdin sockets, each a connection and
+# zmq's mailbox (an eventfd); the pidfd of a forked kernel's launch; the lock of its uid
+# lease (a root server). Two more once an interrupt or a shutdown request connects its
+# control socket.
 DESCRIPTORS_PER_KERNEL = 10
 # The server's own: the listening socket, logs, the forkserver's pipes, the files a kernel's
 # start opens for a moment (cgroup files, lock files), an export's temporary files.
@@ -183,8 +184,9 @@ def build_server(
         # Past it, a request on a new connection gets 503 and the connection is closed, so
         # idle keep-alive connections (held KEEP_ALIVE s) cannot take the kernels'
         # descriptors. A WebSocket counts, but its handshake is not refused: a session
-        # past --max-sessions is (CAPACITY_REACHED).
-        limit_concurrency=connection_cap(settings, open_files),
+        # past --max-sessions is (CAPACITY_REACHED). uvicorn counts the connection asking
+        # among those open: at a limit of N, N - 1 are served.
+        limit_concurrency=connection_cap(settings, open_files) + 1,
         # No permessage-deflate: it costs server CPU on every step (P6 is CPU-bound; see
         # benchmarks/README.md), and it would deflate a 100 MB state frame on the event loop.
         ws_per_message_deflate=False,
