@@ -262,6 +262,22 @@ def _status_line(settings: ServerSettings) -> str:
         + "".join(
             f"\nkernel-env:   {name}: {value}" for name, value in describe_limits(settings).items()
         )
+        + f"\nkernel-env:   {_descriptors(settings)}"
+    )
+
+
+def _descriptors(settings: ServerSettings) -> str:
+    from kernel_env.server.runner import (
+        DESCRIPTORS_PER_KERNEL,
+        connection_cap,
+        raise_descriptor_limit,
+    )
+
+    open_files = raise_descriptor_limit()  # build_server raised it already: the limit now
+    return (
+        f"open files: {open_files} ({settings.kernel_limit} kernels at "
+        f"{DESCRIPTORS_PER_KERNEL} each); connections at most "
+        f"{connection_cap(settings, open_files)}, past them 503"
     )
 
 
@@ -415,23 +431,22 @@ def _ps(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_VARIABLE) or None
     try:
         root = http_url(args.url)
-        response = httpx.get(
-            f"{root}/sessions",
+        with httpx.Client(
             headers={"Authorization": f"Bearer {token}"} if token else {},
             timeout=10,
             trust_env=False,
-        )
+        ) as client:
+            sessions = _every_session(client, f"{root}/sessions")
     except ValueError as exc:
         return _fail("ps", exc)
     except httpx.HTTPError as exc:
         return _fail("ps", unreachable(root, exc))
-    if response.status_code in (401, 403):
-        return _fail("ps", auth_refused(root, response.status_code, token, cli=True))
-    if response.status_code != 200:
-        return _fail("ps", f"{root}/sessions: HTTP {response.status_code}")
-    sessions = response.json()["sessions"]
+    except _Refused as refused:
+        if refused.status in (401, 403):
+            return _fail("ps", auth_refused(root, refused.status, token, cli=True))
+        return _fail("ps", f"{root}/sessions: HTTP {refused.status}")
     if args.json:
-        print(json.dumps(response.json()))
+        print(json.dumps({"sessions": sessions}))
         return 0
     print(
         f"{'SESSION':<32}  {'EPISODE':<36}  {'KIND':<4} {'STATE':<5} {'STEPS':>9} "
@@ -449,6 +464,30 @@ def _ps(args: argparse.Namespace) -> int:
         )
     print(f"{len(sessions)} session(s)")
     return 0
+
+
+class _Refused(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+_PS_PAGE = 1000  # the server's largest page of GET /sessions
+
+
+def _every_session(client: Any, url: str) -> list[dict[str, Any]]:
+    """Every session ``GET /sessions`` lists, page after page (a server that answers one
+    list, with no ``next``, is one page)."""
+    sessions: list[dict[str, Any]] = []
+    after: int | None = 0
+    while after is not None:
+        response = client.get(url, params={"limit": _PS_PAGE, "after": after})
+        if response.status_code != 200:
+            raise _Refused(response.status_code)
+        body = response.json()
+        sessions += body["sessions"]
+        after = body.get("next")
+    return sessions
 
 
 # -- replay ------------------------------------------------------------------------------

@@ -62,9 +62,10 @@ def make_client(**overrides: object) -> TestClient:
 
 
 @contextlib.contextmanager
-def thread_server(settings: ServerSettings) -> Iterator[str]:
-    """A real uvicorn server (our runner) on its own loop thread; yields its base URL."""
-    server, sock, settings = build_server(settings)
+def thread_server(settings: ServerSettings, app: Any = None) -> Iterator[str]:
+    """A real uvicorn server (our runner; of ``app``, else the settings' own) on its own loop
+    thread; yields its base URL."""
+    server, sock, settings = build_server(settings, app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

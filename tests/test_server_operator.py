@@ -3,17 +3,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from gateway import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from serverkit import make_client, serve_process, small_settings, thread_server, wait_until
+from serverkit import (
+    LoopbackClient,
+    make_client,
+    serve_process,
+    small_settings,
+    thread_server,
+    wait_until,
+)
+
+from kernel_env.kernel.scripted import ScriptedSource
+from kernel_env.server import create_app
+from kernel_env.server.settings import ServerSettings
 
 pytestmark = pytest.mark.integration  # kernels, servers or other processes
 
@@ -158,3 +172,124 @@ def test_the_new_routes_need_the_token_and_the_public_prefix_opens_nothing_else(
             assert reply.status_code in (404, 401), (path, reply.status_code)
             assert "SECRET-CTX" not in reply.text and sid not in reply.text
         assert client.get(f"/web/api/sessions/{sid}/events", headers=AUTH).status_code == 200
+
+
+# -- a thousand sessions ----------------------------------------------------------------------
+
+MANY = 1001  # past the largest page (1000), so `kernel-env ps` asks for two
+
+
+def _scripted_app(**overrides: object) -> tuple[Any, ServerSettings]:
+    settings = small_settings(max_sessions=MANY, pool_size=0, claim_ttl=0, **overrides)
+    return create_app(settings, kernel_factory=ScriptedSource()), settings
+
+
+async def _open_many(url: str, n: int) -> list[str]:
+    gate = asyncio.Semaphore(16)
+
+    async def one(client: httpx.AsyncClient) -> str:
+        async with gate:
+            reply = await client.post("/reset", json={})
+            assert reply.status_code == 200, reply.text
+            return reply.headers["X-Session-Id"]
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return list(await asyncio.gather(*(one(client) for _ in range(n))))
+
+
+@pytest.fixture(scope="module")
+def thousand() -> Iterator[tuple[str, list[str]]]:
+    """A real server of 1,001 open HTTP sessions on scripted kernels (16 resets at a time);
+    its URL and their ids."""
+    app, settings = _scripted_app()
+    with thread_server(settings, app) as url:
+        yield url, asyncio.run(_open_many(url, MANY))
+
+
+def _pages(client: Any, headers: dict[str, str] | None = None, **params: int) -> list[Any]:
+    pages, after = [], 0
+    while after is not None:
+        reply = client.get("/sessions", params={**params, "after": after}, headers=headers or {})
+        assert reply.status_code == 200, reply.text
+        pages.append(reply.json())
+        after = pages[-1]["next"]
+    return pages
+
+
+def test_sessions_come_a_page_at_a_time_in_the_order_they_opened(
+    thousand: tuple[str, list[str]],
+) -> None:
+    """1,001 sessions: GET /sessions answers 100 (its default page), each page's `next` leads
+    to the next, and the pages hold every session once, in one order whatever their size;
+    at most 1,000 a page; /metrics counts them all."""
+    url, ids = thousand
+    with httpx.Client(base_url=url, timeout=30) as client:
+        pages = _pages(client)
+        big = _pages(client, limit=1000)
+        refused = [client.get("/sessions", params={"limit": n}).status_code for n in (0, 1001)]
+        active = client.get("/metrics").json()["sessions_active"]
+    assert [len(p["sessions"]) for p in pages] == [100] * 10 + [1]
+    assert {p["total"] for p in pages} == {MANY} and pages[-1]["next"] is None
+    listed = [s["session_id"] for p in pages for s in p["sessions"]]
+    assert len(listed) == len(set(listed)) and set(listed) == set(ids)
+    assert [s["session_id"] for p in big for s in p["sessions"]] == listed  # the same order
+    assert [len(p["sessions"]) for p in big] == [1000, 1]
+    assert refused == [422, 422]
+    assert active == MANY
+
+
+def test_kernel_env_ps_lists_every_session_page_after_page(
+    thousand: tuple[str, list[str]],
+) -> None:
+    """`kernel-env ps` on a server of 1,001 sessions asks for two pages and lists all."""
+    url, ids = thousand
+    shown = subprocess.run(
+        [KERNEL_ENV, "ps", "--url", url], capture_output=True, text=True, timeout=90
+    )
+    assert shown.returncode == 0, shown.stderr
+    listed = [line.split()[0] for line in shown.stdout.splitlines()[1:-1]]
+    assert sorted(listed) == sorted(ids) and shown.stdout.endswith(f"{MANY} session(s)\n")
+
+
+def test_a_session_closed_between_pages_shifts_none_of_the_others() -> None:
+    """Pages list sessions in the order they opened, and the next page starts after the
+    last session of the page before, not at a position: a session of the next page closing
+    first is simply not on it."""
+    app, _ = _scripted_app()
+    with LoopbackClient(app) as client:
+        ids = [client.post("/reset", json={}).headers["X-Session-Id"] for _ in range(7)]
+        first = client.get("/sessions", params={"limit": 3}).json()
+        assert client.delete(f"/sessions/{ids[3]}").status_code == 204
+        second = client.get("/sessions", params={"limit": 3, "after": first["next"]}).json()
+    assert [s["session_id"] for s in first["sessions"]] == ids[:3]
+    assert [s["session_id"] for s in second["sessions"]] == ids[4:7]
+    assert second["total"] == 6 and second["next"] is None
+
+
+def test_a_client_tenants_pages_and_total_are_its_own(tmp_path: Path) -> None:
+    """A client tenant pages through its own sessions among others', and its total counts
+    only them."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ops operator ops-token-0123456789\nann client ann-token-0123456789\n")
+    app, _ = _scripted_app(tokens_file=str(tokens))
+    ops = {"Authorization": "Bearer ops-token-0123456789"}
+    ann = {"Authorization": "Bearer ann-token-0123456789"}
+    with LoopbackClient(app) as client:
+
+        def open_as(headers: dict[str, str], n: int) -> list[str]:
+            return [
+                client.post("/reset", json={}, headers=headers).headers["X-Session-Id"]
+                for _ in range(n)
+            ]
+
+        theirs = open_as(ops, 4)
+        mine = open_as(ann, 5)
+        theirs += open_as(ops, 4)
+        mine += open_as(ann, 2)
+        pages = _pages(client, ann, limit=3)
+        everyone = _pages(client, ops, limit=100)
+    assert [len(p["sessions"]) for p in pages] == [3, 3, 1]
+    assert [s["session_id"] for p in pages for s in p["sessions"]] == mine
+    assert {p["total"] for p in pages} == {7}
+    assert everyone[0]["total"] == 15 and len(everyone[0]["sessions"]) == 15
+    assert {s["session_id"] for s in everyone[0]["sessions"]} == set(theirs + mine)

@@ -281,7 +281,7 @@ def test_the_remote_client_runs_and_exports_an_episode_with_its_tenants_token(
         assert env.execute("FINAL(len(context))").reward == 1.0
         env.export_notebook(tmp_path / "bob.ipynb")
         listed = httpx.get(f"{url}/sessions", headers=as_("alice"), timeout=10).json()
-        assert listed == {"sessions": []}
+        assert listed == {"sessions": [], "total": 0, "next": None}
     assert "B-CONTEXT" in (tmp_path / "bob.ipynb").read_text()
 
 

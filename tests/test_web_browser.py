@@ -238,3 +238,27 @@ def test_docs_render_the_operations_with_no_network(server: str, browser: Any) -
     paths = " ".join(o.text for o in operations)
     assert "/reset" in paths and "/step" in paths
     _shot(browser, "docs-offline.png")
+
+
+def test_the_list_shows_a_page_of_sessions_and_turns_to_the_next(browser: Any) -> None:
+    """Of 150 sessions the list shows the first 100 and says so; "next" shows the other 50,
+    "previous" the first page again."""
+    from kernel_env.kernel.scripted import ScriptedSource
+    from kernel_env.server import create_app
+
+    settings = small_settings(token=TOKEN, max_sessions=150, pool_size=0, claim_ttl=0)
+    app = create_app(settings, kernel_factory=ScriptedSource())
+    with thread_server(settings, app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        for _ in range(150):
+            assert client.post("/reset", json={}, headers=AUTH).status_code == 200
+        _open(browser, url)
+        status = browser.find_element(By.ID, "status")
+        rows = lambda d: d.find_elements(By.CSS_SELECTOR, "#sessions tr")  # noqa: E731
+        _until(browser, lambda d: status.text == "100 of 150 session(s)" and len(rows(d)) == 100)
+        assert not browser.find_element(By.ID, "previous-page").is_displayed()
+        first = rows(browser)[0].text
+        browser.find_element(By.ID, "next-page").click()
+        _until(browser, lambda d: status.text == "50 of 150 session(s)" and len(rows(d)) == 50)
+        assert not browser.find_element(By.ID, "next-page").is_displayed()
+        browser.find_element(By.ID, "previous-page").click()
+        _until(browser, lambda d: len(rows(d)) == 100 and rows(d)[0].text == first)

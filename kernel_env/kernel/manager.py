@@ -94,8 +94,11 @@ class _PidfdProcess(KernelProvisionerBase):
     async def poll(self) -> int | None:
         if self._pidfd is None:
             return 0
-        readable, _, _ = select.select([self._pidfd], [], [], 0)
-        return 0 if readable else None
+        # poll(2), not select(2): a server holding a thousand kernels has descriptors past
+        # select's FD_SETSIZE (1024), which select refuses.
+        watch = select.poll()
+        watch.register(self._pidfd, select.POLLIN)
+        return 0 if watch.poll(0) else None
 
     async def wait(self) -> int | None:
         while await self.poll() is None:

@@ -1,6 +1,6 @@
 """Routes for the people who run a server: a landing page, readiness, Prometheus metrics and
-the list of running episodes. Not a protocol's door: they read the runtime and the session
-manager, and answer errors as the app does.
+the list of running episodes, a page at a time. Not a protocol's door: they read the runtime
+and the session manager, and answer errors as the app does.
 
 ``/health`` stays liveness (the process answers); ``/ready`` is readiness: 503 while kernels
 cannot start (an unreachable gateway, say) and no warm kernel is left, so a load balancer sends
@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.routing import APIRoute
 
@@ -22,9 +22,12 @@ from kernel_env import __version__
 from kernel_env.server import metrics
 from kernel_env.server.auth import require_operator, tenant_of
 
-__all__ = ["OPERATOR_PUBLIC", "ROUTES", "add_operator_routes"]
+__all__ = ["MAX_SESSIONS_PAGE", "OPERATOR_PUBLIC", "ROUTES", "SESSIONS_PAGE", "add_operator_routes"]
 
 OPERATOR_PUBLIC = ("/", "/ready")  # no token needed: they tell nothing of an episode
+# GET /sessions answers a page: a server of a thousand sessions never builds them all at once.
+SESSIONS_PAGE = 100
+MAX_SESSIONS_PAGE = 1000
 
 _LINKS = (
     ("/web", "the running episodes, live, as notebooks"),
@@ -75,9 +78,19 @@ async def get_prometheus(request: Request) -> Response:
     return _prometheus(_snapshot(request))
 
 
-async def list_sessions(request: Request) -> dict[str, Any]:
+async def list_sessions(
+    request: Request,
+    limit: int = Query(SESSIONS_PAGE, ge=1, le=MAX_SESSIONS_PAGE, description="sessions a page"),
+    after: int = Query(0, ge=0, description="the `next` of the page before; 0: the first page"),
+) -> dict[str, Any]:
     sessions = request.app.state.runtime.sessions
-    return {"sessions": [s.summary() for s in sessions.visible_to(tenant_of(request))]}
+    tenant = tenant_of(request)
+    page, next_after = sessions.page(tenant, after=after, limit=limit)
+    return {
+        "sessions": [s.summary() for s in page],
+        "total": sessions.visible_count(tenant),
+        "next": next_after,
+    }
 
 
 ROUTES = [
@@ -108,7 +121,8 @@ ROUTES = [
         list_sessions,
         methods=["GET"],
         tags=["Operations"],
-        summary="Running sessions and their episodes (a client's own; all for an operator)",
+        summary="Running sessions and their episodes (a client's own; all for an operator), "
+        "a page at a time: ask again with `after` set to the page's `next` until it is null",
     ),
 ]
 

@@ -1,9 +1,15 @@
-"""Running the app under uvicorn, with a shutdown that drains before connections are cut.
+"""Running the app under uvicorn, with a shutdown that drains before connections are cut,
+and descriptors enough for every kernel it may run.
 
 uvicorn's own shutdown closes every WebSocket at once (close 1012) and only then runs the
 app's lifespan shutdown, so a step in flight would never be answered. ``DrainingServer``
 stops listening, lets in-flight steps answer (``drain_timeout``), shuts every kernel down,
 and only then lets uvicorn close the connections.
+
+Each live kernel holds descriptors in the server (:data:`DESCRIPTORS_PER_KERNEL`), so the
+server raises its soft ``RLIMIT_NOFILE`` to the hard limit (often 1024 soft: 110 kernels),
+and caps its connections at what the limit leaves once every kernel it may run has its
+share: a flood of connections is answered 503, never with a kernel that cannot start.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
+import resource
 import socket
 import sys
 from dataclasses import replace
@@ -22,13 +30,81 @@ from kernel_env.server.app import create_app
 from kernel_env.server.logs import log_config
 from kernel_env.server.settings import ServerSettings
 
-__all__ = ["KEEP_ALIVE", "DrainingServer", "bind", "build_server", "return_freed_memory"]
+__all__ = [
+    "DESCRIPTORS_PER_KERNEL",
+    "KEEP_ALIVE",
+    "DrainingServer",
+    "bind",
+    "build_server",
+    "connection_cap",
+    "descriptor_shortfall",
+    "raise_descriptor_limit",
+    "return_freed_memory",
+]
+
+log = logging.getLogger(__name__)
 
 # How long an idle HTTP connection is kept open (uvicorn's default: 5 s). Longer than the
 # clients' pools keep one: E2B's SDK keeps idle connections 300 s, and a server that closes
 # first races the client's next request on that connection, which then gets a reset
 # (ECONNRESET) where the client took the connection as the server's FIN was on its way.
 KEEP_ALIVE = 330
+
+
+# A live kernel's descriptors in the server, 8 measured (benchmarks/README.md, "The figures
+# behind the code's choices"): its shell, iopub and stdin sockets, each a connection and
+# zmq's mailbox (an eventfd); the pidfd of a forked kernel's launch; the lock of its uid
+# lease (a root server). Two more once an interrupt or a shutdown request connects its
+# control socket.
+DESCRIPTORS_PER_KERNEL = 10
+# The server's own: the listening socket, logs, the forkserver's pipes, the files a kernel's
+# start opens for a moment (cgroup files, lock files), an export's temporary files.
+RESERVED_DESCRIPTORS = 256
+MIN_CONNECTIONS = 64  # past one a session, however few descriptors the kernels leave
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (no privilege needed);
+    the soft limit now. Nothing in the server has a descriptor-number ceiling (no select(2):
+    poll and epoll), so every descriptor the limit allows is usable."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as exc:  # a hard limit above the kernel's nr_open
+            log.warning("could not raise the open files limit from %d to %d: %s", soft, hard, exc)
+        else:
+            soft = hard
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_cap(settings: ServerSettings, open_files: int) -> int:
+    """Connections the server accepts at once (``max_connections``, or what ``open_files``
+    descriptors leave after every kernel's share and the server's own). Never below one a
+    session (each may hold a WebSocket) and ``MIN_CONNECTIONS`` more: uvicorn answers 503 to
+    every HTTP request, ``/health`` too, while its connections are at the cap."""
+    if settings.max_connections is not None:
+        return settings.max_connections
+    spare = open_files - settings.kernel_limit * DESCRIPTORS_PER_KERNEL - RESERVED_DESCRIPTORS
+    return max(settings.max_sessions + MIN_CONNECTIONS, spare)
+
+
+def descriptor_shortfall(settings: ServerSettings, open_files: int) -> str | None:
+    """The warning for a descriptor limit too low for the kernels and sessions asked for
+    (each WebSocket session a connection), or None."""
+    connections = connection_cap(settings, open_files)
+    kernels = settings.kernel_limit * DESCRIPTORS_PER_KERNEL
+    needed = kernels + connections + RESERVED_DESCRIPTORS
+    if open_files >= needed:
+        return None
+    fits = max(0, open_files - RESERVED_DESCRIPTORS - connections) // DESCRIPTORS_PER_KERNEL
+    return (
+        f"the open files limit ({open_files}) is too low for {settings.kernel_limit} kernels "
+        f"at {DESCRIPTORS_PER_KERNEL} descriptors each and {connections} connections: "
+        f'{needed} are needed, and kernels past about {fits} may fail to start ("Too many '
+        "open files\"). Raise the hard limit (ulimit -Hn; systemd's LimitNOFILE=; docker run "
+        "--ulimit nofile=N:N), or lower --max-sessions / --max-kernels / --max-connections"
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -92,6 +168,7 @@ def build_server(
     port = sock.getsockname()[1]
     settings = replace(settings, port=port)
     app = app or create_app(settings)
+    open_files = raise_descriptor_limit()
     config = uvicorn.Config(
         app,
         loop="asyncio",  # the same loop kind the tests and the local client use
@@ -104,8 +181,16 @@ def build_server(
         ws_max_size=settings.max_message_bytes,  # bigger frames: close 1009, never buffered
         timeout_graceful_shutdown=2,  # after our own drain, only stragglers are left
         timeout_keep_alive=KEEP_ALIVE,
+        # Past it, a request on a new connection gets 503 and the connection is closed, so
+        # idle keep-alive connections (held KEEP_ALIVE s) cannot take the kernels'
+        # descriptors. A WebSocket counts, but its handshake is not refused: a session
+        # past --max-sessions is (CAPACITY_REACHED). uvicorn counts the connection asking
+        # among those open: at a limit of N, N - 1 are served.
+        limit_concurrency=connection_cap(settings, open_files) + 1,
         # No permessage-deflate: it costs server CPU on every step (P6 is CPU-bound; see
         # benchmarks/README.md), and it would deflate a 100 MB state frame on the event loop.
         ws_per_message_deflate=False,
     )
+    if (shortfall := descriptor_shortfall(settings, open_files)) is not None:
+        log.warning("%s", shortfall)
     return DrainingServer(config, app), sock, settings

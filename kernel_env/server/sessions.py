@@ -39,7 +39,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
@@ -138,6 +138,7 @@ class Session:
         self.done_kernels = Counters()  # counters of kernels this session already discarded
         self.feed = EpisodeFeed()  # what /web shows of this session, live
         self.attached = kind == "ws"  # a WebSocket owns it (then no other may attach)
+        self.seq = 0  # the how-manieth session its manager opened: GET /sessions pages by it
 
     async def reset(self, kwargs: dict[str, Any]) -> REPLObservation:
         old = self.env.kernel
@@ -334,6 +335,7 @@ class SessionManager:
         self.idle_ttl = idle_ttl
         self.claim_ttl = claim_ttl
         self._sessions: dict[str, Session] = {}
+        self._held: Counter[str] = Counter()  # open sessions, by owner
         self._gone: OrderedDict[str, tuple[str, SessionError]] = OrderedDict()  # owner, why
         self.ops: set[asyncio.Task[Any]] = set()
         self._busy = 0
@@ -359,6 +361,23 @@ class SessionManager:
         """The open sessions ``tenant`` may see: a client's own, every one for an operator."""
         return [s for s in self._sessions.values() if tenant.may_use(s.owner.name)]
 
+    def visible_count(self, tenant: Tenant) -> int:
+        """How many open sessions ``tenant`` may see."""
+        return len(self._sessions) if tenant.is_operator else self._held.get(tenant.name, 0)
+
+    def page(self, tenant: Tenant, *, after: int, limit: int) -> tuple[list[Session], int | None]:
+        """Up to ``limit`` of the open sessions ``tenant`` may see, in the order they opened,
+        from the first opened after the one numbered ``after`` (:attr:`Session.seq`); and the
+        ``after`` of the next page (None: none is left). A session closed between pages
+        shifts nothing: the next page starts after a number, not at a position."""
+        found: list[Session] = []
+        for session in self._sessions.values():  # in the order they opened: seq ascending
+            if session.seq > after and tenant.may_use(session.owner.name):
+                if len(found) == limit:
+                    return found, found[-1].seq
+                found.append(session)
+        return found, None
+
     async def start(self) -> None:
         if (self.idle_ttl > 0 or self.claim_ttl > 0) and self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_forever(), name="session-reaper")
@@ -380,7 +399,9 @@ class SessionManager:
         session = Session(self, secrets.token_hex(16), kind, env or self._env_factory(owner), owner)
         session.claimed = session.claimed or claimed
         self._sessions[session.id] = session
+        self._held[owner.name] += 1
         self.opened_total += 1
+        session.seq = self.opened_total
         return session
 
     async def fork(self, session: Session, n: int, *, own_budget: bool) -> list[Session]:
@@ -421,7 +442,7 @@ class SessionManager:
             raise CapacityReached(len(self._sessions), self.max_sessions)
 
     def _held_by(self, owner: Tenant) -> int:
-        return sum(s.owner.name == owner.name for s in self._sessions.values())
+        return self._held.get(owner.name, 0)
 
     def take(self, session_id: str, tenant: Tenant) -> Session:
         """An open session for a WebSocket to own (``/ws?session=``): one socket at a time."""
@@ -531,6 +552,9 @@ class SessionManager:
         session.feed.close()
         if self._sessions.pop(session.id, None) is None:
             return False
+        self._held[session.owner.name] -= 1
+        if not self._held[session.owner.name]:
+            del self._held[session.owner.name]
         self._shutting.add(session)  # counted in counters() until its own are added by _shut
         self._gone[session.id] = (session.owner.name, session.closed)
         while len(self._gone) > _REMEMBER_GONE:

@@ -161,6 +161,12 @@ class ServerSettings:
         "max-sessions + pool-size)",
         metavar="N",
     )
+    max_connections: int | None = _flag(
+        None,
+        "HTTP and WebSocket connections at most; a request past it gets 503 (none: what the "
+        "open files limit leaves after every kernel's descriptors; at least max-sessions + 64)",
+        metavar="N",
+    )
     # Browser policy. Host headers accepted (None: the bound address, localhost, 127.0.0.1,
     # [::1]; "*" accepts any), and origins a browser page may call from (CORS; none by default).
     allowed_hosts: tuple[str, ...] | None = _flag(
@@ -209,8 +215,9 @@ class ServerSettings:
             )
         if self.tokens_file is not None and not self.tokens_file.strip():
             raise ValueError("tokens_file must not be empty (leave it unset for none)")
-        if self.max_kernels is not None and self.max_kernels < 1:
-            raise ValueError(f"max_kernels must be >= 1, got {self.max_kernels}")
+        for name in ("max_kernels", "max_connections"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.sandbox not in SANDBOX_MODES:
             raise ValueError(f"sandbox must be auto, bwrap or none, got {self.sandbox!r}")
         object.__setattr__(self, "gateway_env", tuple(self.gateway_env))  # a CLI list

@@ -270,7 +270,9 @@ def _end_with(server_pid: int) -> None:
         os._exit(1)  # already gone
 
     def watch() -> None:
-        select.select([server], [], [])
+        ended = select.poll()  # not select(2): no FD_SETSIZE ceiling on the descriptor
+        ended.register(server, select.POLLIN)
+        ended.poll()
         os._exit(1)
 
     _server_watch = threading.Thread(target=watch, name="kernel-env-server-watch", daemon=True)

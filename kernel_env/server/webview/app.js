@@ -36,15 +36,35 @@ async function api(path) {
 
 // -- the session list ---------------------------------------------------------------------
 
+// A page of sessions at a time (GET /sessions pages them): a server running a thousand
+// lists a hundred here, and "next" shows those opened after them.
+const PAGE = 100;
+let pages = [0];       // the `after` of every page from the first to the one shown
+let nextPage = null;   // the `after` of the page after the one shown (null: none)
+
 async function refreshSessions() {
   try {
-    const body = await (await api("/sessions")).json();
-    $("status").textContent = body.sessions.length + " session(s)";
-    const rows = body.sessions.map(sessionRow);
-    $("sessions").replaceChildren(...rows);
+    const after = pages[pages.length - 1];
+    const body = await (await api("/sessions?limit=" + PAGE + "&after=" + after)).json();
+    if (!body.sessions.length && pages.length > 1) {  // every session of this page closed
+      pages.pop();
+      return refreshSessions();
+    }
+    nextPage = body.next;
+    const shown = body.sessions.length;
+    $("status").textContent = shown < body.total ? shown + " of " + body.total + " session(s)" : body.total + " session(s)";
+    $("previous-page").hidden = pages.length === 1;
+    $("next-page").hidden = nextPage === null;
+    $("sessions").replaceChildren(...body.sessions.map(sessionRow));
   } catch (error) {
     $("status").textContent = error.message;
   }
+}
+
+function turnPage(forward) {
+  if (forward && nextPage !== null) pages.push(nextPage);
+  else if (!forward && pages.length > 1) pages.pop();
+  refreshSessions();
 }
 
 function sessionRow(s) {
@@ -201,6 +221,8 @@ document.addEventListener("DOMContentLoaded", () => {
     $("login").hidden = true;
     refreshSessions();
   });
+  $("previous-page").addEventListener("click", () => turnPage(false));
+  $("next-page").addEventListener("click", () => turnPage(true));
   $("download-ipynb").addEventListener("click", () => download("ipynb"));
   $("download-html").addEventListener("click", () => download("html"));
   window.addEventListener("hashchange", () => {
