@@ -46,7 +46,8 @@ STEPS = [
 
 
 def _episode(context: str) -> KernelEnv:
-    env = KernelEnv(llm_query_fn=lambda p: f"answer to {p!r}", step_timeout=2)
+    # The loop cell takes the whole timeout; every other cell must fit in it on a loaded machine.
+    env = KernelEnv(llm_query_fn=lambda p: f"answer to {p!r}", step_timeout=6)
     env.reset(context=context, task_prompt="Count the words.", expected_answer="6")
     for code in STEPS:
         env.execute(code)
