@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import unprivileged
 from serverkit import ServeProcess, metrics, serve_process, wait_until
 
 pytestmark = pytest.mark.integration  # a server and its kernels
@@ -29,15 +30,23 @@ MAX_STREAMS = 16  # kernel_env.server.sessions.MAX_STREAMS, as a client sees it
 
 
 @contextlib.contextmanager
-def _server(*args: str) -> Iterator[ServeProcess]:
-    env = {**os.environ, "KERNEL_ENV_TOKEN": TOKEN}
-    with serve_process("--pool-size", "1", *args, env=env) as process:
+def _server(who: str, *args: str) -> Iterator[ServeProcess]:
+    """A server run by root, or by a fresh unprivileged uid."""
+    if who == "root":
+        env = {**os.environ, "KERNEL_ENV_TOKEN": TOKEN}
+        with serve_process("--pool-size", "1", *args, env=env) as process:
+            yield process
+        return
+    if unprivileged.problem() is not None:
+        pytest.skip(str(unprivileged.problem()))
+    token = {"KERNEL_ENV_TOKEN": TOKEN}
+    with unprivileged.serve_unprivileged("--pool-size", "1", *args, env=token) as process:
         yield process
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServeProcess]:
-    with _server() as process:
+@pytest.fixture(scope="module", params=["root", "unprivileged"])
+def server(request: pytest.FixtureRequest) -> Iterator[ServeProcess]:
+    with _server(request.param) as process:
         yield process
 
 
@@ -160,11 +169,12 @@ def test_a_sandbox_holds_a_bounded_number_of_streams(server: ServeProcess) -> No
         _kill(server.url, sandbox)
 
 
-def test_a_stream_held_open_by_a_hung_client_is_not_activity() -> None:
+@pytest.mark.parametrize("who", ["root", "unprivileged"])
+def test_a_stream_held_open_by_a_hung_client_is_not_activity(who: str) -> None:
     """A client that holds a silent command's stream open and then pauses its sandbox
     (the E2B timer stops): the stream's polls do not count as activity, so --idle-ttl reaps
     the sandbox."""
-    with _server("--idle-ttl", "3") as server:
+    with _server(who, "--idle-ttl", "3") as server:
         sandbox = _create(server.url, timeout=300)
         try:
             with (
@@ -189,7 +199,7 @@ def test_a_stream_held_open_by_a_hung_client_is_not_activity() -> None:
 def test_a_paused_sandbox_is_reaped_after_paused_ttl() -> None:
     """With no idle TTL, a paused sandbox still goes after --paused-ttl; resuming restores
     its E2B timeout."""
-    with _server("--idle-ttl", "0", "--paused-ttl", "3") as server:
+    with _server("root", "--idle-ttl", "0", "--paused-ttl", "3") as server:
         kept, dropped = _create(server.url, timeout=300), _create(server.url, timeout=300)
         try:
             for sandbox in (kept, dropped):
