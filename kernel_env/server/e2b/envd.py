@@ -294,23 +294,20 @@ def envd_app(sessions: Callable[[], SessionManager]) -> Callable[[Scope, Receive
             Route("/files", upload, methods=["POST"]),
         ]
     )
+    return _routed(rpc, http)
+
+
+def _routed(rpc: dict[str, ASGIApp], http: ASGIApp) -> Callable[[Scope, Receive, Send], Any]:
+    """The app that hands a request to its Connect service (by path prefix) or else to the
+    HTTP routes, with its sandbox and its client's departure in context."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         gone = asyncio.Event()
-
-        async def watched() -> Message:
-            # connectrpc reads the disconnect of a server stream's client, but looks at it
-            # only when the stream yields: a silent command's stream would never see it.
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                gone.set()
-            return message
-
         token, gone_token = _CURRENT.set(sandbox_in(scope)), _GONE.set(gone)
         try:
             for prefix, service in rpc.items():
                 if scope["path"].startswith(prefix):
-                    await service(scope, watched, send)
+                    await service(scope, _watched(receive, gone), send)
                     return
             await http(scope, receive, send)
         finally:
@@ -318,6 +315,20 @@ def envd_app(sessions: Callable[[], SessionManager]) -> Callable[[Scope, Receive
             _CURRENT.reset(token)
 
     return app
+
+
+def _watched(receive: Receive, gone: asyncio.Event) -> Receive:
+    """``receive``, setting ``gone`` once it tells of the client's disconnect. connectrpc
+    reads that message for a server stream but looks at it only when the stream yields: a
+    silent command's stream would never see it."""
+
+    async def watched() -> Message:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+        return message
+
+    return watched
 
 
 async def _uploaded(request: Request) -> list[tuple[str, bytes]] | Response:
