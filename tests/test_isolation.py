@@ -611,6 +611,30 @@ def _hold_cgroup_trees(pid: int) -> list[int]:
     return held
 
 
+@needs_root
+def test_a_dead_servers_cgroup_trees_are_swept_at_the_next_start() -> None:
+    """A server that died left its parent in every controller's tree (cgroup v1: memory,
+    pids and cpu each), with kernel directories in it, and an empty parent beside: the next
+    server removes them all once its first kernel is made (its warm pool, at start)."""
+    if "pids" not in cgroups.available_controllers():
+        pytest.skip("no writable pids cgroup here")
+    dead = []
+    for _ in range(2):  # pids whose processes are dead
+        process = subprocess.Popen(["true"])
+        process.wait()
+        dead.append(process.pid)
+    trees = cgroups._server_trees()
+    left = [tree / str(dead[0]) / kernel for tree in trees for kernel in ("k1", "k2")]
+    left.append(trees[0] / str(dead[1]))  # a parent with no kernel left in it
+    for path in left:
+        path.mkdir(parents=True, exist_ok=True)
+    with serve_process("--pool-size", "1"):
+        assert wait_until(lambda: not any(p.exists() for p in left), timeout=60), [
+            p for p in left if p.exists()
+        ]
+        assert not any((tree / str(dead[0])).exists() for tree in trees)
+
+
 NEXT_PROCESS = """\
 import asyncio
 from kernel_env.kernel import LocalKernel

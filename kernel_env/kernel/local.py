@@ -37,7 +37,7 @@ from kernel_env.kernel.base import Kernel, probe_request
 from kernel_env.kernel.channels import HostChannels, host_context
 from kernel_env.kernel.fork.server import ForkServer, ForkServerError
 from kernel_env.kernel.isolation import privilege
-from kernel_env.kernel.isolation.cgroups import KernelCgroup
+from kernel_env.kernel.isolation.cgroups import SWEPT_PATIENCE, KernelCgroup
 from kernel_env.kernel.isolation.runtime import runtime_parent, write_file
 from kernel_env.kernel.launch import (
     check_socket_path,
@@ -412,7 +412,7 @@ class LocalKernel(Kernel):
             # with the cgroup empty, nothing does; otherwise the uid's processes are killed.
             await asyncio.to_thread(lease.release, emptied=emptied)
         if cgroup is not None and cgroup.paths:  # what held it may be gone with the uid's
-            await asyncio.to_thread(cgroup.remove)
+            await asyncio.to_thread(cgroup.remove, SWEPT_PATIENCE)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

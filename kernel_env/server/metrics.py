@@ -30,6 +30,7 @@ def collect(sessions: SessionManager, pool: KernelPool, started: float) -> dict[
         "sessions_reaped": sessions.reaped_total,
         "max_sessions": sessions.max_sessions,
         "requests_in_flight": sum(s.busy for s in live),
+        "streams_open": sum(s.streams for s in live),  # E2B's command streams, followed
         "kernels": pool.live,  # sessions', warm, starting and rlm_query children's
         "max_kernels": pool.max_kernels,
         "kernels_refused": pool.refused,
@@ -86,6 +87,7 @@ _COUNTERS = frozenset(
 _HELP = {
     "uptime_s": "seconds since the server started",
     "rss_bytes": "the server process's resident memory",
+    "streams_open": "command streams (E2B's) the server follows now",
     "lost_outputs": "output that reached neither an observation nor the episode log (stays 0)",
     "oversize_messages": "messages over the host's limit a kernel sent (each restarted it)",
 }

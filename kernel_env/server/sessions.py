@@ -65,6 +65,7 @@ from kernel_env.server.feed import EpisodeFeed
 from kernel_env.text import shorten
 
 __all__ = [
+    "MAX_STREAMS",
     "CapacityReached",
     "Session",
     "SessionClosed",
@@ -84,6 +85,7 @@ _SHUTTING_DOWN = "the server is shutting down; the session was closed"
 _REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rather than "unknown"
 _CLOSE_TIMEOUT = 5.0  # far longer than a kernel's shutdown takes
 _UNCLAIMED = "session expired: it was never claimed (no request carried its id) and was "
+MAX_STREAMS = 16  # streams one session follows at once (E2B's command streams)
 
 
 class TenantAtCapacity(CapacityReached):
@@ -132,6 +134,7 @@ class Session:
         self._lock = asyncio.Lock()  # the environment takes one call at a time
         self._ops: set[asyncio.Task[Any]] = set()
         self.busy = 0
+        self.streams = 0  # open streams (:meth:`SessionManager.stream`)
         self.claimed = kind == "ws"  # a socket is its own claim; HTTP: once a request names it
         self.last_active = asyncio.get_running_loop().time()
         self.closed: SessionError | None = None
@@ -181,11 +184,15 @@ class Session:
         """``call()`` under the session's lock, as its steps run."""
         return await self._run(call)
 
-    async def kernel_call(self, expression: str, *, timeout: float) -> dict[str, Any]:
+    async def kernel_call(
+        self, expression: str, *, timeout: float, activity: bool = True
+    ) -> dict[str, Any]:
         """Evaluate ``expression`` in the session's kernel between its cells (under the
         session's lock), outside its episode: one silent request, of which nothing enters the
         record or the notebook. The answer is Jupyter's ``user_expressions`` entry for it
-        (``status``, ``data`` or ``ename`` / ``evalue``)."""
+        (``status``, ``data`` or ``ename`` / ``evalue``). ``activity=False``: the call does
+        not keep the session from its idle TTL (a stream's polls, which no client asked for
+        one by one)."""
 
         async def run() -> dict[str, Any]:
             kernel = self.env.kernel
@@ -196,7 +203,7 @@ class Session:
             )
             return dict(execution.user_expressions.get("r") or {})
 
-        return await self._run(run)
+        return await self._run(run, touch=activity)
 
     async def interrupt(self) -> None:
         """Interrupt the cell the session's kernel runs, if any (its client went away); not
@@ -289,9 +296,10 @@ class Session:
             return SessionClosed(_SHUTTING_DOWN)
         return type(self.closed)(str(self.closed))
 
-    async def _run(self, call: Callable[[], Awaitable[T]]) -> T:
+    async def _run(self, call: Callable[[], Awaitable[T]], *, touch: bool = True) -> T:
         """Run ``call`` in its own task, so that closing the session or a drain that ran out
-        of time can cancel it while the caller still answers (with a SESSION_ERROR)."""
+        of time can cancel it while the caller still answers (with a SESSION_ERROR); ``touch``:
+        it counts as the session's activity."""
         self._check_open()
         async with self._lock:
             self._check_open()
@@ -308,7 +316,8 @@ class Session:
             finally:
                 self._ops.discard(task)
                 self._manager.ops.discard(task)
-                self.touch()
+                if touch:
+                    self.touch()
 
     async def _cancel_ops(self) -> None:
         ops = list(self._ops)
@@ -513,6 +522,25 @@ class SessionManager:
             session.touch()
             if self._busy == 0:
                 self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def stream(self, session: Session) -> AsyncIterator[None]:
+        """Marks one stream open (a command's output, followed until it ends): at most
+        :data:`MAX_STREAMS` a session. Unlike :meth:`request` it is not activity, nor in
+        flight: a stream its client forgot must not keep the session from its idle TTL, or a
+        drain waiting."""
+        session._check_open()
+        if session.streams >= MAX_STREAMS:
+            raise KernelCallError(
+                "resource_exhausted",
+                f"the session follows {MAX_STREAMS} command streams already, its limit; "
+                "close one (or wait for its command to end) first",
+            )
+        session.streams += 1
+        try:
+            yield
+        finally:
+            session.streams -= 1
 
     def close_soon(self, session: Session, error: SessionError | None = None) -> asyncio.Task[None]:
         """Close ``session`` in a task of its own: a caller that is itself being cancelled (a

@@ -68,6 +68,10 @@ class ServerSettings:
         "reap a session no request has named (a bare POST /reset) "
         "after this many seconds; 0 = only --idle-ttl",
     )
+    # E2B's pause stops a sandbox's timeout; this bounds how long it may then stay paused.
+    paused_ttl: float = _flag(
+        86400.0, "reap an E2B sandbox paused this many seconds; 0 = never (only --idle-ttl)"
+    )
     drain_timeout: float = _flag(8.0, "on shutdown, seconds in-flight steps may finish")
     token: str | None = field(default=None, repr=False)  # bearer token; None = no auth
     # Per-tenant tokens: a line "name role token" each (docs/security.md#server-auth).
@@ -181,7 +185,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("pool_size", "idle_ttl", "claim_ttl"):
+        for name in ("pool_size", "idle_ttl", "claim_ttl", "paused_ttl"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (

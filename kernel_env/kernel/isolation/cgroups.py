@@ -22,6 +22,7 @@ says so at start.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import logging
@@ -32,6 +33,8 @@ import time
 from pathlib import Path
 
 __all__ = [
+    "CLOSE_PATIENCE",
+    "SWEPT_PATIENCE",
     "KernelCgroup",
     "available_controllers",
     "cgroup_version",
@@ -44,6 +47,12 @@ _ROOT = Path("/sys/fs/cgroup")
 _TREE = "kernel_env"
 CONTROLLERS = ("memory", "pids", "cpu")
 _CPU_PERIOD = 100_000  # microseconds
+# How long a kernel's removal waits for its killed processes to exit (and its cgroup to
+# accept rmdir): at close, and once more after its uid was swept (what a fork bomb on a
+# loaded host needs, measured: a few seconds; the removal runs in a thread of its own).
+CLOSE_PATIENCE = 2.0
+SWEPT_PATIENCE = 15.0
+_FIRST_PAUSE, _LAST_PAUSE = 0.005, 0.1  # seconds between kill rounds, doubling
 
 
 @functools.cache
@@ -169,16 +178,22 @@ class KernelCgroup:
         for path in self.paths[:1]:  # on v1 every controller's directory holds the same
             _kill_all(path)
 
-    def remove(self) -> bool:
+    def remove(self, patience: float = CLOSE_PATIENCE) -> bool:
         """Kill whatever is still inside (a process that escaped the namespace teardown),
-        then remove the directories; whether every process of the kernel is gone (False
-        without a cgroup: nothing was counted). A directory that a process still holds stays
-        in ``paths`` for a later call (after its uid's processes were killed, say), and is
-        retried whenever a kernel cgroup is made or removed, until it goes."""
-        emptied = [_empty_and_remove(path) for path in self.paths]
+        then remove the directories, waiting up to ``patience`` seconds for each; whether
+        every process of the kernel is gone (False without a cgroup: nothing was counted). A
+        directory that a process still holds stays in ``paths`` for a later call (after its
+        uid's processes were killed, with :data:`SWEPT_PATIENCE`), and is retried whenever a
+        kernel cgroup is made or removed, until it goes."""
+        deadline = time.monotonic() + patience
+        emptied = [
+            _empty_and_remove(path, max(0.0, deadline - time.monotonic())) for path in self.paths
+        ]
         self.paths = [path for path in self.paths if path.exists()]
         with _left_lock:
             _left.update(self.paths)
+        if self.paths and patience >= SWEPT_PATIENCE:
+            log.error("cgroups %s outlived their kernel; retried later", self.paths)
         _remove_left_behind()
         return bool(emptied) and all(emptied)
 
@@ -193,7 +208,7 @@ def _remove_left_behind() -> None:
     with _left_lock:
         left = list(_left)
     for path in left:
-        if _empty_and_remove(path, attempts=1) and not path.exists():
+        if _empty_and_remove(path, patience=0) and not path.exists():
             with _left_lock:
                 _left.discard(path)
 
@@ -258,7 +273,8 @@ def _sweep_once() -> None:
     global _swept
     if not _swept:
         _swept = True
-        sweep_dead_servers()
+        if removed := sweep_dead_servers():
+            log.info("removed %d kernel cgroup(s) left by servers that died", removed)
 
 
 def sweep_dead_servers() -> int:
@@ -300,30 +316,60 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _kill_all(cgroup: Path, attempts: int = 50) -> bool:
-    """Kill the cgroup's processes until none is left; whether it got there."""
-    for _ in range(attempts):
-        try:
-            pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
-        except (FileNotFoundError, ValueError):
-            return True
-        if not pids:
-            return True
-        for pid in pids:
-            if pid <= 0:  # never a process group (kill(0) is the caller's own)
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
-    if attempts > 1:
-        log.error("processes survive in %s after teardown", cgroup)
-    return False
+def _kill_all(cgroup: Path, patience: float = 1.0) -> bool:
+    """Kill the cgroup's processes until none is left, for up to ``patience`` seconds (one
+    round at 0); whether it got there."""
+    deadline = time.monotonic() + patience
+    pause = _FIRST_PAUSE
+    while not _kill_round(cgroup):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(_LAST_PAUSE, pause * 2)
+    return True
 
 
-def _empty_and_remove(cgroup: Path, attempts: int = 50) -> bool:
-    """Kill the cgroup's processes and remove it; whether no process was left in it."""
-    if not _kill_all(cgroup, attempts):
-        return False
-    with contextlib.suppress(OSError):
+def _kill_round(cgroup: Path) -> bool:
+    """SIGKILL each process the cgroup lists; whether it listed none."""
+    try:
+        pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
+    except (FileNotFoundError, ValueError):
+        return True
+    for pid in pids:
+        if pid <= 0:  # never a process group (kill(0) is the caller's own)
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return not pids
+
+
+def _empty_and_remove(cgroup: Path, patience: float = 1.0) -> bool:
+    """Kill the cgroup's processes and remove it, trying for up to ``patience`` seconds;
+    whether no process was left in it (the directory may stay, refused, for a later try).
+
+    Killed processes take a while to exit on a loaded host (a fork bomb's hundreds), and a
+    cgroup refuses rmdir with EBUSY while one of them is still exiting although
+    ``cgroup.procs`` no longer lists it: both are waited for, with a growing pause."""
+    deadline = time.monotonic() + patience
+    pause = _FIRST_PAUSE
+    while True:
+        empty = _kill_round(cgroup)
+        if empty and _rmdir(cgroup):
+            return True
+        if time.monotonic() >= deadline:
+            return empty
+        time.sleep(pause)
+        pause = min(_LAST_PAUSE, pause * 2)
+
+
+def _rmdir(cgroup: Path) -> bool:
+    """Remove an empty cgroup; False while the kernel still refuses (EBUSY)."""
+    try:
         cgroup.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            return False
+        log.warning("cannot remove cgroup %s: %r", cgroup, exc)
     return True

@@ -137,7 +137,8 @@ async def connect(request: Request, tenant: Tenant) -> Response:
     if sandbox.state == "paused":
         registry.resume(sandbox, timeout)
         return JSONResponse(sandbox.created(), status_code=201)
-    # A running sandbox's end moves only later, as E2B's does.
+    # A running sandbox's end moves only later, as E2B's does; the connect is activity.
+    sandbox.session.touch()
     if sandbox.end < _now() + timeout:
         registry.set_timeout(sandbox, timeout)
     return JSONResponse(sandbox.created(), status_code=200)

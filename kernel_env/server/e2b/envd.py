@@ -7,14 +7,18 @@ The ``process.Process`` and ``filesystem.Filesystem`` services are served by ``c
 the sandbox's kernel (:mod:`.kernelcalls`), so in its sandbox.
 
 A command's output is collected from the kernel between cells, so while a ``run_code`` cell
-runs, a command's output waits for it (the command itself runs on). PTYs and directory
-watches are not served (``unimplemented``).
+runs, a command's output waits for it (the command itself runs on). A stream of it ends as
+soon as its client goes away (an output that stays open would otherwise be polled forever);
+its polls are not the sandbox's activity, and a sandbox follows at most
+:data:`~kernel_env.server.sessions.MAX_STREAMS` at once. PTYs and directory watches are not
+served (``unimplemented``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import contextvars
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -28,7 +32,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kernel_env.errors import KernelCallError, SessionError
 from kernel_env.server.e2b.door import sandbox_in
@@ -48,6 +52,8 @@ __all__ = ["ENVD_PORT", "envd_app"]
 
 ENVD_PORT = "49983"
 _CURRENT: contextvars.ContextVar[Sandbox] = contextvars.ContextVar("e2b_sandbox")
+# Set once the current request's client has gone (its connection closed).
+_GONE: contextvars.ContextVar[asyncio.Event] = contextvars.ContextVar("e2b_client_gone")
 _FIRST_POLL, _LAST_POLL = 0.002, 0.05  # seconds between polls of a command's output
 _TYPES = {"file": fs.FileType.FILE, "dir": fs.FileType.DIRECTORY, "symlink": fs.FileType.SYMLINK}
 
@@ -67,6 +73,23 @@ class _Calls:
         except (KernelCallError, SessionError) as exc:
             raise connect_error(exc) from None
 
+    async def poll(self, pid: int) -> Any:
+        """A stream's poll of ``pid``: not a request of its client, so neither activity nor
+        in flight (the reaper and a drain do not wait for a stream)."""
+        try:
+            return await in_kernel(_CURRENT.get().session, "proc_poll", activity=False, pid=pid)
+        except (KernelCallError, SessionError) as exc:
+            raise connect_error(exc) from None
+
+    @contextlib.asynccontextmanager
+    async def stream(self) -> AsyncIterator[None]:
+        """One stream of the current sandbox open (bounded per sandbox)."""
+        try:
+            async with self.sessions().stream(_CURRENT.get().session):
+                yield
+        except (KernelCallError, SessionError) as exc:
+            raise connect_error(exc) from None
+
 
 class ProcessService(Process):
     """``process.Process``: commands, as children of the sandbox's kernel (what is not here
@@ -82,26 +105,28 @@ class ProcessService(Process):
         if config is None or not config.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
         sandbox = _CURRENT.get()
-        pid = await self.call(
-            "proc_start",
-            cmd=config.cmd,
-            args=_without_login(config.cmd, list(config.args)),
-            envs={**sandbox.envs, **dict(config.envs)},
-            cwd=config.cwd or None,
-            stdin=bool(request.stdin),
-            tag=request.tag or None,
-        )
-        yield pb.StartResponse(event=_event("start", pb.ProcessEvent.StartEvent(pid=pid)))
-        async for event in self._follow(pid):
-            yield pb.StartResponse(event=event)
+        async with self.call.stream():  # refused past the bound before the command starts
+            pid = await self.call(
+                "proc_start",
+                cmd=config.cmd,
+                args=_without_login(config.cmd, list(config.args)),
+                envs={**sandbox.envs, **dict(config.envs)},
+                cwd=config.cwd or None,
+                stdin=bool(request.stdin),
+                tag=request.tag or None,
+            )
+            yield pb.StartResponse(event=_event("start", pb.ProcessEvent.StartEvent(pid=pid)))
+            async for event in self._follow(pid):
+                yield pb.StartResponse(event=event)
 
     async def connect(
         self, request: pb.ConnectRequest, ctx: Any
     ) -> AsyncIterator[pb.ConnectResponse]:
-        pid = await self._pid(request.process)
-        yield pb.ConnectResponse(event=_event("start", pb.ProcessEvent.StartEvent(pid=pid)))
-        async for event in self._follow(pid):
-            yield pb.ConnectResponse(event=event)
+        async with self.call.stream():
+            pid = await self._pid(request.process)
+            yield pb.ConnectResponse(event=_event("start", pb.ProcessEvent.StartEvent(pid=pid)))
+            async for event in self._follow(pid):
+                yield pb.ConnectResponse(event=event)
 
     async def list(self, request: pb.ListRequest, ctx: Any) -> pb.ListResponse:
         processes = [
@@ -146,10 +171,12 @@ class ProcessService(Process):
         raise ConnectError(Code.NOT_FOUND, f"process with tag {chosen['tag']} not found")
 
     async def _follow(self, pid: int) -> AsyncIterator[pb.ProcessEvent]:
-        """The command's output as it comes, then its end."""
+        """The command's output as it comes, then its end; nothing more once the client has
+        gone (the command runs on: ``connect`` follows it again)."""
+        gone = _GONE.get()
         delay = _FIRST_POLL
-        while True:
-            polled = await self.call("proc_poll", pid=pid)
+        while not gone.is_set():
+            polled = await self.call.poll(pid)
             for name, data in polled["output"]:
                 output = pb.ProcessEvent.DataEvent(output=Oneof(name, base64.b64decode(data)))
                 yield _event("data", output)
@@ -158,7 +185,8 @@ class ProcessService(Process):
                 yield _event("end", pb.ProcessEvent.EndEvent(**end))
                 return
             delay = _FIRST_POLL if polled["output"] else min(_LAST_POLL, delay * 2)
-            await asyncio.sleep(delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(gone.wait(), delay)
 
 
 def _without_login(cmd: str, args: list[str]) -> list[str]:
@@ -266,19 +294,41 @@ def envd_app(sessions: Callable[[], SessionManager]) -> Callable[[Scope, Receive
             Route("/files", upload, methods=["POST"]),
         ]
     )
+    return _routed(rpc, http)
+
+
+def _routed(rpc: dict[str, ASGIApp], http: ASGIApp) -> Callable[[Scope, Receive, Send], Any]:
+    """The app that hands a request to its Connect service (by path prefix) or else to the
+    HTTP routes, with its sandbox and its client's departure in context."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        token = _CURRENT.set(sandbox_in(scope))
+        gone = asyncio.Event()
+        token, gone_token = _CURRENT.set(sandbox_in(scope)), _GONE.set(gone)
         try:
             for prefix, service in rpc.items():
                 if scope["path"].startswith(prefix):
-                    await service(scope, receive, send)
+                    await service(scope, _watched(receive, gone), send)
                     return
             await http(scope, receive, send)
         finally:
+            _GONE.reset(gone_token)
             _CURRENT.reset(token)
 
     return app
+
+
+def _watched(receive: Receive, gone: asyncio.Event) -> Receive:
+    """``receive``, setting ``gone`` once it tells of the client's disconnect. connectrpc
+    reads that message for a server stream but looks at it only when the stream yields: a
+    silent command's stream would never see it."""
+
+    async def watched() -> Message:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+        return message
+
+    return watched
 
 
 async def _uploaded(request: Request) -> list[tuple[str, bytes]] | Response:

@@ -19,11 +19,12 @@ __all__ = ["KernelCallError", "in_kernel"]
 _TIMEOUT = 30.0
 
 
-async def in_kernel(session: Session, name: str, **args: Any) -> Any:
-    """The result of the envd operation ``name`` in ``session``'s kernel."""
+async def in_kernel(session: Session, name: str, *, activity: bool = True, **args: Any) -> Any:
+    """The result of the envd operation ``name`` in ``session``'s kernel (``activity``: as
+    :meth:`Session.kernel_call`'s)."""
     call = f"__import__({ENVD_MODULE!r}, fromlist=['call']).call"
     expression = f"{call}({name!r}, {json.dumps(args)!r})"
-    reply = await session.kernel_call(expression, timeout=_TIMEOUT)
+    reply = await session.kernel_call(expression, timeout=_TIMEOUT, activity=activity)
     if reply.get("status") != "ok":
         name_, value = reply.get("ename", "?"), reply.get("evalue", "")
         if name_ == "ModuleNotFoundError":

@@ -30,7 +30,7 @@ def mount(app: FastAPI) -> None:
         # One registry per runtime: an app whose lifespan runs again has new sessions.
         registry = getattr(app.state, "e2b_sandboxes", None)
         if registry is None or registry.sessions is not sessions():
-            registry = Sandboxes(sessions())
+            registry = Sandboxes(sessions(), paused_ttl=settings.paused_ttl)
             app.state.e2b_sandboxes = registry
         return registry
 

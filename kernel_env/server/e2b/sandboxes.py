@@ -9,7 +9,8 @@ those carry no API key.
 
 Pausing keeps the kernel as it is and stops the clock: kernel_env has no snapshot of a
 process to put aside, so a paused sandbox still holds its kernel (and still counts toward
-the server's sessions) until it is resumed or killed.
+the server's sessions) until it is resumed or killed, or ``paused_ttl`` passes
+(``--paused-ttl``): a bound of its own, since the E2B timeout no longer runs.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ DEFAULT_TEMPLATE = "code-interpreter-v1"
 ENVD_VERSION = "0.5.7"
 CLIENT_ID = "kernel-env"
 MAX_TIMEOUT = 24 * 3600  # seconds, as E2B's longest
+DEFAULT_PAUSED_TTL = float(MAX_TIMEOUT)
 # An episode as long as E2B code runs: no iteration budget in practice.
 UNLIMITED_EPISODE: dict[str, Any] = {"max_iterations": MAX_ITERATIONS}
 
@@ -136,8 +138,9 @@ def _iso(wall: float) -> str:
 class Sandboxes:
     """The server's E2B sandboxes, over its session manager."""
 
-    def __init__(self, sessions: SessionManager) -> None:
+    def __init__(self, sessions: SessionManager, *, paused_ttl: float = DEFAULT_PAUSED_TTL) -> None:
         self.sessions = sessions
+        self.paused_ttl = paused_ttl  # seconds a sandbox may stay paused; 0: no bound
         self._all: dict[str, Sandbox] = {}
 
     async def create(
@@ -221,22 +224,25 @@ class Sandboxes:
         return [s for s in self._all.values() if tenant.may_use(s.owner.name)]
 
     def set_timeout(self, sandbox: Sandbox, timeout: float) -> None:
-        """The sandbox ends ``timeout`` seconds from now (E2B's ``set_timeout``)."""
+        """The sandbox ends ``timeout`` seconds from now (E2B's ``set_timeout``); its owner
+        asked, so it is the session's activity too."""
         if not 0 <= timeout <= MAX_TIMEOUT:
             raise SandboxError(400, f"timeout must be between 0 and {MAX_TIMEOUT} seconds")
         sandbox.end = time.time() + timeout
-        if sandbox.timer is not None:
-            sandbox.timer.cancel()
-        loop = asyncio.get_running_loop()
-        sandbox.timer = loop.call_later(timeout, self._expire, sandbox)
+        sandbox.session.touch()
+        self._end_in(sandbox, timeout, "past its timeout")
 
     def pause(self, sandbox: Sandbox) -> None:
+        """Stop the sandbox's clock: it ends ``paused_ttl`` from now unless resumed."""
         if sandbox.state == "paused":
             raise SandboxError(409, f"sandbox {sandbox.id!r} is already paused")
         sandbox.state = "paused"
         if sandbox.timer is not None:
             sandbox.timer.cancel()
             sandbox.timer = None
+        if self.paused_ttl > 0:
+            sandbox.end = time.time() + self.paused_ttl
+            self._end_in(sandbox, self.paused_ttl, f"paused for {self.paused_ttl:g} s")
 
     def resume(self, sandbox: Sandbox, timeout: float) -> None:
         sandbox.state = "running"
@@ -246,8 +252,14 @@ class Sandboxes:
         self._forget(sandbox)
         await self.sessions.close_session(sandbox.session)
 
-    def _expire(self, sandbox: Sandbox) -> None:
-        log.info("sandbox %s: past its timeout; killed", sandbox.id[:8])
+    def _end_in(self, sandbox: Sandbox, seconds: float, why: str) -> None:
+        if sandbox.timer is not None:
+            sandbox.timer.cancel()
+        loop = asyncio.get_running_loop()
+        sandbox.timer = loop.call_later(seconds, self._expire, sandbox, why)
+
+    def _expire(self, sandbox: Sandbox, why: str) -> None:
+        log.info("sandbox %s: %s; killed", sandbox.id[:8], why)
         self._forget(sandbox)
         self.sessions.close_soon(sandbox.session)
 
