@@ -6,10 +6,8 @@ sandbox holds a bounded number of streams."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import unprivileged
+from connect import command_stream
 from serverkit import ServeProcess, metrics, serve_process, wait_until
 
 pytestmark = pytest.mark.integration  # a server and its kernels
@@ -67,47 +66,6 @@ def _kill(url: str, sandbox: dict[str, Any]) -> None:
     httpx.delete(f"{url}/sandboxes/{sandbox['sandboxID']}", headers=KEY, timeout=30)
 
 
-def _envelope(message: dict[str, Any]) -> bytes:
-    data = json.dumps(message).encode()
-    return struct.pack(">BI", 0, len(data)) + data
-
-
-def _frames(data: bytes) -> list[tuple[int, dict[str, Any]]]:
-    """The Connect envelopes in ``data`` (flags, message), complete ones only."""
-    frames = []
-    while len(data) >= 5:
-        flags, size = struct.unpack(">BI", data[:5])
-        if len(data) < 5 + size:
-            break
-        frames.append((flags, json.loads(data[5 : 5 + size])))
-        data = data[5 + size :]
-    return frames
-
-
-@contextlib.contextmanager
-def _command_stream(
-    client: httpx.Client, url: str, sandbox: dict[str, Any], command: str
-) -> Iterator[list[tuple[int, dict[str, Any]]]]:
-    """``process.Process/Start`` of ``bash -c command``, open, once its first event (the start,
-    or a refusal) came; the frames read so far. Leaving closes the connection unread."""
-    headers = {
-        "E2b-Sandbox-Id": sandbox["sandboxID"],
-        "E2b-Sandbox-Port": ENVD,
-        "X-Access-Token": sandbox["envdAccessToken"],
-        "Content-Type": "application/connect+json",
-    }
-    body = _envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", command]}})
-    with client.stream(
-        "POST", f"{url}/process.Process/Start", content=body, headers=headers
-    ) as response:
-        assert response.status_code == 200, response.read()
-        # One iterator, kept: leaving a loop over iter_raw() would close the connection.
-        chunks, read = response.iter_raw(), b""
-        while not _frames(read):
-            read += next(chunks)
-        yield _frames(read)
-
-
 def _streams_open(url: str) -> int:
     return int(metrics(url, TOKEN)["streams_open"])  # type: ignore[call-overload]
 
@@ -118,7 +76,7 @@ def test_a_stream_ends_within_5_s_of_its_client_leaving(server: ServeProcess) ->
     sandbox = _create(server.url)
     try:
         with httpx.Client(timeout=60) as client:
-            with _command_stream(client, server.url, sandbox, OPEN_OUTPUT) as frames:
+            with command_stream(client, server.url, sandbox, OPEN_OUTPUT) as frames:
                 assert "start" in frames[0][1]["event"], frames
                 assert _streams_open(server.url) == 1
             left = time.monotonic()
@@ -140,10 +98,10 @@ def test_a_sandbox_holds_a_bounded_number_of_streams(server: ServeProcess) -> No
         with httpx.Client(timeout=60, limits=limits) as client, contextlib.ExitStack() as held:
             for _ in range(MAX_STREAMS):
                 frames = held.enter_context(
-                    _command_stream(client, server.url, sandbox, "sleep 300")
+                    command_stream(client, server.url, sandbox, "sleep 300")
                 )
                 assert "start" in frames[0][1]["event"], frames
-            with _command_stream(client, server.url, sandbox, "touch refused") as frames:
+            with command_stream(client, server.url, sandbox, "touch refused") as frames:
                 flags, end = frames[0]
             assert flags & 2 and end["error"]["code"] == "resource_exhausted", frames
             assert f"{MAX_STREAMS} command streams" in end["error"]["message"], end
@@ -151,7 +109,7 @@ def test_a_sandbox_holds_a_bounded_number_of_streams(server: ServeProcess) -> No
         assert wait_until(lambda: _streams_open(server.url) == 0, timeout=10)
         with (
             httpx.Client(timeout=60) as client,
-            _command_stream(client, server.url, sandbox, "echo again") as frames,
+            command_stream(client, server.url, sandbox, "echo again") as frames,
         ):
             assert "start" in frames[0][1]["event"], frames
         listed = httpx.get(
@@ -179,7 +137,7 @@ def test_a_stream_held_open_by_a_hung_client_is_not_activity(who: str) -> None:
         try:
             with (
                 httpx.Client(timeout=60) as client,
-                _command_stream(client, server.url, sandbox, OPEN_OUTPUT) as frames,
+                command_stream(client, server.url, sandbox, OPEN_OUTPUT) as frames,
             ):
                 assert "start" in frames[0][1]["event"], frames
                 paused = httpx.post(

@@ -5,6 +5,7 @@ is back within 10 % of what it was before they came."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import threading
@@ -23,8 +24,9 @@ from attacks import (
     code_body,
     send_huge,
 )
+from connect import command_stream
 from procs import peak_growth, rss_kib
-from serverkit import ServeProcess, serve_process, wait_until
+from serverkit import ServeProcess, metrics, serve_process, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -144,6 +146,28 @@ def _huge_executes(url: str) -> None:
         sandbox.close()
 
 
+def _abandoned_streams(url: str) -> None:
+    """Commands whose output stays open, each stream dropped by its client: the server stops
+    following each, so more can always be started (at most 16 are open per sandbox)."""
+    sandbox = E2BSandbox(url)
+    described = {"sandboxID": sandbox.id, "envdAccessToken": sandbox.token}
+    try:
+        for _ in range(3):
+            for _ in range(12):
+                with (
+                    httpx.Client(timeout=60) as client,
+                    command_stream(client, url, described, "(sleep 3000 &)") as started,
+                ):
+                    assert "start" in json.dumps(started), started
+            assert wait_until(lambda: _streams_open(url) == 0, timeout=10), _streams_open(url)
+    finally:
+        sandbox.close()
+
+
+def _streams_open(url: str) -> int:
+    return int(metrics(url, TOKEN)["streams_open"])  # type: ignore[call-overload]
+
+
 ATTACKS: list[Callable[[str], None]] = [
     _huge_messages,
     _fork_bomb,
@@ -151,6 +175,7 @@ ATTACKS: list[Callable[[str], None]] = [
     _output_flood,
     _huge_steps,
     _huge_executes,
+    _abandoned_streams,
 ]
 
 
