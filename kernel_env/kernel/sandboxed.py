@@ -123,7 +123,7 @@ class SandboxedKernel(LocalKernel):
             seccomp=program,
         )
         bwrap = self._bwrap(binds, staged, filtered=program is not None)
-        inside = self._prlimit(namespace_limit_values(self.limits))
+        inside = self._prlimit(namespace_limit_values(self.limits), inside=True)
         return [*guard, *self._drop(), *self._prlimit(), *bwrap, *inside, *kernel]
 
     def _binds(self) -> list[tuple[str, str]]:
@@ -158,11 +158,15 @@ class SandboxedKernel(LocalKernel):
     def _limit_values(self) -> dict[str, int | None]:
         return limit_values(self.limits)
 
-    def _prlimit(self, values: dict[str, int] | None = None) -> list[str]:
-        """``prlimit`` with ``values`` (default: those set before the sandbox is made)."""
+    def _prlimit(self, values: dict[str, int] | None = None, *, inside: bool = False) -> list[str]:
+        """``prlimit`` with ``values`` (default: those set before the sandbox is made);
+        ``inside``: run in the sandbox, by its real path (a link on PATH may be in a directory
+        the sandbox hides, such as /tmp)."""
         chosen = self._limit_values() if values is None else values
         args = [f"--{name}={value}" for name, value in chosen.items() if value]
-        return [shutil.which("prlimit") or "prlimit", *args, "--"] if args else []
+        found = shutil.which("prlimit") or "prlimit"
+        program = os.path.realpath(found) if inside else found
+        return [program, *args, "--"] if args else []
 
     def _rlimits(self) -> dict[str, int]:
         # Set by the forkserver's launch on the placeholder, and by the forked kernel on itself.

@@ -295,6 +295,10 @@ def sandbox_problem() -> str | None:
         return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
     if shutil.which("prlimit") is None:
         return "prlimit (util-linux) is not installed"
+    prlimit = os.path.realpath(shutil.which("prlimit") or "")
+    hidden = any(_under(prlimit, d) for d in _hidden_dirs())
+    if hidden and not any(_under(prlimit, kept) for kept in keep_visible()):
+        return f"prlimit ({prlimit}), which each kernel runs inside its sandbox, is hidden there"
     if privilege.privileged() and not privilege.reachable(bwrap):
         copy = f"; it could not be copied where they can: {no_copy}" if no_copy else ""
         return (
