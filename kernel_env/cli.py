@@ -242,7 +242,8 @@ def _guard_secrets() -> None:
 
 
 def _status_line(settings: ServerSettings) -> str:
-    from kernel_env.kernel.factory import describe_backend, describe_limits
+    from kernel_env.kernel.factory import describe_backend
+    from kernel_env.languages.catalog import describe_served_limits
 
     auth = "bearer token required" if settings.token else "no auth"
     if settings.tokens_file:
@@ -260,7 +261,8 @@ def _status_line(settings: ServerSettings) -> str:
         f"kernel-env: {describe_backend(settings)}; {llm}"
         f"\nkernel-env: kernels start: {_start_mode(settings)}"
         + "".join(
-            f"\nkernel-env:   {name}: {value}" for name, value in describe_limits(settings).items()
+            f"\nkernel-env:   {name}: {value}"
+            for name, value in describe_served_limits(settings).items()
         )
         + f"\nkernel-env:   {_descriptors(settings)}"
     )

@@ -307,6 +307,30 @@ def test_serve_gateway_flags(any_gateway: GatewayProcess) -> None:
     assert gateway.token not in log
 
 
+def test_serve_says_gateway_kernels_are_not_sandboxed(gateway: GatewayProcess) -> None:
+    """`kernel-env serve --gateway-url`: the status line and ``/health`` say that kernel_env
+    does not sandbox the gateway's kernels and that the gateway's own isolation is unknown,
+    and a cell shows why it matters: it runs as the gateway's uid (root here), in the
+    gateway's PID namespace."""
+    env = {**os.environ, "KERNEL_ENV_GATEWAY_TOKEN": gateway.token}
+    args = ("--gateway-url", gateway.url, "--gateway-kernel-name", "kernel_env")
+    with serve_process(*args, "--pool-size", "0", env=env) as server:
+        kernels = httpx.get(f"{server.url}/health").json()["kernels"]
+        with KernelEnv(server.url) as client:
+            client.reset()
+            said = client.execute("import os; print(os.getuid(), os.getppid())")
+        log = server.log.read_text(errors="replace")
+    assert gateway.process is not None
+    uid = os.stat(f"/proc/{gateway.process.pid}").st_uid
+    assert said.observation.result.stdout == f"{uid} {gateway.process.pid}\n"
+    assert kernels["sandbox"].startswith("none from kernel_env"), kernels
+    assert kernels["gateway_isolation"].startswith("unknown"), kernels
+    assert "NOT sandboxed by kernel_env" in kernels["backend"], kernels
+    assert f"sandbox: {kernels['sandbox']}" in log
+    assert f"gateway_isolation: {kernels['gateway_isolation']}" in log
+    assert "NOT sandboxed by kernel_env" in log
+
+
 async def test_a_kernel_that_dies_at_start_is_named(any_gateway: GatewayProcess) -> None:
     """A kernel spec whose command fails: the start fails saying the kernel died, not that a
     WebSocket handshake timed out."""

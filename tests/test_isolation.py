@@ -847,3 +847,48 @@ def test_unprivileged_server_sandboxes_its_kernels(tmp_path: Path, start: str) -
         assert out.stdout == f"65534 no-token no-home refused 30\n{start}\n", out.stdout
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+FORK_BOMB = """\
+import subprocess
+kids = []
+try:
+    for _ in range({count}):
+        kids.append(subprocess.Popen(['sleep', '120']))
+except OSError as e:
+    print('capped after', len(kids), type(e).__name__)
+else:
+    print('not capped', len(kids))
+"""
+
+
+@needs_sandbox
+@pytest.mark.parametrize("start", ["cold", "forked"])
+@pytest.mark.parametrize("who", ["root", "unprivileged"])
+def test_a_fork_bomb_is_capped_on_every_server(who: str, start: str) -> None:
+    """A cell starts 500 processes: capped below 256 on a root server (its pids cgroup) and on
+    an unprivileged one, which has no cgroup to write: RLIMIT_NPROC, set inside the sandbox's
+    user namespace, where Linux counts that namespace's tasks alone. Another session of the
+    same server, meanwhile, still starts 50 processes: the cap is the kernel's, not the
+    server uid's. ``/health`` says how processes are capped."""
+    import httpx
+    import unprivileged
+
+    args = ("--pool-size", "0", "--forkserver", "true" if start == "forked" else "false")
+    if who == "root":
+        serving = serve_process(*args)
+    else:
+        if unprivileged.problem() is not None:
+            pytest.skip(str(unprivileged.problem()))
+        serving = unprivileged.serve_unprivileged(*args)
+    with serving as server:
+        health = httpx.get(f"{server.url}/health").json()["kernels"]
+        with KernelEnv(base_url=server.url) as bomb, KernelEnv(base_url=server.url) as other:
+            bomb.reset()
+            other.reset()
+            bombed = bomb.execute(FORK_BOMB.format(count=500)).observation.result
+            beside = other.execute(FORK_BOMB.format(count=50)).observation.result
+    assert bombed.stdout.startswith("capped after"), bombed
+    assert 200 < int(bombed.stdout.split()[2]) < 256, bombed.stdout
+    assert beside.stdout == "not capped 50\n", beside
+    assert health["processes"].startswith("256 per kernel, threads included ("), health

@@ -330,3 +330,61 @@ def test_on_an_unprivileged_server_each_language_writes_nothing_and_reads_no_sec
             token.unlink()
             secrets_dir.rmdir()
         assert not any(_landed(d) for d in dirs)
+
+
+# 6 GB in Uint8Arrays of 512 MiB, never touched: no page is resident, so the test costs the
+# host nothing, yet each is a writable private mapping that a bound on memory must refuse.
+DENO_ARRAYS = """
+const held: Uint8Array[] = [];
+try {
+  while (held.length * 512 < 6144) held.push(new Uint8Array(512 * 1024 * 1024));
+  console.log(`allocated ${held.length * 512} MiB`);
+} catch (e) {
+  console.log(`refused after ${held.length * 512} MiB: ${e}`);
+}
+"""
+
+
+def _deno_limits(server_pid: int) -> dict[str, str]:
+    """The deno process under ``server_pid``: its ``/proc/<pid>/limits``, by name."""
+    from procs import comm, descendants
+
+    deno = next(pid for pid in descendants(server_pid) if comm(pid) == "deno")
+    lines = Path(f"/proc/{deno}/limits").read_text().splitlines()[1:]
+    return {line[:26].strip(): line[26:47].strip() for line in lines}
+
+
+@pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox: {sandbox_problem()}")
+@pytest.mark.parametrize("who", ["root", "unprivileged"])
+def test_a_deno_kernel_has_the_memory_bound_health_states(who: str) -> None:
+    """A Deno cell asks for 6 GB of ArrayBuffers: refused at 4 GiB, on a root server (its
+    memory cgroup) and on an unprivileged one, which has no cgroup and where V8's reserved
+    address space rules out RLIMIT_AS: RLIMIT_DATA bounds it. ``/health`` states the bound
+    the deno process really has (its ``/proc/<pid>/limits``), not Python's."""
+    import unprivileged
+    from serverkit import serve_process
+
+    _needs("deno")
+    args = ("--kernels", "python3,deno", "--pool-size", "0")
+    env = {"JUPYTER_PATH": str(Path(sys.prefix) / "share" / "jupyter")}
+    if who == "root":
+        serving = serve_process(*args, env={**os.environ, **env})
+    else:
+        if unprivileged.problem() is not None:
+            pytest.skip(str(unprivileged.problem()))
+        serving = unprivileged.serve_unprivileged(*args, env=env)
+    with serving as served, KernelEnv(base_url=served.url) as remote:
+        import httpx
+
+        kernels = httpx.get(f"{served.url}/health").json()["kernels"]
+        remote.reset(kernel_name="deno")
+        said = remote.run(DENO_ARRAYS).stdout
+        limits = _deno_limits(served.pid)
+    assert said.startswith("refused after ") and "MiB" in said, said
+    assert int(said.split()[2]) < 4096, said
+    assert limits["Max data size"] == str(4 * 1024**3), limits
+    assert limits["Max address space"] == str(1024**4), limits
+    memory = kernels["memory (deno)"]
+    assert "4 GiB of writable memory per process (RLIMIT_DATA)" in memory, kernels
+    assert "1024 GiB of address space per process" in memory, kernels
+    assert "1024 GiB" not in kernels["memory"], kernels  # Python's: 4 GiB of address space

@@ -62,12 +62,14 @@ def test_f5_memory_limit(senv: KernelEnv) -> None:
 
 
 def test_f6_process_bomb_capped_and_setsid_children_reaped(senv: KernelEnv) -> None:
-    """F6: forks stop at the pids cap; after close, no process of the episode survives.
-    Where there is no pids cgroup to write (an unprivileged user without a delegated one),
-    nothing caps the forks: 40 of them, and the reaping is checked alone."""
+    """F6: forks stop at the processes cap (a pids cgroup, or RLIMIT_NPROC in the kernel's
+    user namespace); after close, no process of the episode survives. Where neither holds
+    (no pids cgroup to write, Linux before 5.14), nothing caps the forks: 40 of them, and
+    the reaping is checked alone."""
     from kernel_env.kernel.isolation import cgroups
+    from kernel_env.kernel.isolation.sandbox import nproc_per_namespace
 
-    capped = "pids" in cgroups.available_controllers()
+    capped = "pids" in cgroups.available_controllers() or nproc_per_namespace()
     senv.reset()
     res = senv.execute(
         "import os, subprocess\n"

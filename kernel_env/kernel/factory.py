@@ -112,15 +112,26 @@ def _warn_unsandboxed(problem: str) -> None:
 
 def describe_limits(settings: BackendSettings | None = None) -> dict[str, str]:
     """What isolates local kernels here, and which limits are in force (for the status
-    line, ``/health`` and ``/metadata``); empty for gateway kernels."""
+    line, ``/health`` and ``/metadata``); for gateway kernels, that kernel_env isolates none
+    of them."""
     url = getattr(settings, "gateway_url", None) if settings is not None else None
     if url:
-        return {}
+        return dict(GATEWAY_ISOLATION)
     sandbox = getattr(settings, "sandbox", "auto") or "auto"
     if sandbox != "none" and sandbox_problem() is None:
         return {"sandbox": "bubblewrap", **sandbox_limits()}
     why = "sandbox=none" if sandbox == "none" else sandbox_problem() or ""
     return {"sandbox": f"none ({why})", **unsandboxed_limits()}
+
+
+# A gateway starts its kernels where and as whom it runs them (Kernel Gateway: as its own
+# processes, its own uid, root included); its API reports nothing of how it isolates them.
+GATEWAY_ISOLATION = {
+    "sandbox": "none from kernel_env: the gateway starts and runs these kernels, and "
+    "kernel_env neither sandboxes nor limits them",
+    "gateway_isolation": "unknown: the gateway's API does not report how it isolates its "
+    "kernels (Kernel Gateway runs them as its own processes, as its own uid, root included)",
+}
 
 
 def gateway_source(config: GatewayConfig, **kernel_options: Any) -> KernelSource:
@@ -178,7 +189,7 @@ def describe_backend(settings: BackendSettings | None = None) -> str:
     url = getattr(settings, "gateway_url", None) if settings is not None else None
     if url:
         name = getattr(settings, "gateway_kernel_name", None) or "python3"
-        return f"kernels on the gateway {url} (kernel spec {name!r})"
+        return f"kernels on the gateway {url} (kernel spec {name!r}), NOT sandboxed by kernel_env"
     sandbox = getattr(settings, "sandbox", "auto") or "auto"
     if sandbox == "none":
         return "local kernels, NOT sandboxed (sandbox=none)"

@@ -275,6 +275,7 @@ class LocalKernel(Kernel):
                 "env": self._launch_env(),
                 "cwd": str(self.workdir),
                 "rlimits": self._rlimits(),
+                "namespace_rlimits": self._namespace_rlimits(),
             }
         )
         self.forked_pid = launched["pid"]
@@ -286,6 +287,10 @@ class LocalKernel(Kernel):
 
     def _rlimits(self) -> dict[str, int]:
         """Per-process limits a forked kernel sets on itself (``resource`` names)."""
+        return {}
+
+    def _namespace_rlimits(self) -> dict[str, int]:
+        """Limits a forked kernel sets on itself once in its sandbox's user namespace."""
         return {}
 
     def _launch_env(self) -> dict[str, str]:

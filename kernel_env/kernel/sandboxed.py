@@ -26,6 +26,7 @@ from kernel_env.kernel.isolation.sandbox import (
     keep_root,
     keep_visible,
     limit_values,
+    namespace_limit_values,
     sandbox_problem,
 )
 from kernel_env.kernel.launch import SECCOMP_FD, launch_guard, placeholder_argv
@@ -122,7 +123,8 @@ class SandboxedKernel(LocalKernel):
             seccomp=program,
         )
         bwrap = self._bwrap(binds, staged, filtered=program is not None)
-        return [*guard, *self._drop(), *self._prlimit(), *bwrap, *kernel]
+        inside = self._prlimit(namespace_limit_values(self.limits), inside=True)
+        return [*guard, *self._drop(), *self._prlimit(), *bwrap, *inside, *kernel]
 
     def _binds(self) -> list[tuple[str, str]]:
         """Read-only binds ``(host path, path inside)``: what the kernel needs from hidden or
@@ -156,13 +158,23 @@ class SandboxedKernel(LocalKernel):
     def _limit_values(self) -> dict[str, int | None]:
         return limit_values(self.limits)
 
-    def _prlimit(self) -> list[str]:
-        args = [f"--{name}={value}" for name, value in self._limit_values().items() if value]
-        return [shutil.which("prlimit") or "prlimit", *args, "--"] if args else []
+    def _prlimit(self, values: dict[str, int] | None = None, *, inside: bool = False) -> list[str]:
+        """``prlimit`` with ``values`` (default: those set before the sandbox is made);
+        ``inside``: run in the sandbox, by its real path (a link on PATH may be in a directory
+        the sandbox hides, such as /tmp)."""
+        chosen = self._limit_values() if values is None else values
+        args = [f"--{name}={value}" for name, value in chosen.items() if value]
+        found = shutil.which("prlimit") or "prlimit"
+        program = os.path.realpath(found) if inside else found
+        return [program, *args, "--"] if args else []
 
     def _rlimits(self) -> dict[str, int]:
         # Set by the forkserver's launch on the placeholder, and by the forked kernel on itself.
         return {f"RLIMIT_{name.upper()}": v for name, v in self._limit_values().items() if v}
+
+    def _namespace_rlimits(self) -> dict[str, int]:
+        # RLIMIT_NPROC: inside the user namespace only (see namespace_limit_values).
+        return {f"RLIMIT_{n.upper()}": v for n, v in namespace_limit_values(self.limits).items()}
 
     def _launch_spec(self) -> dict[str, Any]:
         """The forkserver's spawner runs the placeholder in this kernel's sandbox, after

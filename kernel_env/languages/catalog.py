@@ -32,8 +32,8 @@ from kernel_env.inkernel.contract import (
     STATE_EXPRESSION,
 )
 from kernel_env.kernel.base import Kernel, KernelSource
-from kernel_env.kernel.factory import local_kernel_class
-from kernel_env.kernel.isolation.sandbox import GiB, SandboxLimits
+from kernel_env.kernel.factory import describe_limits, local_kernel_class
+from kernel_env.kernel.isolation.sandbox import GiB, SandboxLimits, describe_memory
 from kernel_env.kernel.pool import KernelPool
 from kernel_env.kernel.sandboxed import SandboxedKernel
 
@@ -44,6 +44,7 @@ __all__ = [
     "PYTHON_HELPERS",
     "KernelMenu",
     "Language",
+    "describe_served_limits",
     "installed_kernels",
     "language_for",
     "local_kernel_source",
@@ -80,6 +81,8 @@ class Language:
     interrupt_mode: str = "signal"
     env: Mapping[str, str] = field(default_factory=dict)
     # Per-process address space in the sandbox (None: the sandbox's default, its memory cap).
+    # A runtime that reserves far more than it uses (V8) gets a larger one, and its memory
+    # cap per process as RLIMIT_DATA instead (see ``sandbox_limits``).
     address_space_bytes: int | None = None
     ready_hint: str = "Call FINAL(answer) when done."
     argv: tuple[str, ...] | None = None  # kernel_env's own command line (else the kernelspec's)
@@ -127,6 +130,13 @@ class Language:
             return list(spec.argv)
         inner = [arg.replace("{connection_file}", RELAY_PLACEHOLDER) for arg in spec.argv]
         return [sys.executable, "-I", "-S", str(_RELAY), "{connection_file}", "--", *inner]
+
+    def sandbox_limits(self, limits: SandboxLimits) -> SandboxLimits:
+        """``limits`` as this language's sandboxed kernels get them."""
+        if self.address_space_bytes is None:
+            return limits
+        data = limits.data_bytes or limits.address_space_bytes or limits.memory_bytes
+        return replace(limits, address_space_bytes=self.address_space_bytes, data_bytes=data)
 
     def setup_code(self, context_path: str, task_path: str) -> str | None:
         """The episode's setup cell (the shim, then its setup call), or None."""
@@ -245,7 +255,9 @@ LANGUAGES: dict[str, Language] = {
         idle_grace=0.05,
         env={"NO_COLOR": "1", "DENO_NO_UPDATE_CHECK": "1", "DENO_NO_PROMPT": "1"},
         # V8 reserves far more address space than it uses (its heap cage, wasm guard
-        # regions): the cgroup's memory cap bounds what it may use instead.
+        # regions, PROT_NONE until used): RLIMIT_DATA, which counts only writable private
+        # memory, bounds each process instead (a 6 GB Uint8Array fails, a 6 GB heap ends the
+        # kernel), beside the cgroup's memory cap where there is one.
         address_space_bytes=1024 * GiB,
     ),
 }
@@ -298,10 +310,7 @@ def local_kernel_source(
         "idle_grace": language.idle_grace,
     }
     if kind is SandboxedKernel:
-        limits = limits or SandboxLimits()
-        if language.address_space_bytes is not None:
-            limits = replace(limits, address_space_bytes=language.address_space_bytes)
-        options["limits"] = limits
+        options["limits"] = language.sandbox_limits(limits or SandboxLimits())
 
     async def start_language_kernel() -> Kernel:
         kernel = kind(**options)
@@ -393,6 +402,21 @@ async def set_up(kernel: Kernel, language: Language, context: str, task_prompt: 
         return None
     why = result.stderr.strip() or (json.dumps(result.error) if result.error else "")
     return (why or f"the setup cell ended with status {result.status!r}")[-500:]
+
+
+def describe_served_limits(settings: Any) -> dict[str, str]:
+    """:func:`~kernel_env.kernel.factory.describe_limits` for a server's ``settings``, and the
+    memory bound of each kernel it serves (``settings.kernels``) whose sandbox differs from
+    Python's, as ``memory (<kernel name>)``."""
+    described = describe_limits(settings)
+    if described.get("sandbox") != "bubblewrap":
+        return described
+    base = SandboxLimits()
+    for name in getattr(settings, "kernels", None) or [DEFAULT_KERNEL]:
+        own = language_for(name).sandbox_limits(base)
+        if own != base:
+            described[f"memory ({name})"] = describe_memory(own)
+    return described
 
 
 def served_kernels(

@@ -174,10 +174,11 @@ def describe_kernels(state: Any) -> dict[str, str]:
     app's ``state`` (its settings; its runtime once started; ``isolation``, once described)."""
     cached = getattr(state, "isolation", None)
     if cached is None:
-        from kernel_env.kernel.factory import describe_backend, describe_limits
+        from kernel_env.kernel.factory import describe_backend
+        from kernel_env.languages.catalog import describe_served_limits
 
         settings = state.settings
-        cached = {"backend": describe_backend(settings), **describe_limits(settings)}
+        cached = {"backend": describe_backend(settings), **describe_served_limits(settings)}
         state.isolation = cached
     runtime = getattr(state, "runtime", None)
     start = runtime.start_mode if runtime is not None else "not started"

@@ -332,8 +332,10 @@ def set_ids(request: dict[str, Any]) -> None:
         os.setresuid(request["uid"], request["uid"], request["uid"])
 
 
-def set_rlimits(request: dict[str, Any]) -> None:
-    for name, value in request.get("rlimits", {}).items():
+def set_rlimits(request: dict[str, Any], key: str = "rlimits") -> None:
+    """The rlimits the request names under ``key`` (``namespace_rlimits``: those a forked
+    kernel sets once it is in its sandbox's user namespace)."""
+    for name, value in request.get(key, {}).items():
         resource.setrlimit(getattr(resource, name), (value, value))
 
 

@@ -855,6 +855,7 @@ def _become_kernel(
         if request.get("seccomp"):  # after the namespaces it joined, before anything of a cell
             seccomp.apply(request["seccomp"])
         spawning.set_rlimits(request)
+        spawning.set_rlimits(request, "namespace_rlimits")  # in its sandbox's namespaces now
         os.chdir(request["cwd"])
         _fresh_descriptors()  # before it is dumpable: its sandbox could then take them
         _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self, as a started kernel has

@@ -36,6 +36,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import secrets
 import shutil
 import stat
@@ -53,9 +54,12 @@ __all__ = [
     "bwrap_command",
     "bwrap_path",
     "describe_limits",
+    "describe_memory",
     "keep_root",
     "keep_visible",
     "limit_values",
+    "namespace_limit_values",
+    "nproc_per_namespace",
     "sandbox_problem",
 ]
 
@@ -115,11 +119,16 @@ class SandboxLimits:
     # cgroup where one can be made; and each process's address space (RLIMIT_AS) always.
     memory_bytes: int | None = 4 * GiB
     address_space_bytes: int | None = None  # RLIMIT_AS per process; None: memory_bytes
+    # RLIMIT_DATA per process (writable private memory: heap, ArrayBuffers, anonymous maps),
+    # for a runtime that reserves far more address space than it uses (V8); None: unset.
+    data_bytes: int | None = None
     cpus: float | None = 1.0  # CPU bandwidth of the whole kernel (cgroup), in CPUs
     cpu_seconds: int | None = None  # RLIMIT_CPU per process (SIGXCPU ends it)
     open_files: int | None = 1024
     file_size_bytes: int | None = 1 * GiB
-    processes: int | None = 256  # cgroup pids.max
+    # Tasks (threads too) of the whole kernel: cgroup pids.max, and RLIMIT_NPROC set inside
+    # the sandbox's user namespace, where Linux counts it for that namespace alone.
+    processes: int | None = 256
     workspace_bytes: int = 1 * GiB  # size of each tmpfs: the workspace, /tmp, /dev/shm
     network: bool = False
     extra_ro_binds: tuple[str, ...] = field(default_factory=tuple)
@@ -286,6 +295,10 @@ def sandbox_problem() -> str | None:
         return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
     if shutil.which("prlimit") is None:
         return "prlimit (util-linux) is not installed"
+    prlimit = os.path.realpath(shutil.which("prlimit") or "")
+    hidden = any(_under(prlimit, d) for d in _hidden_dirs())
+    if hidden and not any(_under(prlimit, kept) for kept in keep_visible()):
+        return f"prlimit ({prlimit}), which each kernel runs inside its sandbox, is hidden there"
     if privilege.privileged() and not privilege.reachable(bwrap):
         copy = f"; it could not be copied where they can: {no_copy}" if no_copy else ""
         return (
@@ -331,24 +344,61 @@ def describe_limits(limits: SandboxLimits | None = None) -> dict[str, str]:
             f"delegated cgroup v2 subtree)"
         )
 
-    out = {
+    return {
         "kernel_uid": (
             f"one uid per kernel from {privilege.KERNEL_UIDS[0]}-{privilege.KERNEL_UIDS[1]}"
             if privilege.privileged()
             else f"the server's uid ({os.getuid()}), mapped to nobody"
         ),
-        "memory": per_kernel("memory", _size(limits.memory_bytes)),
-        "processes": per_kernel("pids", str(limits.processes)),
+        "memory": per_kernel("memory", _size(limits.memory_bytes)) + _per_process_memory(limits),
+        "processes": _processes_in_words(limits, "pids" in cgroups, via),
         "cpu": per_kernel("cpu", f"{limits.cpus} CPU"),
         "disk": f"{_size(limits.workspace_bytes)} each for the workspace, /tmp and /dev/shm "
         "(tmpfs); no host path is writable",
         "network": "shared with the host" if limits.network else "none",
         "syscalls": _seccomp_in_words(),
     }
-    address_space = limits.address_space_bytes or limits.memory_bytes
-    if address_space is not None:
-        out["memory"] += f"; {_size(address_space)} of address space per process"
-    return out
+
+
+def describe_memory(limits: SandboxLimits) -> str:
+    """The ``memory`` line of :func:`describe_limits` for ``limits`` alone (a language whose
+    kernels get limits of their own)."""
+    return describe_limits(limits)["memory"]
+
+
+def _per_process_memory(limits: SandboxLimits) -> str:
+    values = limit_values(limits)
+    said = ""
+    if values["data"] is not None:
+        said += f"; {_size(values['data'])} of writable memory per process (RLIMIT_DATA)"
+    if values["as"] is not None:
+        said += f"; {_size(values['as'])} of address space per process"
+    return said
+
+
+def _processes_in_words(limits: SandboxLimits, cgroup: bool, via: str) -> str:
+    if limits.processes is None:
+        return "not capped (processes=None)"
+    counted = []
+    if cgroup:
+        counted.append(via)
+    if namespace_limit_values(limits):
+        counted.append("RLIMIT_NPROC, counted in the kernel's own user namespace")
+    if counted:
+        return f"{limits.processes} per kernel, threads included ({'; '.join(counted)})"
+    return (
+        f"not capped (no pids cgroup, and Linux {platform.release()} counts RLIMIT_NPROC for "
+        "every process of the uid, not per user namespace: it needs 5.14)"
+    )
+
+
+@functools.cache
+def nproc_per_namespace() -> bool:
+    """Whether RLIMIT_NPROC counts the tasks of one user namespace alone (Linux 5.14 and
+    later count it per namespace and uid): then one set inside a sandbox bounds that sandbox,
+    and neither the server's own processes nor its other kernels count toward it."""
+    found = re.match(r"(\d+)\.(\d+)", platform.release())
+    return found is not None and (int(found[1]), int(found[2])) >= (5, 14)
 
 
 def _seccomp_in_words() -> str:
@@ -482,10 +532,21 @@ def bwrap_command(
 
 
 def limit_values(limits: SandboxLimits) -> dict[str, int | None]:
-    """The per-process limits (``prlimit``'s names) of a sandboxed kernel."""
+    """The per-process limits (``prlimit``'s names) of a sandboxed kernel, set before its
+    sandbox is made."""
     return {
         "as": limits.address_space_bytes or limits.memory_bytes,
+        "data": limits.data_bytes,
         "cpu": limits.cpu_seconds,
         "nofile": limits.open_files,
         "fsize": limits.file_size_bytes,
     }
+
+
+def namespace_limit_values(limits: SandboxLimits) -> dict[str, int]:
+    """The limits (``prlimit``'s names) set inside the kernel's user namespace, never before
+    it exists: RLIMIT_NPROC set outside would count every task of the server's uid, and
+    bubblewrap's own namespace would inherit it as a ceiling for all of them."""
+    if limits.processes is None or not nproc_per_namespace():
+        return {}
+    return {"nproc": limits.processes}
