@@ -1,18 +1,21 @@
 """The E2B door under a hostile client, against a real ``kernel-env serve``: a body too large
 for its route is refused before it is read (the server's memory stays flat and other sandboxes
-keep running), and a sandbox id answers the same whether it exists with another token or never
-existed."""
+keep running), a 150 MiB file goes up and comes down in bounded chunks (flat memory again),
+a sandbox's concurrent transfers are bounded, and a sandbox id answers the same whether it
+exists with another token or never existed."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import secrets
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +193,209 @@ def test_a_150_mib_execute_is_refused_unread_with_flat_memory(server: ServeProce
         assert statuses == [413, 413], f"{statuses}; peak RSS grew by {grown_mib:.0f} MiB"
         assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
         assert _run(url, big, "2 + 2")[0]["text"] == "4"
+
+
+_BIG = 150  # MiB
+_BOUNDARY = "kernel-env-upload-boundary"
+# The file's MiB number n is the SHA-256 of n, repeated: every MiB differs, so a chunk lost,
+# doubled or out of place changes the hash. The same lines make it in a cell.
+_MAKE_BIG = """
+import hashlib, os
+digest = hashlib.sha256()
+with open(os.path.expanduser({path!r}), 'wb') as f:
+    for n in range({mib}):
+        piece = hashlib.sha256(n.to_bytes(8, 'big')).digest() * 32768
+        f.write(piece)
+        digest.update(piece)
+digest.hexdigest()
+"""
+_HASH_FILE = """
+import hashlib, os
+digest = hashlib.sha256()
+with open(os.path.expanduser({path!r}), 'rb') as f:
+    while piece := f.read(1 << 20):
+        digest.update(piece)
+digest.hexdigest()
+"""
+
+
+def _big_file(mib: int = _BIG) -> Iterator[bytes]:
+    for n in range(mib):
+        yield hashlib.sha256(n.to_bytes(8, "big")).digest() * 32768
+
+
+def _big_digest(mib: int = _BIG) -> str:
+    digest = hashlib.sha256()
+    for piece in _big_file(mib):
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+def _multipart(path: str, pieces: Iterator[bytes]) -> Iterator[bytes]:
+    """The SDK's upload of one file as ``multipart/form-data``: a part named ``file`` whose
+    file name is its path."""
+    yield (
+        f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{path}"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    yield from pieces
+    yield f"\r\n--{_BOUNDARY}--\r\n".encode()
+
+
+def _kernel_text(url: str, sandbox: dict[str, Any], code: str) -> str:
+    events = _run(url, sandbox, code)
+    results = [e["text"] for e in events if e["type"] == "result"]
+    assert len(results) == 1, events
+    return str(results[0]).strip("'")
+
+
+def _while_stepping(
+    server: ServeProcess, other: dict[str, Any], transfer: Callable[[], Any]
+) -> tuple[Any, float, list[float]]:
+    """``transfer()``'s result, the server's peak RSS growth (MiB) while it ran, and how long
+    each of the other sandbox's steps took meanwhile (at least three, one or more of them
+    while the transfer was under way)."""
+    hwm = _reset_peak(server.pid)
+    before = _peak_kib(server.pid) if hwm else _rss_kib(server.pid)
+    outcome: list[Any] = []
+    with _rss_sampled(server.pid) as rss:
+        mover = threading.Thread(target=lambda: outcome.append(transfer()))
+        mover.start()
+        steps: list[float] = []
+        during = 0
+        while mover.is_alive() or len(steps) < 3:
+            n = len(steps)
+            began = time.monotonic()
+            assert _run(server.url, other, f"{n} * 3")[0]["text"] == str(n * 3)
+            steps.append(time.monotonic() - began)
+            during += mover.is_alive()
+        mover.join(timeout=300)
+    peak = _peak_kib(server.pid) if hwm else rss[-1]
+    assert outcome, "the transfer raised (see the thread's traceback above)"
+    assert during >= 1, f"no step ran during the transfer ({steps})"
+    return outcome[0], (peak - before) / 1024, steps
+
+
+@pytest.mark.parametrize("kind", ["octet-stream", "multipart"])
+def test_a_150_mib_upload_streams_with_flat_memory(server: ServeProcess, kind: str) -> None:
+    """150 MiB sent to envd's ``POST /files`` (chunked, as the SDK streams a file, in either
+    of its two encodings) lands byte for byte in the sandbox while the server's peak RSS
+    grows by at most 64 MiB and another sandbox steps normally."""
+    url = server.url
+    with _sandbox(url) as big, _sandbox(url) as other:
+        assert _run(url, other, "1 + 1")[0]["text"] == "2"
+        headers = _headers(big["sandboxID"], big["envdAccessToken"], ENVD)
+        path = "/home/user/up/big.bin"
+        if kind == "multipart":
+            headers["Content-Type"] = f"multipart/form-data; boundary={_BOUNDARY}"
+            target, body = f"{url}/files", _multipart(path, _big_file())
+        else:
+            headers["Content-Type"] = "application/octet-stream"
+            target, body = f"{url}/files?path={path}", _big_file()
+
+        def upload() -> httpx.Response:
+            return httpx.post(target, content=body, headers=headers, timeout=600)
+
+        reply, grown_mib, steps = _while_stepping(server, other, upload)
+        assert reply.status_code == 200, f"{reply.status_code} {reply.text[:300]}"
+        assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
+        assert reply.json() == [{"name": "big.bin", "type": "file", "path": path}]
+        assert _kernel_text(url, big, _HASH_FILE.format(path="~/up/big.bin")) == _big_digest()
+        assert max(steps) < 10, f"the other sandbox's steps took {steps} s"
+
+
+def test_a_150_mib_download_streams_with_flat_memory(server: ServeProcess) -> None:
+    """A 150 MiB file a cell wrote comes down from envd's ``GET /files`` byte for byte, in
+    bounded chunks: the server's peak RSS grows by at most 64 MiB while another sandbox steps
+    normally."""
+    url = server.url
+    with _sandbox(url) as big, _sandbox(url) as other:
+        made = _kernel_text(url, big, _MAKE_BIG.format(path="~/down.bin", mib=_BIG))
+        assert made == _big_digest()
+        headers = _headers(big["sandboxID"], big["envdAccessToken"], ENVD)
+
+        def download() -> tuple[int, int, str, str]:
+            digest, size = hashlib.sha256(), 0
+            target = f"{url}/files?path=/home/user/down.bin"
+            with httpx.stream("GET", target, headers=headers, timeout=600) as reply:
+                if reply.status_code != 200:
+                    return reply.status_code, 0, "", reply.read().decode()[:300]
+                for piece in reply.iter_bytes():
+                    digest.update(piece)
+                    size += len(piece)
+            return reply.status_code, size, digest.hexdigest(), ""
+
+        (status, size, digest, text), grown_mib, steps = _while_stepping(server, other, download)
+        assert status == 200, f"{status} {text}"
+        assert (size, digest) == (_BIG * _MiB, made)
+        assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
+        assert max(steps) < 10, f"the other sandbox's steps took {steps} s"
+        missing = httpx.get(f"{url}/files?path=/home/user/none.bin", headers=headers, timeout=30)
+        assert missing.status_code == 404, missing.text
+        assert missing.json()["code"] == 404
+
+
+def test_a_sandboxs_concurrent_transfers_are_bounded(server: ServeProcess) -> None:
+    """While four uploads to a sandbox are under way, a fifth transfer (up or down) gets
+    E2B's 429, which the SDK raises as a rate limit; another sandbox's transfers are not
+    counted, and once the four end the sandbox transfers again."""
+    url = server.url
+    with _sandbox(url) as busy, _sandbox(url) as other:
+        headers = {
+            **_headers(busy["sandboxID"], busy["envdAccessToken"], ENVD),
+            "Content-Type": "application/octet-stream",
+        }
+        release = threading.Event()
+
+        def held(n: int) -> Iterator[bytes]:
+            yield b"x" * 1024
+            release.wait(120)
+            yield b"y" * 1024
+
+        replies: list[httpx.Response] = []
+        holders = [
+            threading.Thread(
+                target=lambda n=n: replies.append(
+                    httpx.post(
+                        f"{url}/files?path=held{n}.bin", content=held(n), headers=headers,
+                        timeout=180,
+                    )
+                )
+            )
+            for n in range(4)
+        ]  # fmt: skip
+        for holder in holders:
+            holder.start()
+        try:
+            refused = None
+            deadline = time.monotonic() + 60
+            while refused is None and time.monotonic() < deadline:
+                tried = httpx.post(
+                    f"{url}/files?path=extra.bin", content=b"z", headers=headers, timeout=30
+                )
+                if tried.status_code == 429:
+                    refused = tried
+                else:
+                    assert tried.status_code == 200, tried.text
+                    time.sleep(0.1)
+            assert refused is not None, "a fifth transfer was never refused"
+            assert refused.json()["code"] == 429
+            assert "transfers" in refused.json()["message"]
+            fetched = httpx.get(f"{url}/files?path=extra.bin", headers=headers, timeout=30)
+            assert fetched.status_code == 429, fetched.text
+            other_headers = _headers(other["sandboxID"], other["envdAccessToken"], ENVD)
+            put = httpx.post(
+                f"{url}/files?path=o.bin", content=b"o",
+                headers={**other_headers, "Content-Type": "application/octet-stream"}, timeout=30,
+            )  # fmt: skip
+            assert put.status_code == 200, put.text
+        finally:
+            release.set()
+            for holder in holders:
+                holder.join(timeout=180)
+        assert sorted(r.status_code for r in replies) == [200] * 4, [r.text for r in replies]
+        again = httpx.get(f"{url}/files?path=held0.bin", headers=headers, timeout=30)
+        assert (again.status_code, again.content) == (200, b"x" * 1024 + b"y" * 1024)
 
 
 def test_execute_and_contexts_bodies_have_their_own_bounds(server: ServeProcess) -> None:
