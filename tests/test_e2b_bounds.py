@@ -12,6 +12,7 @@ import json
 import os
 import re
 import secrets
+import select
 import socket
 import threading
 import time
@@ -231,15 +232,17 @@ def _big_digest(mib: int = _BIG) -> str:
     return digest.hexdigest()
 
 
-def _multipart(path: str, pieces: Iterator[bytes]) -> Iterator[bytes]:
-    """The SDK's upload of one file as ``multipart/form-data``: a part named ``file`` whose
-    file name is its path."""
-    yield (
-        f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{path}"\r\n'
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode()
-    yield from pieces
-    yield f"\r\n--{_BOUNDARY}--\r\n".encode()
+def _multipart(*files: tuple[str, Iterator[bytes]]) -> Iterator[bytes]:
+    """The SDK's upload of files as ``multipart/form-data``: a part named ``file`` for each,
+    whose file name is its path."""
+    for path, pieces in files:
+        yield (
+            f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{path}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        yield from pieces
+        yield b"\r\n"
+    yield f"--{_BOUNDARY}--\r\n".encode()
 
 
 def _kernel_text(url: str, sandbox: dict[str, Any], code: str) -> str:
@@ -288,7 +291,7 @@ def test_a_150_mib_upload_streams_with_flat_memory(server: ServeProcess, kind: s
         path = "/home/user/up/big.bin"
         if kind == "multipart":
             headers["Content-Type"] = f"multipart/form-data; boundary={_BOUNDARY}"
-            target, body = f"{url}/files", _multipart(path, _big_file())
+            target, body = f"{url}/files", _multipart((path, _big_file()))
         else:
             headers["Content-Type"] = "application/octet-stream"
             target, body = f"{url}/files?path={path}", _big_file()
@@ -335,67 +338,97 @@ def test_a_150_mib_download_streams_with_flat_memory(server: ServeProcess) -> No
         assert missing.json()["code"] == 404
 
 
+def _status_of(sock: socket.socket) -> int:
+    reply = b""
+    while b"\r\n" not in reply:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    return int(reply.split(b" ", 2)[1]) if reply else 0
+
+
 def test_a_sandboxs_concurrent_transfers_are_bounded(server: ServeProcess) -> None:
-    """While four uploads to a sandbox are under way, a fifth transfer (up or down) gets
-    E2B's 429, which the SDK raises as a rate limit; another sandbox's transfers are not
-    counted, and once the four end the sandbox transfers again."""
+    """Of five uploads to a sandbox under way at once, one gets E2B's 429 (which the SDK
+    raises as a rate limit) at once, unread, and so does a download meanwhile; another
+    sandbox's transfers are not counted; once the four end, they all landed."""
     url = server.url
+    host, port = url.removeprefix("http://").split(":")
     with _sandbox(url) as busy, _sandbox(url) as other:
-        headers = {
-            **_headers(busy["sandboxID"], busy["envdAccessToken"], ENVD),
-            "Content-Type": "application/octet-stream",
-        }
-        release = threading.Event()
-
-        def held(n: int) -> Iterator[bytes]:
-            yield b"x" * 1024
-            release.wait(120)
-            yield b"y" * 1024
-
-        replies: list[httpx.Response] = []
-        holders = [
-            threading.Thread(
-                target=lambda n=n: replies.append(
-                    httpx.post(
-                        f"{url}/files?path=held{n}.bin", content=held(n), headers=headers,
-                        timeout=180,
-                    )
-                )
-            )
-            for n in range(4)
-        ]  # fmt: skip
-        for holder in holders:
-            holder.start()
+        headers = _headers(busy["sandboxID"], busy["envdAccessToken"], ENVD)
+        fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        uploads: list[socket.socket] = []
         try:
-            refused = None
-            deadline = time.monotonic() + 60
-            while refused is None and time.monotonic() < deadline:
-                tried = httpx.post(
-                    f"{url}/files?path=extra.bin", content=b"z", headers=headers, timeout=30
-                )
-                if tried.status_code == 429:
-                    refused = tried
-                else:
-                    assert tried.status_code == 200, tried.text
-                    time.sleep(0.1)
-            assert refused is not None, "a fifth transfer was never refused"
-            assert refused.json()["code"] == 429
-            assert "transfers" in refused.json()["message"]
-            fetched = httpx.get(f"{url}/files?path=extra.bin", headers=headers, timeout=30)
+            for n in range(5):  # each sends its head and 1 KiB, and waits
+                sock = socket.create_connection((host, int(port)), timeout=60)
+                uploads.append(sock)
+                sock.sendall(
+                    f"POST /files?path=held{n}.bin HTTP/1.1\r\nHost: {host}\r\n{fields}"
+                    "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    .encode() + next(_chunked(iter([b"x" * 1024])))
+                )  # fmt: skip
+            answered, _, _ = select.select(uploads, [], [], 60)
+            time.sleep(1)  # any other answer would have come by now
+            answered, _, _ = select.select(uploads, [], [], 0)
+            assert len(answered) == 1, f"{len(answered)} of 5 uploads answered early"
+            refused = answered[0]
+            assert _status_of(refused) == 429
+            fetched = httpx.get(f"{url}/files?path=held0.bin", headers=headers, timeout=30)
             assert fetched.status_code == 429, fetched.text
+            assert fetched.json()["code"] == 429
+            assert "transfers under way" in fetched.json()["message"]
             other_headers = _headers(other["sandboxID"], other["envdAccessToken"], ENVD)
             put = httpx.post(
                 f"{url}/files?path=o.bin", content=b"o",
                 headers={**other_headers, "Content-Type": "application/octet-stream"}, timeout=30,
             )  # fmt: skip
             assert put.status_code == 200, put.text
+            landed = [n for n, sock in enumerate(uploads) if sock is not refused]
+            for n in landed:
+                uploads[n].sendall(b"".join(_chunked(iter([b"y" * 1024]))))
+                assert _status_of(uploads[n]) == 200
         finally:
-            release.set()
-            for holder in holders:
-                holder.join(timeout=180)
-        assert sorted(r.status_code for r in replies) == [200] * 4, [r.text for r in replies]
-        again = httpx.get(f"{url}/files?path=held0.bin", headers=headers, timeout=30)
-        assert (again.status_code, again.content) == (200, b"x" * 1024 + b"y" * 1024)
+            for sock in uploads:
+                sock.close()
+        for n in landed:
+            again = httpx.get(f"{url}/files?path=held{n}.bin", headers=headers, timeout=30)
+            assert (again.status_code, again.content) == (200, b"x" * 1024 + b"y" * 1024)
+
+
+def test_an_upload_is_bounded_as_it_streams() -> None:
+    """With ``--max-message-bytes`` 4 MiB, a 3 MiB two-file multipart upload lands whole (both
+    files, several chunks each); 8 MiB declared gets 413 at once, and 8 MiB chunked gets 413
+    once it passes 4 MiB, in E2B's shape."""
+    env = {**os.environ, "KERNEL_ENV_TOKEN": TOKEN}
+    with (
+        serve_process("--pool-size", "1", "--max-message-bytes", str(4 * _MiB), env=env) as small,
+        _sandbox(small.url) as sandbox,
+    ):
+        url = small.url
+        headers = _headers(sandbox["sandboxID"], sandbox["envdAccessToken"], ENVD)
+        one, two = os.urandom(3 * _MiB // 2), os.urandom(3 * _MiB // 2 + 7)
+        body = b"".join(
+            _multipart(("/home/user/m/one.bin", iter([one])), ("/home/user/m/two.bin", iter([two])))
+        )
+        form = {**headers, "Content-Type": f"multipart/form-data; boundary={_BOUNDARY}"}
+        put = httpx.post(f"{url}/files", content=body, headers=form, timeout=60)
+        assert put.status_code == 200, put.text
+        assert [e["path"] for e in put.json()] == ["/home/user/m/one.bin", "/home/user/m/two.bin"]
+        for path, data in [("m/one.bin", one), ("m/two.bin", two)]:
+            got = httpx.get(f"{url}/files?path={path}", headers=headers, timeout=60)
+            assert (got.status_code, got.content == data) == (200, True), got.status_code
+        stream = {**headers, "Content-Type": "application/octet-stream"}
+        declared = httpx.post(
+            f"{url}/files?path=big.bin", content=b"x" * (8 * _MiB), headers=stream, timeout=60
+        )
+        chunked = httpx.post(
+            f"{url}/files?path=big.bin", content=iter([b"x" * _MiB] * 8), headers=stream,
+            timeout=60,
+        )  # fmt: skip
+        for refused in (declared, chunked):
+            assert refused.status_code == 413, refused.text[:200]
+            assert refused.json()["code"] == 413
+            assert f"limit of {4 * _MiB} bytes for /files" in refused.json()["message"]
 
 
 def test_execute_and_contexts_bodies_have_their_own_bounds(server: ServeProcess) -> None:
