@@ -1,18 +1,22 @@
 """The E2B door under a hostile client, against a real ``kernel-env serve``: a body too large
 for its route is refused before it is read (the server's memory stays flat and other sandboxes
-keep running), and a sandbox id answers the same whether it exists with another token or never
-existed."""
+keep running), a 150 MiB file goes up and comes down in bounded chunks (flat memory again),
+a sandbox's concurrent transfers are bounded, and a sandbox id answers the same whether it
+exists with another token or never existed."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import secrets
+import select
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +194,241 @@ def test_a_150_mib_execute_is_refused_unread_with_flat_memory(server: ServeProce
         assert statuses == [413, 413], f"{statuses}; peak RSS grew by {grown_mib:.0f} MiB"
         assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
         assert _run(url, big, "2 + 2")[0]["text"] == "4"
+
+
+_BIG = 150  # MiB
+_BOUNDARY = "kernel-env-upload-boundary"
+# The file's MiB number n is the SHA-256 of n, repeated: every MiB differs, so a chunk lost,
+# doubled or out of place changes the hash. The same lines make it in a cell.
+_MAKE_BIG = """
+import hashlib, os
+digest = hashlib.sha256()
+with open(os.path.expanduser({path!r}), 'wb') as f:
+    for n in range({mib}):
+        piece = hashlib.sha256(n.to_bytes(8, 'big')).digest() * 32768
+        f.write(piece)
+        digest.update(piece)
+digest.hexdigest()
+"""
+_HASH_FILE = """
+import hashlib, os
+digest = hashlib.sha256()
+with open(os.path.expanduser({path!r}), 'rb') as f:
+    while piece := f.read(1 << 20):
+        digest.update(piece)
+digest.hexdigest()
+"""
+
+
+def _big_file(mib: int = _BIG) -> Iterator[bytes]:
+    for n in range(mib):
+        yield hashlib.sha256(n.to_bytes(8, "big")).digest() * 32768
+
+
+def _big_digest(mib: int = _BIG) -> str:
+    digest = hashlib.sha256()
+    for piece in _big_file(mib):
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+def _multipart(*files: tuple[str, Iterator[bytes]]) -> Iterator[bytes]:
+    """The SDK's upload of files as ``multipart/form-data``: a part named ``file`` for each,
+    whose file name is its path."""
+    for path, pieces in files:
+        yield (
+            f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{path}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        yield from pieces
+        yield b"\r\n"
+    yield f"--{_BOUNDARY}--\r\n".encode()
+
+
+def _kernel_text(url: str, sandbox: dict[str, Any], code: str) -> str:
+    events = _run(url, sandbox, code)
+    results = [e["text"] for e in events if e["type"] == "result"]
+    assert len(results) == 1, events
+    return str(results[0]).strip("'")
+
+
+def _while_stepping(
+    server: ServeProcess, other: dict[str, Any], transfer: Callable[[], Any]
+) -> tuple[Any, float, list[float]]:
+    """``transfer()``'s result, the server's peak RSS growth (MiB) while it ran, and how long
+    each of the other sandbox's steps took meanwhile (at least three, one or more of them
+    while the transfer was under way)."""
+    hwm = _reset_peak(server.pid)
+    before = _peak_kib(server.pid) if hwm else _rss_kib(server.pid)
+    outcome: list[Any] = []
+    with _rss_sampled(server.pid) as rss:
+        mover = threading.Thread(target=lambda: outcome.append(transfer()))
+        mover.start()
+        steps: list[float] = []
+        during = 0
+        while mover.is_alive() or len(steps) < 3:
+            n = len(steps)
+            began = time.monotonic()
+            assert _run(server.url, other, f"{n} * 3")[0]["text"] == str(n * 3)
+            steps.append(time.monotonic() - began)
+            during += mover.is_alive()
+        mover.join(timeout=300)
+    peak = _peak_kib(server.pid) if hwm else rss[-1]
+    assert outcome, "the transfer raised (see the thread's traceback above)"
+    assert during >= 1, f"no step ran during the transfer ({steps})"
+    return outcome[0], (peak - before) / 1024, steps
+
+
+@pytest.mark.parametrize("kind", ["octet-stream", "multipart"])
+def test_a_150_mib_upload_streams_with_flat_memory(server: ServeProcess, kind: str) -> None:
+    """150 MiB sent to envd's ``POST /files`` (chunked, as the SDK streams a file, in either
+    of its two encodings) lands byte for byte in the sandbox while the server's peak RSS
+    grows by at most 64 MiB and another sandbox steps normally."""
+    url = server.url
+    with _sandbox(url) as big, _sandbox(url) as other:
+        assert _run(url, other, "1 + 1")[0]["text"] == "2"
+        headers = _headers(big["sandboxID"], big["envdAccessToken"], ENVD)
+        path = "/home/user/up/big.bin"
+        if kind == "multipart":
+            headers["Content-Type"] = f"multipart/form-data; boundary={_BOUNDARY}"
+            target, body = f"{url}/files", _multipart((path, _big_file()))
+        else:
+            headers["Content-Type"] = "application/octet-stream"
+            target, body = f"{url}/files?path={path}", _big_file()
+
+        def upload() -> httpx.Response:
+            return httpx.post(target, content=body, headers=headers, timeout=600)
+
+        reply, grown_mib, steps = _while_stepping(server, other, upload)
+        assert reply.status_code == 200, f"{reply.status_code} {reply.text[:300]}"
+        assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
+        assert reply.json() == [{"name": "big.bin", "type": "file", "path": path}]
+        assert _kernel_text(url, big, _HASH_FILE.format(path="~/up/big.bin")) == _big_digest()
+        assert max(steps) < 10, f"the other sandbox's steps took {steps} s"
+
+
+def test_a_150_mib_download_streams_with_flat_memory(server: ServeProcess) -> None:
+    """A 150 MiB file a cell wrote comes down from envd's ``GET /files`` byte for byte, in
+    bounded chunks: the server's peak RSS grows by at most 64 MiB while another sandbox steps
+    normally."""
+    url = server.url
+    with _sandbox(url) as big, _sandbox(url) as other:
+        made = _kernel_text(url, big, _MAKE_BIG.format(path="~/down.bin", mib=_BIG))
+        assert made == _big_digest()
+        headers = _headers(big["sandboxID"], big["envdAccessToken"], ENVD)
+
+        def download() -> tuple[int, int, str, str]:
+            digest, size = hashlib.sha256(), 0
+            target = f"{url}/files?path=/home/user/down.bin"
+            with httpx.stream("GET", target, headers=headers, timeout=600) as reply:
+                if reply.status_code != 200:
+                    return reply.status_code, 0, "", reply.read().decode()[:300]
+                for piece in reply.iter_bytes():
+                    digest.update(piece)
+                    size += len(piece)
+            return reply.status_code, size, digest.hexdigest(), ""
+
+        (status, size, digest, text), grown_mib, steps = _while_stepping(server, other, download)
+        assert status == 200, f"{status} {text}"
+        assert (size, digest) == (_BIG * _MiB, made)
+        assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
+        assert max(steps) < 10, f"the other sandbox's steps took {steps} s"
+        missing = httpx.get(f"{url}/files?path=/home/user/none.bin", headers=headers, timeout=30)
+        assert missing.status_code == 404, missing.text
+        assert missing.json()["code"] == 404
+
+
+def _status_of(sock: socket.socket) -> int:
+    reply = b""
+    while b"\r\n" not in reply:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    return int(reply.split(b" ", 2)[1]) if reply else 0
+
+
+def test_a_sandboxs_concurrent_transfers_are_bounded(server: ServeProcess) -> None:
+    """Of five uploads to a sandbox under way at once, one gets E2B's 429 (which the SDK
+    raises as a rate limit) at once, unread, and so does a download meanwhile; another
+    sandbox's transfers are not counted; once the four end, they all landed."""
+    url = server.url
+    host, port = url.removeprefix("http://").split(":")
+    with _sandbox(url) as busy, _sandbox(url) as other:
+        headers = _headers(busy["sandboxID"], busy["envdAccessToken"], ENVD)
+        fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        uploads: list[socket.socket] = []
+        try:
+            for n in range(5):  # each sends its head and 1 KiB, and waits
+                sock = socket.create_connection((host, int(port)), timeout=60)
+                uploads.append(sock)
+                sock.sendall(
+                    f"POST /files?path=held{n}.bin HTTP/1.1\r\nHost: {host}\r\n{fields}"
+                    "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    .encode() + next(_chunked(iter([b"x" * 1024])))
+                )  # fmt: skip
+            answered, _, _ = select.select(uploads, [], [], 60)
+            time.sleep(1)  # any other answer would have come by now
+            answered, _, _ = select.select(uploads, [], [], 0)
+            assert len(answered) == 1, f"{len(answered)} of 5 uploads answered early"
+            refused = answered[0]
+            assert _status_of(refused) == 429
+            fetched = httpx.get(f"{url}/files?path=held0.bin", headers=headers, timeout=30)
+            assert fetched.status_code == 429, fetched.text
+            assert fetched.json()["code"] == 429
+            assert "transfers under way" in fetched.json()["message"]
+            other_headers = _headers(other["sandboxID"], other["envdAccessToken"], ENVD)
+            put = httpx.post(
+                f"{url}/files?path=o.bin", content=b"o",
+                headers={**other_headers, "Content-Type": "application/octet-stream"}, timeout=30,
+            )  # fmt: skip
+            assert put.status_code == 200, put.text
+            landed = [n for n, sock in enumerate(uploads) if sock is not refused]
+            for n in landed:
+                uploads[n].sendall(b"".join(_chunked(iter([b"y" * 1024]))))
+                assert _status_of(uploads[n]) == 200
+        finally:
+            for sock in uploads:
+                sock.close()
+        for n in landed:
+            again = httpx.get(f"{url}/files?path=held{n}.bin", headers=headers, timeout=30)
+            assert (again.status_code, again.content) == (200, b"x" * 1024 + b"y" * 1024)
+
+
+def test_an_upload_is_bounded_as_it_streams() -> None:
+    """With ``--max-message-bytes`` 4 MiB, a 3 MiB two-file multipart upload lands whole (both
+    files, several chunks each); 8 MiB declared gets 413 at once, and 8 MiB chunked gets 413
+    once it passes 4 MiB, in E2B's shape."""
+    env = {**os.environ, "KERNEL_ENV_TOKEN": TOKEN}
+    with (
+        serve_process("--pool-size", "1", "--max-message-bytes", str(4 * _MiB), env=env) as small,
+        _sandbox(small.url) as sandbox,
+    ):
+        url = small.url
+        headers = _headers(sandbox["sandboxID"], sandbox["envdAccessToken"], ENVD)
+        one, two = os.urandom(3 * _MiB // 2), os.urandom(3 * _MiB // 2 + 7)
+        body = b"".join(
+            _multipart(("/home/user/m/one.bin", iter([one])), ("/home/user/m/two.bin", iter([two])))
+        )
+        form = {**headers, "Content-Type": f"multipart/form-data; boundary={_BOUNDARY}"}
+        put = httpx.post(f"{url}/files", content=body, headers=form, timeout=60)
+        assert put.status_code == 200, put.text
+        assert [e["path"] for e in put.json()] == ["/home/user/m/one.bin", "/home/user/m/two.bin"]
+        for path, data in [("m/one.bin", one), ("m/two.bin", two)]:
+            got = httpx.get(f"{url}/files?path={path}", headers=headers, timeout=60)
+            assert (got.status_code, got.content == data) == (200, True), got.status_code
+        stream = {**headers, "Content-Type": "application/octet-stream"}
+        declared = httpx.post(
+            f"{url}/files?path=big.bin", content=b"x" * (8 * _MiB), headers=stream, timeout=60
+        )
+        chunked = httpx.post(
+            f"{url}/files?path=big.bin", content=iter([b"x" * _MiB] * 8), headers=stream,
+            timeout=60,
+        )  # fmt: skip
+        for refused in (declared, chunked):
+            assert refused.status_code == 413, refused.text[:200]
+            assert refused.json()["code"] == 413
+            assert f"limit of {4 * _MiB} bytes for /files" in refused.json()["message"]
 
 
 def test_execute_and_contexts_bodies_have_their_own_bounds(server: ServeProcess) -> None:

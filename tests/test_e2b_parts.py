@@ -4,13 +4,16 @@ home)."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
 import pytest
 
 from kernel_env.inkernel import envd
+from kernel_env.inkernel.contract import DEFAULT_OUTPUT_CAP
 from kernel_env.server.e2b.interpreter import e2b_output
+from kernel_env.server.e2b.transfers import DOWN_CHUNK
 
 
 def test_streams_results_and_errors_become_e2b_lines() -> None:
@@ -90,3 +93,22 @@ def test_file_operations_answer_with_connect_codes(home: Path) -> None:
     assert moved["path"] == "/home/user/g.txt"  # type: ignore[index]
     assert call("remove", path="d") is None and not (home / "d").exists()
     assert call("no_such_operation")["code"] == "unimplemented"  # type: ignore[index]
+
+
+def test_a_file_is_written_and_read_a_chunk_at_a_time(home: Path) -> None:
+    """``write`` with ``append`` adds to the file; ``read`` takes ``size`` bytes from
+    ``offset`` (fewer at the end, none past it); a download's chunk, in base64 inside the
+    call's JSON answer, stays under the kernel's output cap, which would cut it."""
+    first, second = base64.b64encode(b"abc").decode(), base64.b64encode(b"defg").decode()
+    call("write", path="c.bin", data=first)
+    call("write", path="c.bin", data=second, append=True)
+    assert (home / "c.bin").read_bytes() == b"abcdefg"
+    assert base64.b64decode(str(call("read", path="c.bin", offset=2, size=3))) == b"cde"
+    assert base64.b64decode(str(call("read", path="c.bin", offset=5, size=3))) == b"fg"
+    assert call("read", path="c.bin", offset=7, size=3) == ""
+    call("write", path="c.bin", data=second)  # not appended: the file is made again
+    assert (home / "c.bin").read_bytes() == b"defg"
+    (home / "big.bin").write_bytes(b"\xff" * (2 * DOWN_CHUNK))
+    answer = repr(envd.call("read", json.dumps({"path": "big.bin", "size": DOWN_CHUNK})))
+    assert len(answer) < DEFAULT_OUTPUT_CAP
+    assert len(base64.b64decode(json.loads(answer)["ok"])) == DOWN_CHUNK

@@ -172,15 +172,20 @@ def _remove(path: str) -> None:
         os.remove(real)
 
 
-def _read(path: str) -> str:
+def _read(path: str, offset: int = 0, size: int = -1) -> str:
+    """``size`` bytes of the file from ``offset`` (all the rest: -1), in base64; fewer at
+    its end. The host reads a large file a chunk at a time."""
     with open(_real(path), "rb") as f:
-        return base64.b64encode(f.read()).decode("ascii")
+        f.seek(offset)
+        return base64.b64encode(f.read(size)).decode("ascii")
 
 
-def _write(path: str, data: str) -> dict[str, Any]:
+def _write(path: str, data: str, append: bool = False) -> dict[str, Any]:
+    """The file at ``path`` made ``data`` (base64), or ``data`` added at its end: the host
+    writes a large file a chunk at a time."""
     real = _real(path)
     os.makedirs(os.path.dirname(real), exist_ok=True)
-    with open(real, "wb") as f:
+    with open(real, "ab" if append else "wb") as f:
         f.write(base64.b64decode(data))
     return {"name": os.path.basename(real), "type": "file", "path": _shown(real)}
 

@@ -8,6 +8,10 @@ context (``max_bytes``); a step carries at most ``max_code_chars`` of code, and 
 route a small JSON document (``default_bytes``). It runs after ``AuthGate``: a body is read
 only once the token is known to be right. The refusal is kernel_env's ``{"detail": ...}``
 unless the app speaks another protocol (``refusal``: E2B's door answers in E2B's shape).
+
+A route that reads its body as a stream (``streamed``: envd's file uploads) is not buffered:
+a declared ``Content-Length`` over the limit is refused at once as elsewhere, and a body that
+runs past it raises :class:`BodyTooLarge` from ``receive`` in the app, which answers it.
 """
 
 from __future__ import annotations
@@ -18,9 +22,17 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodyLimit", "Refusal", "too_large"]
+__all__ = ["BodyLimit", "BodyTooLarge", "Refusal", "too_large"]
 
 Refusal = Callable[[int, str], Response]  # (limit, path) -> the 413 to send
+
+
+class BodyTooLarge(Exception):
+    """A streamed body ran past its route's limit (raised by ``receive``)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds {limit} bytes")
+        self.limit = limit
 
 
 def too_large(limit: int, path: str) -> Response:
@@ -38,8 +50,10 @@ class BodyLimit:
         per_path: dict[str, int] | None = None,
         default_bytes: int | None = None,
         refusal: Refusal = too_large,
+        streamed: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
+        self.streamed = streamed
         self.max_bytes = max_bytes
         self.per_path = dict(per_path or {})
         self.default_bytes = default_bytes or max_bytes
@@ -56,6 +70,9 @@ class BodyLimit:
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             await self._too_large(scope, receive, send, limit)
+            return
+        if scope["path"] in self.streamed:
+            await self.app(scope, _counted(receive, limit), send)
             return
         body = bytearray()
         while True:
@@ -84,6 +101,21 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _counted(receive: Receive, limit: int) -> Receive:
+    """``receive``, raising :class:`BodyTooLarge` once the body passes ``limit`` bytes."""
+    seen = 0
+
+    async def counted() -> Message:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise BodyTooLarge(limit)
+        return message
+
+    return counted
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -4,7 +4,8 @@ The ``process.Process`` and ``filesystem.Filesystem`` services are served by ``c
 (the library E2B's SDK uses for its client side) from code generated from E2B's own
 ``.proto`` files (:mod:`kernel_env.server.e2b.proto`); ``/files`` (upload, download) and
 ``/health`` are plain HTTP, as envd's are. Every file operation and every command runs in
-the sandbox's kernel (:mod:`.kernelcalls`), so in its sandbox.
+the sandbox's kernel (:mod:`.kernelcalls`), so in its sandbox; ``/files`` moves a file in
+bounded chunks, a few transfers per sandbox at once (:mod:`.transfers`).
 
 A command's output is collected from the kernel between cells, so while a ``run_code`` cell
 runs, a command's output waits for it (the command itself runs on). A stream of it ends as
@@ -20,7 +21,8 @@ import asyncio
 import base64
 import contextlib
 import contextvars
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,13 +32,14 @@ from protobuf import Oneof
 from protobuf.wkt import Timestamp
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kernel_env.errors import KernelCallError, SessionError
+from kernel_env.server.e2b import transfers
 from kernel_env.server.e2b.door import sandbox_in
-from kernel_env.server.e2b.failures import connect_error, error_response, file_error
+from kernel_env.server.e2b.failures import connect_error
 from kernel_env.server.e2b.kernelcalls import in_kernel
 from kernel_env.server.e2b.proto.filesystem import filesystem_pb as fs
 from kernel_env.server.e2b.proto.filesystem.filesystem_connect import (
@@ -65,7 +68,13 @@ class _Calls:
         self.sessions = sessions
 
     async def __call__(self, name: str, **args: Any) -> Any:
-        sandbox = _CURRENT.get()
+        return await self.in_sandbox(_CURRENT.get(), name, **args)
+
+    def on(self, sandbox: Sandbox) -> Callable[..., Awaitable[Any]]:
+        """The operations of ``sandbox`` (for a transfer, which outlives its handler)."""
+        return functools.partial(self.in_sandbox, sandbox)
+
+    async def in_sandbox(self, sandbox: Sandbox, name: str, **args: Any) -> Any:
         manager = self.sessions()
         try:
             async with manager.request(sandbox.session):
@@ -263,35 +272,10 @@ def envd_app(sessions: Callable[[], SessionManager]) -> Callable[[Scope, Receive
     async def health(request: Request) -> Response:
         return Response(status_code=204)
 
-    async def download(request: Request) -> Response:
-        path = request.query_params.get("path")
-        if not path:
-            return error_response(400, "path is required")
-        try:
-            data = await call("read", path=path)
-        except ConnectError as exc:
-            return file_error(exc, missing=404)
-        return Response(base64.b64decode(data), media_type="application/octet-stream")
-
-    async def upload(request: Request) -> Response:
-        files = await _uploaded(request)
-        if isinstance(files, Response):
-            return files
-        written = []
-        for path, data in files:
-            try:
-                written.append(
-                    await call("write", path=path, data=base64.b64encode(data).decode("ascii"))
-                )
-            except ConnectError as exc:
-                return file_error(exc)
-        return JSONResponse(written)
-
     http = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
-            Route("/files", download, methods=["GET"]),
-            Route("/files", upload, methods=["POST"]),
+            *transfers.file_routes(call.on),
         ]
     )
     return _routed(rpc, http)
@@ -329,27 +313,3 @@ def _watched(receive: Receive, gone: asyncio.Event) -> Receive:
         return message
 
     return watched
-
-
-async def _uploaded(request: Request) -> list[tuple[str, bytes]] | Response:
-    """The files of an upload: an octet-stream body for ``?path=``, or multipart parts named
-    ``file`` whose file names are their paths."""
-    path = request.query_params.get("path")
-    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if kind == "application/octet-stream":
-        if not path:
-            return error_response(400, "path is required")
-        if request.headers.get("content-encoding", "").lower() == "gzip":
-            return error_response(400, "gzip uploads are not served; send the file as it is")
-        return [(path, await request.body())]
-    if kind != "multipart/form-data":
-        return error_response(400, "send multipart/form-data or application/octet-stream")
-    form = await request.form()
-    files: list[tuple[str, bytes]] = []
-    for _, part in form.multi_items():
-        if isinstance(part, str):
-            continue
-        files.append((path if path and len(form) == 1 else part.filename or "", await part.read()))
-    if not files or not all(p for p, _ in files):
-        return error_response(400, "each file needs a path")
-    return files

@@ -49,7 +49,12 @@ def mount(app: FastAPI) -> None:
         control_prefixes=CONTROL_PREFIXES,
         ports={
             JUPYTER_PORT: interpreter,
-            ENVD_PORT: BodyLimit(envd_app(sessions), settings.max_message_bytes, refusal=too_large),
+            ENVD_PORT: BodyLimit(
+                envd_app(sessions),
+                settings.max_message_bytes,
+                refusal=too_large,
+                streamed=frozenset({"/files"}),  # uploads stream to the kernel in chunks
+            ),
         },
         sandboxes=sandboxes,
     )
