@@ -10,25 +10,24 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import secrets
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from attacks import MiB, chunked, code_body, send_huge
+from procs import peak_growth
 from serverkit import ServeProcess, serve_process
 
 pytestmark = pytest.mark.integration  # a server and its kernels
 
 TOKEN = "e2b_" + secrets.token_hex(20)
 INTERPRETER, ENVD = "49999", "49983"
-_MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -69,98 +68,6 @@ def _run(url: str, sandbox: dict[str, Any], code: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in reply.text.splitlines() if line.strip()]
 
 
-def _peak_kib(pid: int) -> int:
-    match = re.search(r"VmHWM:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
-    assert match is not None
-    return int(match.group(1))
-
-
-def _rss_kib(pid: int) -> int:
-    match = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
-    assert match is not None
-    return int(match.group(1))
-
-
-def _reset_peak(pid: int) -> bool:
-    """Start VmHWM again from the current RSS; False where this user may not (an
-    unprivileged server is not dumpable, so its ``clear_refs`` is root's)."""
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as refs:
-            refs.write("5")
-    except PermissionError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _rss_sampled(pid: int) -> Iterator[list[int]]:
-    """The server's RSS (KiB) every 5 ms while the block runs, its largest last: the peak
-    where VmHWM cannot be reset (a 150 MiB body takes far longer than 5 ms to arrive)."""
-    samples = [_rss_kib(pid)]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.005):
-            samples.append(_rss_kib(pid))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield samples
-    finally:
-        done.set()
-        sampler.join(timeout=5)
-        samples.append(max(samples))
-
-
-def _send_huge(url: str, head: str, body: Iterator[bytes]) -> int:
-    """Send ``head`` then ``body``'s pieces (stopping when the server stops reading or has
-    answered); the status the server answers with (0: none)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=120) as sock:
-        answered = threading.Event()
-
-        def send() -> None:
-            with contextlib.suppress(OSError):
-                sock.sendall(head.encode() + b"\r\n")
-                for piece in body:
-                    if answered.is_set():
-                        return
-                    sock.sendall(piece)
-
-        sender = threading.Thread(target=send, daemon=True)
-        sender.start()
-        reply = b""
-        with contextlib.suppress(OSError):
-            while b"\r\n" not in reply:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                reply += chunk
-        answered.set()
-        with contextlib.suppress(OSError):  # the server may have closed it already
-            sock.shutdown(socket.SHUT_RDWR)
-        sender.join(timeout=120)
-    return int(reply.split(b" ", 2)[1]) if reply else 0
-
-
-def _code_body(size: int, piece: int = _MiB) -> Iterator[bytes]:
-    """A JSON document ``{"code": "xxx..."}`` of ``size`` bytes, in pieces."""
-    yield b'{"code": "'
-    left = size - len(b'{"code": "') - len(b'"}')
-    while left > 0:
-        n = min(piece, left)
-        yield b"x" * n
-        left -= n
-    yield b'"}'
-
-
-def _chunked(pieces: Iterator[bytes]) -> Iterator[bytes]:
-    for piece in pieces:
-        yield f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
-    yield b"0\r\n\r\n"
-
-
 def test_a_150_mib_execute_is_refused_unread_with_flat_memory(server: ServeProcess) -> None:
     """150 MiB of code sent to /execute (declared, then chunked) gets 413 before the server
     holds it: its peak RSS grows by at most 64 MiB while another sandbox steps normally."""
@@ -173,24 +80,21 @@ def test_a_150_mib_execute_is_refused_unread_with_flat_memory(server: ServeProce
             f"E2b-Sandbox-Id: {big['sandboxID']}\r\nE2b-Sandbox-Port: {INTERPRETER}\r\n"
             f"X-Access-Token: {big['envdAccessToken']}\r\n"
         )
-        size = 150 * _MiB
-        hwm = _reset_peak(server.pid)
-        before = _peak_kib(server.pid) if hwm else _rss_kib(server.pid)
+        size = 150 * MiB
         statuses: list[int] = []
 
         def attack() -> None:
-            statuses.append(_send_huge(url, head + f"Content-Length: {size}\r\n", _code_body(size)))
-            chunked = head + "Transfer-Encoding: chunked\r\n"
-            statuses.append(_send_huge(url, chunked, _chunked(_code_body(size))))
+            statuses.append(send_huge(url, head + f"Content-Length: {size}\r\n", code_body(size)))
+            te = head + "Transfer-Encoding: chunked\r\n"
+            statuses.append(send_huge(url, te, chunked(code_body(size))))
 
-        with _rss_sampled(server.pid) as rss:
+        with peak_growth(server.pid) as grown:
             attacker = threading.Thread(target=attack)
             attacker.start()
             for n in range(5):
                 assert _run(url, other, f"{n} * 3")[0]["text"] == str(n * 3)
             attacker.join(timeout=300)
-        peak = _peak_kib(server.pid) if hwm else rss[-1]
-        grown_mib = (peak - before) / 1024
+        grown_mib = grown[0]
         assert statuses == [413, 413], f"{statuses}; peak RSS grew by {grown_mib:.0f} MiB"
         assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
         assert _run(url, big, "2 + 2")[0]["text"] == "4"
@@ -258,10 +162,8 @@ def _while_stepping(
     """``transfer()``'s result, the server's peak RSS growth (MiB) while it ran, and how long
     each of the other sandbox's steps took meanwhile (at least three, one or more of them
     while the transfer was under way)."""
-    hwm = _reset_peak(server.pid)
-    before = _peak_kib(server.pid) if hwm else _rss_kib(server.pid)
     outcome: list[Any] = []
-    with _rss_sampled(server.pid) as rss:
+    with peak_growth(server.pid) as grown:
         mover = threading.Thread(target=lambda: outcome.append(transfer()))
         mover.start()
         steps: list[float] = []
@@ -273,10 +175,9 @@ def _while_stepping(
             steps.append(time.monotonic() - began)
             during += mover.is_alive()
         mover.join(timeout=300)
-    peak = _peak_kib(server.pid) if hwm else rss[-1]
     assert outcome, "the transfer raised (see the thread's traceback above)"
     assert during >= 1, f"no step ran during the transfer ({steps})"
-    return outcome[0], (peak - before) / 1024, steps
+    return outcome[0], grown[0], steps
 
 
 @pytest.mark.parametrize("kind", ["octet-stream", "multipart"])
@@ -330,7 +231,7 @@ def test_a_150_mib_download_streams_with_flat_memory(server: ServeProcess) -> No
 
         (status, size, digest, text), grown_mib, steps = _while_stepping(server, other, download)
         assert status == 200, f"{status} {text}"
-        assert (size, digest) == (_BIG * _MiB, made)
+        assert (size, digest) == (_BIG * MiB, made)
         assert grown_mib <= 64, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
         assert max(steps) < 10, f"the other sandbox's steps took {steps} s"
         missing = httpx.get(f"{url}/files?path=/home/user/none.bin", headers=headers, timeout=30)
@@ -365,7 +266,7 @@ def test_a_sandboxs_concurrent_transfers_are_bounded(server: ServeProcess) -> No
                 sock.sendall(
                     f"POST /files?path=held{n}.bin HTTP/1.1\r\nHost: {host}\r\n{fields}"
                     "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                    .encode() + next(_chunked(iter([b"x" * 1024])))
+                    .encode() + next(chunked(iter([b"x" * 1024])))
                 )  # fmt: skip
             answered, _, _ = select.select(uploads, [], [], 60)
             time.sleep(1)  # any other answer would have come by now
@@ -385,7 +286,7 @@ def test_a_sandboxs_concurrent_transfers_are_bounded(server: ServeProcess) -> No
             assert put.status_code == 200, put.text
             landed = [n for n, sock in enumerate(uploads) if sock is not refused]
             for n in landed:
-                uploads[n].sendall(b"".join(_chunked(iter([b"y" * 1024]))))
+                uploads[n].sendall(b"".join(chunked(iter([b"y" * 1024]))))
                 assert _status_of(uploads[n]) == 200
         finally:
             for sock in uploads:
@@ -401,12 +302,12 @@ def test_an_upload_is_bounded_as_it_streams() -> None:
     once it passes 4 MiB, in E2B's shape."""
     env = {**os.environ, "KERNEL_ENV_TOKEN": TOKEN}
     with (
-        serve_process("--pool-size", "1", "--max-message-bytes", str(4 * _MiB), env=env) as small,
+        serve_process("--pool-size", "1", "--max-message-bytes", str(4 * MiB), env=env) as small,
         _sandbox(small.url) as sandbox,
     ):
         url = small.url
         headers = _headers(sandbox["sandboxID"], sandbox["envdAccessToken"], ENVD)
-        one, two = os.urandom(3 * _MiB // 2), os.urandom(3 * _MiB // 2 + 7)
+        one, two = os.urandom(3 * MiB // 2), os.urandom(3 * MiB // 2 + 7)
         body = b"".join(
             _multipart(("/home/user/m/one.bin", iter([one])), ("/home/user/m/two.bin", iter([two])))
         )
@@ -419,16 +320,16 @@ def test_an_upload_is_bounded_as_it_streams() -> None:
             assert (got.status_code, got.content == data) == (200, True), got.status_code
         stream = {**headers, "Content-Type": "application/octet-stream"}
         declared = httpx.post(
-            f"{url}/files?path=big.bin", content=b"x" * (8 * _MiB), headers=stream, timeout=60
+            f"{url}/files?path=big.bin", content=b"x" * (8 * MiB), headers=stream, timeout=60
         )
         chunked = httpx.post(
-            f"{url}/files?path=big.bin", content=iter([b"x" * _MiB] * 8), headers=stream,
+            f"{url}/files?path=big.bin", content=iter([b"x" * MiB] * 8), headers=stream,
             timeout=60,
         )  # fmt: skip
         for refused in (declared, chunked):
             assert refused.status_code == 413, refused.text[:200]
             assert refused.json()["code"] == 413
-            assert f"limit of {4 * _MiB} bytes for /files" in refused.json()["message"]
+            assert f"limit of {4 * MiB} bytes for /files" in refused.json()["message"]
 
 
 def test_execute_and_contexts_bodies_have_their_own_bounds(server: ServeProcess) -> None:
@@ -437,21 +338,21 @@ def test_execute_and_contexts_bodies_have_their_own_bounds(server: ServeProcess)
     url = server.url
     with _sandbox(url) as sandbox:
         headers = _headers(sandbox["sandboxID"], sandbox["envdAccessToken"])
-        code = json.dumps({"code": "x" * (16 * _MiB)})
+        code = json.dumps({"code": "x" * (16 * MiB)})
         too_big = httpx.post(f"{url}/execute", content=code, headers=headers, timeout=60)
         assert too_big.status_code == 413, too_big.text[:200]
         assert too_big.json()["code"] == 413
         assert "exceeds" in too_big.json()["message"]
-        context = json.dumps({"language": "python", "cwd": "x" * (2 * _MiB)})
+        context = json.dumps({"language": "python", "cwd": "x" * (2 * MiB)})
         refused = httpx.post(f"{url}/contexts", content=context, headers=headers, timeout=60)
         assert refused.status_code == 413, refused.text[:200]
         # The largest code a step takes (1 Mi chars, JSON-escaped at 6 bytes a char) passes.
-        largest = json.dumps({"code": "len('" + "\x01" * (_MiB - 7) + "')"})
-        assert len(largest) > 6 * _MiB - 64
+        largest = json.dumps({"code": "len('" + "\x01" * (MiB - 7) + "')"})
+        assert len(largest) > 6 * MiB - 64
         ran = httpx.post(f"{url}/execute", content=largest, headers=headers, timeout=120)
         assert ran.status_code == 200, ran.text[:200]
         lines = [json.loads(line) for line in ran.text.splitlines() if line.strip()]
-        assert [e["text"] for e in lines if e["type"] == "result"] == [str(_MiB - 7)]
+        assert [e["text"] for e in lines if e["type"] == "result"] == [str(MiB - 7)]
 
 
 # Every route of a sandbox's ports (and one port no sandbox serves), with a small body.
