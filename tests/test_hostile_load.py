@@ -1,5 +1,7 @@
 """Eight hostile sessions at once against one real ``kernel-env serve``, each doing what a cell
-or a client can to grow the server or starve its neighbours, over both doors: a ninth session
+or a client can to grow the server or starve its neighbours, over both doors (a cell's 400 MB
+message, a fork bomb, a memory bomb, an output flood, 150 MiB /step and /execute bodies,
+abandoned command streams, a 150 MiB upload and download): a ninth session
 completes 100 steps with no error meanwhile, and once the hostile ones close the server's RSS
 is back within 10 % of what it was before they came."""
 
@@ -24,7 +26,7 @@ from attacks import (
     code_body,
     send_huge,
 )
-from connect import command_stream
+from connect import ENVD, command_stream
 from procs import peak_growth, rss_kib
 from serverkit import ServeProcess, metrics, serve_process, wait_until
 
@@ -146,6 +148,30 @@ def _huge_executes(url: str) -> None:
         sandbox.close()
 
 
+def _transfers(url: str) -> None:
+    """A 150 MiB upload to envd's ``/files``, and the same file down again."""
+    sandbox = E2BSandbox(url)
+    envd = sandbox.headers(ENVD)
+    target = f"{url}/files?path=/home/user/big.bin"
+    try:
+        sent = httpx.post(
+            target,
+            content=iter([b"z" * MiB] * 150),
+            headers={**envd, "Content-Type": "application/octet-stream"},
+            timeout=600,
+        )
+        assert sent.status_code == 200, sent.text[:300]
+        size = 0
+        with httpx.stream("GET", target, headers=envd, timeout=600) as reply:
+            assert reply.status_code == 200, reply.read()[:300]
+            for piece in reply.iter_bytes():
+                assert piece.count(b"z") == len(piece)
+                size += len(piece)
+        assert size == 150 * MiB
+    finally:
+        sandbox.close()
+
+
 def _abandoned_streams(url: str) -> None:
     """Commands whose output stays open, each stream dropped by its client: the server stops
     following each, so more can always be started (at most 16 are open per sandbox)."""
@@ -176,6 +202,7 @@ ATTACKS: list[Callable[[str], None]] = [
     _huge_steps,
     _huge_executes,
     _abandoned_streams,
+    _transfers,
 ]
 
 
