@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -67,6 +67,24 @@ def _honour_sigint() -> None:
     in_main = threading.current_thread() is threading.main_thread()
     if in_main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ctrl-C during the block takes effect at its end, as KeyboardInterrupt. Raised inside
+    the import of a compiled extension (pydantic-core, connectrpc's pyqwest), it would be
+    turned into that extension's panic: a traceback and exit 1 instead of exit 130."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -188,16 +206,17 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    # Imported here: `kernel-env --help` should not pay for FastAPI and uvicorn.
-    from kernel_env.server.runner import build_server, return_freed_memory
-    from kernel_env.server.settings import ServerSettings
+    with _sigint_deferred():
+        # Imported here: `kernel-env --help` should not pay for FastAPI and uvicorn.
+        from kernel_env.server.runner import build_server, return_freed_memory
+        from kernel_env.server.settings import ServerSettings
 
-    explicit = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
-    try:
-        settings = ServerSettings.from_env(**explicit)
-        server, sock, settings = build_server(settings, own_logs=True)
-    except (ValueError, OSError, RuntimeError) as exc:
-        return _fail("serve", _for_make_too(str(exc)))
+        explicit = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
+        try:
+            settings = ServerSettings.from_env(**explicit)
+            server, sock, settings = build_server(settings, own_logs=True)
+        except (ValueError, OSError, RuntimeError) as exc:
+            return _fail("serve", _for_make_too(str(exc)))
     return_freed_memory()
     # The event loop gives up the GIL in every zmq and socket call, and a worker thread (a
     # uid lease, a cgroup's removal, a fork request) may then hold it for a whole switch
