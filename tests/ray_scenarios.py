@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 from fake_openai import FakeOpenAI
+from procs import alive
 
 from kernel_env.errors import CapacityReached, RemoteError
 from kernel_env.models import REPLAction
@@ -195,6 +196,11 @@ def host_restart(driver: Any) -> dict[str, Any]:
         host = _host(node)
         before = ray.get(host.endpoint.remote())["pid"]
         ray.kill(host, no_restart=False)
+        # ray.kill only asks: the next step must find its host gone, not race the kill (on a
+        # loaded machine it ran on the old host, and answered).
+        deadline = time.monotonic() + 30
+        while alive(before) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         t0 = time.monotonic()
         try:
             await env.run("print(x)")
