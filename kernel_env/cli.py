@@ -288,13 +288,9 @@ def _status_line(settings: ServerSettings) -> str:
 
 
 def _descriptors(settings: ServerSettings) -> str:
-    from kernel_env.server.runner import (
-        DESCRIPTORS_PER_KERNEL,
-        connection_cap,
-        raise_descriptor_limit,
-    )
+    from kernel_env.server.runner import DESCRIPTORS_PER_KERNEL, connection_cap, open_files_limit
 
-    open_files = raise_descriptor_limit()  # build_server raised it already: the limit now
+    open_files = open_files_limit()  # as build_server raised it
     return (
         f"open files: {open_files} ({settings.kernel_limit} kernels at "
         f"{DESCRIPTORS_PER_KERNEL} each); connections at most "

@@ -29,17 +29,24 @@ def send_huge(url: str, head: str, body: Iterator[bytes]) -> int:
 
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
-        reply = b""
+        status = 0
         with contextlib.suppress(OSError):
-            while b"\r\n" not in reply:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                reply += chunk
+            status = status_of(sock)
         answered.set()
         with contextlib.suppress(OSError):  # the server may have closed it already
             sock.shutdown(socket.SHUT_RDWR)
         sender.join(timeout=120)
+    return status
+
+
+def status_of(sock: socket.socket) -> int:
+    """The status of the response ``sock`` receives, from its status line (0: none came)."""
+    reply = b""
+    while b"\r\n" not in reply:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
     return int(reply.split(b" ", 2)[1]) if reply else 0
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from attacks import MiB, chunked, code_body, send_huge
+from attacks import MiB, chunked, code_body, send_huge, status_of
 from procs import peak_growth
 from serverkit import ServeProcess, serve_process
 
@@ -239,16 +239,6 @@ def test_a_150_mib_download_streams_with_flat_memory(server: ServeProcess) -> No
         assert missing.json()["code"] == 404
 
 
-def _status_of(sock: socket.socket) -> int:
-    reply = b""
-    while b"\r\n" not in reply:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        reply += chunk
-    return int(reply.split(b" ", 2)[1]) if reply else 0
-
-
 def test_a_sandboxs_concurrent_transfers_are_bounded(server: ServeProcess) -> None:
     """Of five uploads to a sandbox under way at once, one gets E2B's 429 (which the SDK
     raises as a rate limit) at once, unread, and so does a download meanwhile; another
@@ -273,7 +263,7 @@ def test_a_sandboxs_concurrent_transfers_are_bounded(server: ServeProcess) -> No
             answered, _, _ = select.select(uploads, [], [], 0)
             assert len(answered) == 1, f"{len(answered)} of 5 uploads answered early"
             refused = answered[0]
-            assert _status_of(refused) == 429
+            assert status_of(refused) == 429
             fetched = httpx.get(f"{url}/files?path=held0.bin", headers=headers, timeout=30)
             assert fetched.status_code == 429, fetched.text
             assert fetched.json()["code"] == 429
@@ -287,7 +277,7 @@ def test_a_sandboxs_concurrent_transfers_are_bounded(server: ServeProcess) -> No
             landed = [n for n, sock in enumerate(uploads) if sock is not refused]
             for n in landed:
                 uploads[n].sendall(b"".join(chunked(iter([b"y" * 1024]))))
-                assert _status_of(uploads[n]) == 200
+                assert status_of(uploads[n]) == 200
         finally:
             for sock in uploads:
                 sock.close()

@@ -58,6 +58,12 @@ class OpenEnvSession:
         self.client.delete(f"/sessions/{self.id}")
         self.client.close()
 
+    def __enter__(self) -> OpenEnvSession:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 class E2BSandbox:
     """One sandbox over the E2B door."""
@@ -75,85 +81,72 @@ class E2BSandbox:
     def close(self) -> None:
         httpx.delete(f"{self.url}/sandboxes/{self.id}", headers={"X-API-KEY": TOKEN}, timeout=30)
 
+    def __enter__(self) -> E2BSandbox:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 # -- the eight -----------------------------------------------------------------------------
 
 
 def _huge_messages(url: str) -> None:
-    session = OpenEnvSession(url)
-    try:
+    with OpenEnvSession(url) as session:
         for _ in range(2):
             result = session.step(HUGE_MESSAGE)
             assert result["kernel_restarted"], result
             assert (result["exception"] or "").startswith("MessageTooLarge"), result
-    finally:
-        session.close()
 
 
 def _fork_bomb(url: str) -> None:
-    session = OpenEnvSession(url)
-    try:
+    with OpenEnvSession(url) as session:
         for _ in range(2):
             session.step(FORK_BOMB)
-    finally:
-        session.close()
 
 
 def _memory_bomb(url: str) -> None:
-    session = OpenEnvSession(url)
-    try:
+    with OpenEnvSession(url) as session:
         result = session.step(MEMORY_BOMB)
         assert result["kernel_restarted"] or "bounded" in result["stdout"], result
-    finally:
-        session.close()
 
 
 def _output_flood(url: str) -> None:
-    session = OpenEnvSession(url)
-    try:
+    with OpenEnvSession(url) as session:
         for _ in range(2):
             result = session.step(OUTPUT_FLOOD)
             assert len(result["stdout"]) < 20 * MiB, len(result["stdout"])
-    finally:
-        session.close()
 
 
 def _huge_steps(url: str) -> None:
-    session = OpenEnvSession(url)
-    host = url.removeprefix("http://")
-    head = (
-        f"POST /step HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {TOKEN}\r\nX-Session-Id: {session.id}\r\n"
-    )
-    try:
+    with OpenEnvSession(url) as session:
+        host = url.removeprefix("http://")
+        head = (
+            f"POST /step HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {TOKEN}\r\nX-Session-Id: {session.id}\r\n"
+        )
         for _ in range(3):
             size = 150 * MiB
             assert send_huge(url, head + f"Content-Length: {size}\r\n", code_body(size)) == 413
-    finally:
-        session.close()
 
 
 def _huge_executes(url: str) -> None:
-    sandbox = E2BSandbox(url)
-    host = url.removeprefix("http://")
-    fields = {"Host": host, "Content-Type": "application/json", **sandbox.headers()}
-    head = "POST /execute HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
-    try:
+    with E2BSandbox(url) as sandbox:
+        host = url.removeprefix("http://")
+        fields = {"Host": host, "Content-Type": "application/json", **sandbox.headers()}
+        head = "POST /execute HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
         for _ in range(2):
             size = 150 * MiB
             assert send_huge(url, head + f"Content-Length: {size}\r\n", code_body(size)) == 413
             te = head + "Transfer-Encoding: chunked\r\n"
             assert send_huge(url, te, chunked(code_body(size))) == 413
-    finally:
-        sandbox.close()
 
 
 def _transfers(url: str) -> None:
     """A 150 MiB upload to envd's ``/files``, and the same file down again."""
-    sandbox = E2BSandbox(url)
-    envd = sandbox.headers(ENVD)
-    target = f"{url}/files?path=/home/user/big.bin"
-    try:
+    with E2BSandbox(url) as sandbox:
+        envd = sandbox.headers(ENVD)
+        target = f"{url}/files?path=/home/user/big.bin"
         sent = httpx.post(
             target,
             content=iter([b"z" * MiB] * 150),
@@ -168,16 +161,13 @@ def _transfers(url: str) -> None:
                 assert piece.count(b"z") == len(piece)
                 size += len(piece)
         assert size == 150 * MiB
-    finally:
-        sandbox.close()
 
 
 def _abandoned_streams(url: str) -> None:
     """Commands whose output stays open, each stream dropped by its client: the server stops
     following each, so more can always be started (at most 16 are open per sandbox)."""
-    sandbox = E2BSandbox(url)
-    described = {"sandboxID": sandbox.id, "envdAccessToken": sandbox.token}
-    try:
+    with E2BSandbox(url) as sandbox:
+        described = {"sandboxID": sandbox.id, "envdAccessToken": sandbox.token}
         for _ in range(3):
             for _ in range(12):
                 with (
@@ -186,8 +176,6 @@ def _abandoned_streams(url: str) -> None:
                 ):
                     assert "start" in json.dumps(started), started
             assert wait_until(lambda: _streams_open(url) == 0, timeout=10), _streams_open(url)
-    finally:
-        sandbox.close()
 
 
 def _streams_open(url: str) -> int:
@@ -212,15 +200,13 @@ ATTACKS: list[Callable[[str], None]] = [
 def _warm_up(url: str) -> None:
     """One episode and one sandbox, each with a step, closed: the server has imported and
     made what any session needs before its RSS is taken as the start."""
-    session = OpenEnvSession(url)
-    assert session.step("print(1 + 1)")["stdout"] == "2\n"
-    session.close()
-    sandbox = E2BSandbox(url)
-    reply = httpx.post(
-        f"{url}/execute", json={"code": "1 + 1"}, headers=sandbox.headers(), timeout=60
-    )
-    assert reply.status_code == 200, reply.text[:300]
-    sandbox.close()
+    with OpenEnvSession(url) as session:
+        assert session.step("print(1 + 1)")["stdout"] == "2\n"
+    with E2BSandbox(url) as sandbox:
+        reply = httpx.post(
+            f"{url}/execute", json={"code": "1 + 1"}, headers=sandbox.headers(), timeout=60
+        )
+        assert reply.status_code == 200, reply.text[:300]
 
 
 def _attackers(url: str, failures: list[str]) -> Iterator[threading.Thread]:

@@ -38,6 +38,7 @@ __all__ = [
     "build_server",
     "connection_cap",
     "descriptor_shortfall",
+    "open_files_limit",
     "raise_descriptor_limit",
     "return_freed_memory",
 ]
@@ -73,8 +74,12 @@ def raise_descriptor_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (OSError, ValueError) as exc:  # a hard limit above the kernel's nr_open
             log.warning("could not raise the open files limit from %d to %d: %s", soft, hard, exc)
-        else:
-            soft = hard
+    return open_files_limit()
+
+
+def open_files_limit() -> int:
+    """This process's soft ``RLIMIT_NOFILE`` (an unlimited one as 2**20)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 

@@ -30,6 +30,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -319,9 +320,15 @@ def _alive(pid: int) -> bool:
 def _kill_all(cgroup: Path, patience: float = 1.0) -> bool:
     """Kill the cgroup's processes until none is left, for up to ``patience`` seconds (one
     round at 0); whether it got there."""
+    return _retried(lambda: _kill_round(cgroup), patience)
+
+
+def _retried(attempt: Callable[[], bool], patience: float) -> bool:
+    """``attempt()`` until it is true, for up to ``patience`` seconds (once at 0), with a
+    growing pause between tries; whether it got there."""
     deadline = time.monotonic() + patience
     pause = _FIRST_PAUSE
-    while not _kill_round(cgroup):
+    while not attempt():
         if time.monotonic() >= deadline:
             return False
         time.sleep(pause)
@@ -350,16 +357,14 @@ def _empty_and_remove(cgroup: Path, patience: float = 1.0) -> bool:
     Killed processes take a while to exit on a loaded host (a fork bomb's hundreds), and a
     cgroup refuses rmdir with EBUSY while one of them is still exiting although
     ``cgroup.procs`` no longer lists it: both are waited for, with a growing pause."""
-    deadline = time.monotonic() + patience
-    pause = _FIRST_PAUSE
-    while True:
+    empty = False
+
+    def emptied_and_removed() -> bool:
+        nonlocal empty
         empty = _kill_round(cgroup)
-        if empty and _rmdir(cgroup):
-            return True
-        if time.monotonic() >= deadline:
-            return empty
-        time.sleep(pause)
-        pause = min(_LAST_PAUSE, pause * 2)
+        return empty and _rmdir(cgroup)
+
+    return _retried(emptied_and_removed, patience) or empty
 
 
 def _rmdir(cgroup: Path) -> bool:
