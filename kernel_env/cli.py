@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_export(commands)
     _add_replay(commands)
     _add_ps(commands)
+    _add_capacity(commands)
     for command in commands.choices.values():
         command.set_defaults(command_parser=command)
     return parser
@@ -284,11 +285,20 @@ def _status_line(settings: ServerSettings) -> str:
             for name, value in describe_served_limits(settings).items()
         )
         + f"\nkernel-env:   {_descriptors(settings)}"
+        + f"\nkernel-env:   {_capacity(settings)}"
     )
 
 
+def _capacity(settings: ServerSettings) -> str:
+    from kernel_env.server.capacity import describe, machine_capacity
+
+    local = settings.gateway_url is None
+    return describe(machine_capacity(local=local, forked=settings.forkserver))
+
+
 def _descriptors(settings: ServerSettings) -> str:
-    from kernel_env.server.runner import DESCRIPTORS_PER_KERNEL, connection_cap, open_files_limit
+    from kernel_env.server.capacity import DESCRIPTORS_PER_KERNEL
+    from kernel_env.server.runner import connection_cap, open_files_limit
 
     open_files = open_files_limit()  # as build_server raised it
     return (
@@ -417,6 +427,36 @@ def _download(url: str, session_id: str, target: Path, *, overwrite: bool) -> Pa
     except ArchiveError as exc:  # Python's overwrite=True is the command line's --overwrite
         raise ArchiveError(str(exc).replace("pass overwrite=True", "add --overwrite")) from None
     return target
+
+
+# -- capacity ----------------------------------------------------------------------------
+
+
+def _add_capacity(commands: argparse._SubParsersAction) -> None:
+    capacity = commands.add_parser(
+        "capacity",
+        help="print how many kernels this machine holds (serve's default limit)",
+        description="The kernels this machine can hold now, from its memory, open files, "
+        "process ids and kernel uids: what `serve` takes when not given --max-sessions "
+        "(less its warm pool), and a node's slots for Ray: ray start --resources "
+        '"{\\"kernel_env\\": $(kernel-env capacity)}". The figure on stdout, what bounds it '
+        "on stderr.",
+    )
+    capacity.add_argument(
+        "--no-forkserver",
+        action="store_true",
+        help="kernels started as new interpreters (serve --forkserver false)",
+    )
+    capacity.set_defaults(run=_capacity_command)
+
+
+def _capacity_command(args: argparse.Namespace) -> int:
+    from kernel_env.server.capacity import describe, machine_capacity
+
+    found = machine_capacity(forked=not args.no_forkserver)
+    print(found.kernels)
+    print(f"kernel-env: {describe(found)}", file=sys.stderr)
+    return 0
 
 
 # -- ps ----------------------------------------------------------------------------------

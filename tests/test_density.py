@@ -10,6 +10,7 @@ import json
 import re
 import resource
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,13 +20,14 @@ import pytest
 from serverkit import alive, kernel_pids, serve_args, serving, small_settings, wait_until
 from websockets.sync.client import connect
 
-from kernel_env.server.runner import (
+from kernel_env.server.capacity import (
     DESCRIPTORS_PER_KERNEL,
     MIN_CONNECTIONS,
     RESERVED_DESCRIPTORS,
-    connection_cap,
-    descriptor_shortfall,
+    machine_capacity,
 )
+from kernel_env.server.runner import connection_cap, descriptor_shortfall
+from kernel_env.server.settings import ServerSettings
 
 EPISODES = 300  # past 1024 / 8: the descriptors of the 128th kernel are beyond select's reach
 AT_ONCE = 8  # requests in flight: the 2-core machine starts kernels, it does not queue them
@@ -216,4 +218,47 @@ def test_connections_past_the_cap_get_503_and_a_session_still_steps() -> None:
     finally:
         for conn in held:
             conn.close()
+        log.unlink(missing_ok=True)
+
+
+# -- defaults from the machine -------------------------------------------------------------
+
+
+def test_a_server_not_told_how_many_sessions_takes_what_the_machine_holds() -> None:
+    """Without --max-sessions, the machine's capacity less the warm pool; --max-kernels
+    bounds it; a given --max-sessions wins; a gateway's kernels take only descriptors."""
+    held = machine_capacity().kernels
+    derived = ServerSettings(pool_size=4).max_sessions
+    assert abs(derived - (held - 4)) <= max(2, held // 50)  # memory moves between the reads
+    assert ServerSettings(pool_size=4, max_kernels=10).max_sessions == 6
+    assert ServerSettings(max_sessions=3).max_sessions == 3
+    gateway = ServerSettings(gateway_url="http://127.0.0.1:9", pool_size=0)
+    assert gateway.max_sessions == machine_capacity(local=False).kernels
+    assert machine_capacity(forked=False).kernels <= held  # a new interpreter costs more
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_the_open_files_limit_bounds_the_default_and_the_status_line_says_so() -> None:
+    """Under a hard limit of 1024 open files, `kernel-env capacity` and a server not told
+    --max-sessions both take what the limit holds, at a descriptor budget and a connection a
+    kernel, and name open files as the bound; the server does not warn of a shortfall."""
+    fits = (1024 - RESERVED_DESCRIPTORS - MIN_CONNECTIONS) // (DESCRIPTORS_PER_KERNEL + 1)
+    prlimit = ["prlimit", "--nofile=1024:1024"]
+    shown = subprocess.run(
+        [*prlimit, sys.executable, "-m", "kernel_env", "capacity"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert int(shown.stdout) == fits and "bound by open files" in shown.stderr
+    command = [*prlimit, sys.executable, *serve_args("--pool-size", "1", "--sandbox", "none")]
+    log = Path(f"/tmp/kernel-env-capacity-{time.monotonic_ns()}.log")
+    try:
+        with serving(command, log) as server:
+            text = log.read_text()
+            assert f"max {fits - 1} sessions" in text and "bound by open files" in text
+            metrics = httpx.get(f"{server.url}/metrics", timeout=30).json()
+            assert (metrics["max_sessions"], metrics["max_kernels"]) == (fits - 1, fits)
+            assert "too low" not in text  # the default fits the limit it came from
+    finally:
         log.unlink(missing_ok=True)

@@ -20,6 +20,7 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import ray
@@ -28,6 +29,7 @@ from kernel_env.errors import CapacityReached
 from kernel_env.llm import CallableBackend, LLMBackend
 from kernel_env.server.app import create_app
 from kernel_env.server.auth import DEFAULT_TENANT, Tenant
+from kernel_env.server.capacity import machine_capacity
 from kernel_env.server.runner import DrainingServer, build_server
 from kernel_env.server.runtime import Runtime
 from kernel_env.server.settings import ServerSettings
@@ -95,6 +97,7 @@ class KernelEnvHost:
                 "pool_size": min(pool, self.slots),
             }
         )
+        settings = self._within_capacity(settings)
         app = create_app(settings)
         server, sock, settings = build_server(settings, app)
         self._server, self._settings = server, settings
@@ -109,6 +112,30 @@ class KernelEnvHost:
             await asyncio.sleep(0.01)
         self._runtime = app.state.runtime
         self._sampler = asyncio.create_task(self._sample_forever(), name="kernel-env-host-load")
+
+    def _within_capacity(self, settings: ServerSettings) -> ServerSettings:
+        """The settings with no more slots than this machine holds (``server/capacity``): a
+        node that declares more ``kernel_env`` than it holds gets a warning and its capacity."""
+        held = machine_capacity(
+            local=settings.gateway_url is None, forked=settings.forkserver
+        ).kernels
+        if held >= self.slots:
+            return settings
+        log.warning(
+            "node %s declares %d kernel_env slots but holds %d kernels: serving %d "
+            "(kernel-env capacity prints the figure)",
+            self.node_id,
+            self.slots,
+            held,
+            held,
+        )
+        self.slots = held
+        return replace(
+            settings,
+            max_sessions=held,
+            max_kernels=held,
+            pool_size=min(settings.pool_size, held),
+        )
 
     # -- what callers ask through Ray ---------------------------------------------------------
 

@@ -6,7 +6,7 @@ app's lifespan shutdown, so a step in flight would never be answered. ``Draining
 stops listening, lets in-flight steps answer (``drain_timeout``), shuts every kernel down,
 and only then lets uvicorn close the connections.
 
-Each live kernel holds descriptors in the server (:data:`DESCRIPTORS_PER_KERNEL`), so the
+Each live kernel holds descriptors in the server (``capacity.DESCRIPTORS_PER_KERNEL``), so the
 server raises its soft ``RLIMIT_NOFILE`` to the hard limit (often 1024 soft: 110 kernels),
 and caps its connections at what the limit leaves once every kernel it may run has its
 share: a flood of connections is answered 503, never with a kernel that cannot start.
@@ -27,11 +27,15 @@ import uvicorn
 from fastapi import FastAPI
 
 from kernel_env.server.app import create_app
+from kernel_env.server.capacity import (
+    DESCRIPTORS_PER_KERNEL,
+    MIN_CONNECTIONS,
+    RESERVED_DESCRIPTORS,
+)
 from kernel_env.server.logs import log_config
 from kernel_env.server.settings import ServerSettings
 
 __all__ = [
-    "DESCRIPTORS_PER_KERNEL",
     "KEEP_ALIVE",
     "DrainingServer",
     "bind",
@@ -50,18 +54,6 @@ log = logging.getLogger(__name__)
 # first races the client's next request on that connection, which then gets a reset
 # (ECONNRESET) where the client took the connection as the server's FIN was on its way.
 KEEP_ALIVE = 330
-
-
-# A live kernel's descriptors in the server, 8 measured (benchmarks/README.md, "The figures
-# behind the code's choices"): its shell, iopub and stdin sockets, each a connection and
-# zmq's mailbox (an eventfd); the pidfd of a forked kernel's launch; the lock of its uid
-# lease (a root server). Two more once an interrupt or a shutdown request connects its
-# control socket.
-DESCRIPTORS_PER_KERNEL = 10
-# The server's own: the listening socket, logs, the forkserver's pipes, the files a kernel's
-# start opens for a moment (cgroup files, lock files), an export's temporary files.
-RESERVED_DESCRIPTORS = 256
-MIN_CONNECTIONS = 64  # past one a session, however few descriptors the kernels leave
 
 
 def raise_descriptor_limit() -> int:

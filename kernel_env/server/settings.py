@@ -55,7 +55,13 @@ class ServerSettings:
     host: str = _flag("127.0.0.1", "interface to bind")
     port: int = _flag(8000, "port to bind; 0 picks a free one")
     pool_size: int = _flag(4, "kernels kept warm for resets")
-    max_sessions: int = _flag(64, "open sessions at most, one kernel each")
+    # None: what the machine holds (server/capacity.py), less the warm pool.
+    max_sessions: int = _flag(
+        None,
+        "open sessions at most, one kernel each (none: what this machine's memory, open files "
+        "and process ids hold, less pool-size; printed at start)",
+        metavar="N",
+    )
     # Below the 60 s an OpenEnv client waits for a reply: a step that ran out must still
     # answer (with a timeout observation) before the client gives up, or every later reply
     # on that connection is shifted by one. Worst case ~ step_timeout + interrupt + restart.
@@ -183,6 +189,8 @@ class ServerSettings:
     )
 
     def __post_init__(self) -> None:
+        if self.max_sessions is None:
+            object.__setattr__(self, "max_sessions", self._sessions_the_machine_holds())
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("pool_size", "idle_ttl", "claim_ttl", "paused_ttl"):
@@ -252,6 +260,15 @@ class ServerSettings:
             elif (raw := environ.get(ENV_PREFIX + name.upper())) is not None:
                 values[name] = _parse(name, str(f.type), raw)
         return cls(**values)
+
+    def _sessions_the_machine_holds(self) -> int:
+        from kernel_env.server.capacity import machine_capacity
+
+        local = self.gateway_url is None
+        kernels = machine_capacity(local=local, forked=self.forkserver).kernels
+        if self.max_kernels is not None:
+            kernels = min(kernels, self.max_kernels)
+        return max(1, kernels - self.pool_size)
 
     @property
     def kernel_limit(self) -> int:
