@@ -1,0 +1,317 @@
+"""How many live episodes one server holds, and what each costs: N sandboxed episodes over
+``/ws``, each holding its own state, beside N kernels started by hand with jupyter_client.
+
+    python benchmarks/bench_density.py                      # N = 16, 128, 512, 1000; ~15 min
+    python benchmarks/bench_density.py --counts 16,128      # a quicker look
+    python benchmarks/bench_density.py --causes             # also one kernel's pages by cause
+
+Run as root: the kernels run as uids of their own, and only root reads their ``smaps``. One
+``kernel-env serve`` subprocess (forkserver, bubblewrap) on loopback; episodes open 8 at a
+time, each a WebSocket held open, and set ``mine = i`` and a 1 MiB ``bytearray``. At each N:
+the PSS of the whole server tree (the server, the forkserver and every kernel's processes)
+divided by N, and its growth since the previous N per episode added (marginal); the time to
+open the episodes added; a step's p50 (``mine`` read back by 64 episodes picked at random)
+against the same step with one episode live, measured first; a reset's p50 (a spare
+episode's kernel replaced, 16 times); the server process's RSS. At the largest N every
+episode is asked for its own ``mine``: each must answer its own. The hand-started kernels
+(``KernelManager``, unsandboxed, no helpers) are measured alone first, as the floor a kernel
+costs without a forkserver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.manager import KernelManager
+from websockets.asyncio.client import ClientConnection, connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from procs import descendants
+from serverkit import ServeProcess, serve_process
+
+MiB = 1 << 20
+AT_ONCE = 8  # episodes opened at a time: the 2-core machine starts kernels, it does not queue
+STEP_SAMPLES = 64
+RESET_SAMPLES = 16
+
+
+def pss(pid: int) -> int:
+    """Proportional set size, bytes (0 for a process gone or unreadable)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_pss(root: int) -> int:
+    return sum(pss(pid) for pid in {root, *descendants(root)})
+
+
+def private(pid: int) -> int:
+    """Pages only this process maps (dirty and clean), bytes."""
+    found = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                found += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return found
+
+
+def by_process(root: int) -> dict[str, tuple[int, int]]:
+    """The server tree's processes by command name: how many, and their private pages."""
+    found: dict[str, tuple[int, int]] = {}
+    for pid in {root, *descendants(root)}:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        count, size = found.get(name, (0, 0))
+        found[name] = (count + 1, size + private(pid))
+    return found
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- kernels started by hand ---------------------------------------------------------------
+
+
+def by_hand(n: int) -> dict[str, float]:
+    """``n`` kernels started with jupyter_client's ``KernelManager``, each holding the same
+    state: the PSS of their processes per kernel."""
+    managers = []
+    try:
+        for i in range(n):
+            km = KernelManager(kernel_name="python3")
+            km.start_kernel()
+            managers.append(km)
+            client = km.client()
+            client.start_channels()
+            client.wait_for_ready(timeout=60)
+            client.execute_interactive(f"mine = {i}; blob = bytearray({MiB})", timeout=60)
+            client.stop_channels()
+        pids = [km.provisioner.pid for km in managers]  # type: ignore[union-attr]
+        total = sum(pss(pid) + sum(pss(c) for c in descendants(pid)) for pid in pids)
+        return {"kernels": n, "pss_per_kernel_mib": total / n / MiB}
+    finally:
+        for km in managers:
+            km.shutdown_kernel(now=True)
+
+
+# -- episodes over /ws ---------------------------------------------------------------------
+
+
+async def request(ws: ClientConnection, frame: dict[str, Any]) -> dict[str, Any]:
+    await ws.send(json.dumps(frame))
+    reply: dict[str, Any] = json.loads(await ws.recv())
+    if reply.get("type") == "error":
+        raise RuntimeError(f"{frame['type']} failed: {reply}")
+    return reply
+
+
+async def step(ws: ClientConnection, code: str) -> dict[str, Any]:
+    reply = await request(ws, {"type": "step", "data": {"code": code}})
+    result: dict[str, Any] = reply["data"]["observation"]["result"]
+    if not result["success"]:
+        raise RuntimeError(f"step failed: {result}")
+    return result
+
+
+async def open_episode(url: str, i: int) -> ClientConnection:
+    ws = await connect(url, max_size=None, open_timeout=120, ping_interval=None)
+    await request(ws, {"type": "reset", "data": {"max_iterations": 100_000}})
+    await step(ws, f"mine = {i}; blob = bytearray({MiB})")
+    return ws
+
+
+async def open_many(url: str, first: int, last: int) -> list[ClientConnection]:
+    gate = asyncio.Semaphore(AT_ONCE)
+
+    async def one(i: int) -> ClientConnection:
+        async with gate:
+            return await open_episode(url, i)
+
+    return list(await asyncio.gather(*(one(i) for i in range(first, last))))
+
+
+async def asks_back(ws: ClientConnection, i: int) -> float:
+    """Seconds for a step that reads the episode's own ``mine`` (which must be ``i``)."""
+    start = time.perf_counter()
+    result = await step(ws, "print(mine)")
+    took = time.perf_counter() - start
+    if result["stdout"].strip() != str(i):
+        raise AssertionError(f"episode {i} answered {result['stdout']!r}")
+    return took
+
+
+async def step_p50(live: list[ClientConnection], samples: int) -> float:
+    picked = random.sample(range(len(live)), min(samples, len(live)))
+    return statistics.median([await asks_back(live[i], i) for i in picked]) * 1000
+
+
+async def reset_p50(url: str, samples: int) -> float:
+    async with connect(url, max_size=None, open_timeout=120, ping_interval=None) as ws:
+        took = []
+        for _ in range(samples):
+            start = time.perf_counter()
+            await request(ws, {"type": "reset", "data": {}})
+            took.append(time.perf_counter() - start)
+    return statistics.median(took) * 1000
+
+
+async def every_one_answers(live: list[ClientConnection]) -> int:
+    gate = asyncio.Semaphore(AT_ONCE)
+
+    async def one(i: int) -> float:
+        async with gate:
+            return await asks_back(live[i], i)
+
+    await asyncio.gather(*(one(i) for i in range(len(live))))
+    return len(live)
+
+
+async def density(server: ServeProcess, counts: list[int]) -> list[dict[str, float]]:
+    url = server.url.replace("http", "ws", 1) + "/ws"
+    pid = server.process.pid
+    live: list[ClientConnection] = []
+    rows: list[dict[str, float]] = []
+    try:
+        live += await open_many(url, 0, 1)
+        alone = await step_p50(live, 32)
+        base_pss = tree_pss(pid)
+        previous_n, previous_pss = 1, base_pss
+        for n in counts:
+            start = time.perf_counter()
+            live += await open_many(url, len(live), n)
+            opened = time.perf_counter() - start
+            await asyncio.sleep(2)  # the pool refills
+            total = tree_pss(pid)
+            row = {
+                "n": n,
+                "open_s": opened,
+                "pss_per_episode_mib": total / n / MiB,
+                "marginal_mib": (total - previous_pss) / (n - previous_n) / MiB,
+                "step_p50_ms": await step_p50(live, STEP_SAMPLES),
+                "step_alone_ms": alone,
+                "reset_p50_ms": await reset_p50(url, RESET_SAMPLES),
+                "server_rss_mib": rss(pid) / MiB,
+            }
+            rows.append(row)
+            print(_row_text(row), flush=True)
+            previous_n, previous_pss = n, total
+        answered = await every_one_answers(live)
+        print(f"every one of {answered} live episodes answered its own state", flush=True)
+        print(f"the server tree at N={len(live)}, private pages by process:")
+        for name, (count, size) in sorted(by_process(pid).items(), key=lambda kv: -kv[1][1]):
+            print(f"  {name:16} x{count:5}  {size / MiB:9.1f} MiB  ({size / count / MiB:.2f} each)")
+    finally:
+        await asyncio.gather(*(ws.close() for ws in live), return_exceptions=True)
+    return rows
+
+
+def _row_text(row: dict[str, float]) -> str:
+    return (
+        f"N={row['n']:5.0f}  PSS/episode {row['pss_per_episode_mib']:5.1f} MiB  "
+        f"marginal {row['marginal_mib']:5.1f} MiB  opened in {row['open_s']:6.1f} s  "
+        f"step p50 {row['step_p50_ms']:5.1f} ms ({row['step_p50_ms'] / row['step_alone_ms']:.2f}"
+        f"x alone's {row['step_alone_ms']:.1f})  reset p50 {row['reset_p50_ms']:5.1f} ms  "
+        f"server RSS {row['server_rss_mib']:5.0f} MiB"
+    )
+
+
+# -- one kernel's pages by cause -------------------------------------------------------------
+
+
+def causes(pid: int) -> Counter[str]:
+    """A process's private pages (dirty and clean, bytes) by what they back: the heap,
+    anonymous mappings (the interpreter's arenas, threads' stacks, zmq's buffers), stacks,
+    and each file-backed library or module."""
+    found: Counter[str] = Counter()
+    name = "?"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            name = _cause(head[5] if len(head) > 5 else "")
+        elif head[0] in ("Private_Dirty:", "Private_Clean:"):
+            found[name] += int(head[1]) * 1024
+    return found
+
+
+def _cause(path: str) -> str:
+    if not path:
+        return "anonymous (arenas, thread stacks, buffers)"
+    if path in ("[heap]", "[stack]"):
+        return path
+    if path.startswith("["):
+        return "kernel mappings"
+    return "file: " + os.path.basename(path).split(".cpython")[0]
+
+
+def kernel_of(server_pid: int) -> int | None:
+    """A forked kernel's process: a descendant whose command line names ipykernel's
+    ``kernel_env`` fork (the zygote's children), the youngest."""
+    found = [
+        p for p in descendants(server_pid) if b"zygote" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    return max(found) if found else None
+
+
+async def cause_table(server: ServeProcess) -> None:
+    url = server.url.replace("http", "ws", 1) + "/ws"
+    ws = await open_episode(url, 0)
+    try:
+        pid = kernel_of(server.process.pid)
+        if pid is None:
+            print("no forked kernel found")
+            return
+        table = causes(pid)
+        print(f"one forked kernel's private pages (pid {pid}), by cause:")
+        for cause, size in table.most_common(12):
+            print(f"  {size / MiB:7.2f} MiB  {cause}")
+        print(f"  {sum(table.values()) / MiB:7.2f} MiB  in all")
+    finally:
+        await ws.close()
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--counts", default="16,128,512,1000")
+    parser.add_argument("--hand", type=int, default=16, help="kernels started by hand")
+    parser.add_argument("--causes", action="store_true")
+    args = parser.parse_args()
+    counts = sorted(int(n) for n in args.counts.split(","))
+    if os.geteuid() != 0:
+        sys.exit("bench_density: run as root (the kernels' smaps belong to their own uids)")
+    hand = by_hand(args.hand)
+    print(f"by hand: {hand['kernels']} kernels, PSS {hand['pss_per_kernel_mib']:.1f} MiB each")
+    serve = ("--pool-size", "8", "--max-sessions", str(max(counts) + 20), "--idle-ttl", "0")
+    with serve_process(*serve, "--step-timeout", "120", "--log-level", "warning") as server:
+        if args.causes:
+            asyncio.run(cause_table(server))
+        asyncio.run(density(server, counts))
+
+
+if __name__ == "__main__":
+    main()
