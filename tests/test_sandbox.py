@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -16,8 +17,9 @@ from serverkit import make_client, serve_process, wait_until
 from uids import unsandboxed_kernels_get_own_uids
 
 from kernel_env import KernelEnv
+from kernel_env.errors import KernelStartError
 from kernel_env.kernel import Kernel, LocalKernel
-from kernel_env.kernel.isolation import privilege
+from kernel_env.kernel.isolation import cgroups, privilege
 from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
 from kernel_env.kernel.launch import launch_guard
 from kernel_env.kernel.sandboxed import SandboxedKernel
@@ -51,6 +53,27 @@ async def _local() -> Kernel:
 def senv() -> Iterator[KernelEnv]:
     with sandboxed(memory_bytes=1024**3, processes=64) as env:
         yield env
+
+
+@pytest.mark.skipif(
+    "memory" not in cgroups.available_controllers(), reason="no memory cgroup to write"
+)
+def test_a_kernel_killed_at_start_says_which_limit_it_hit() -> None:
+    """A kernel whose cgroup's memory limit is too small for its interpreter is killed as it
+    starts: the start fails saying so, not with a bare "exited while starting"."""
+    tiny = SandboxLimits(memory_bytes=12 * 1024**2, address_space_bytes=8 * 1024**3)
+    kernel = SandboxedKernel(limits=tiny)
+
+    async def start() -> None:
+        try:
+            await kernel.start()
+        finally:
+            await kernel.shutdown()
+
+    with pytest.raises(KernelStartError) as failed:
+        asyncio.run(start())
+    assert "exited while starting" in str(failed.value)
+    assert "its memory limit" in str(failed.value), failed.value
 
 
 def test_f5_memory_limit(senv: KernelEnv) -> None:
@@ -215,23 +238,21 @@ async def test_churn_leaves_nothing_behind(tmp_path: Path) -> None:
     await cycle()  # warm imports and caches before the baseline
     parent = next(tmp_path.iterdir())  # this process's runtime parent, locked while it lives
     baseline = len(os.listdir("/proc/self/fd"))
-    cgroups = Path(f"/sys/fs/cgroup/pids/kernel_env/{os.getpid()}")
-    before = set(cgroups.iterdir()) if cgroups.exists() else set()
+    mine = Path(f"/sys/fs/cgroup/pids/kernel_env/{os.getpid()}")
+    before = set(mine.iterdir()) if mine.exists() else set()
     for _ in range(60):
         await cycle()
     assert sorted(os.listdir(parent)) == [".lock"]
     assert descendants(os.getpid()) == set()
     assert len(os.listdir("/proc/self/fd")) <= baseline
     # Compared with before: other tests' servers, killed on purpose, may have left some.
-    assert not cgroups.exists() or set(cgroups.iterdir()) - before == set()
+    assert not mine.exists() or set(mine.iterdir()) - before == set()
 
 
 def test_a_dead_servers_cgroups_are_swept() -> None:
     """The cgroups of a server killed with SIGKILL (its parent is named by its pid) are
     removed by the next server's sweep, and whatever still ran in them is killed; a live
     server's cgroups are left alone."""
-    from kernel_env.kernel.isolation import cgroups
-
     if "pids" not in cgroups.available_controllers():
         pytest.skip("no writable pids cgroup here")
     tree = Path("/sys/fs/cgroup/pids/kernel_env")

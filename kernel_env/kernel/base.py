@@ -181,6 +181,16 @@ class Kernel(ABC):
     async def is_alive(self) -> bool:
         """Whether the kernel process is running."""
 
+    def exit_reasons(self) -> list[str]:
+        """What is known of why the kernel process ended (its exit status, a limit it hit),
+        in words; empty where nothing is."""
+        return []
+
+    def _exited_while_starting(self) -> KernelStartError:
+        reasons = self.exit_reasons()
+        said = f": {'; '.join(reasons)}" if reasons else " (no reason known)"
+        return KernelStartError(f"kernel exited while starting{said}", kernel_id=self.kernel_id)
+
     @abstractmethod
     async def interrupt(self) -> None:
         """Interrupt the running cell (SIGINT, or the backend's equivalent)."""
@@ -304,7 +314,7 @@ class Kernel(ABC):
                     kernel_id=self.kernel_id,
                 )
             if not await self.is_alive():
-                raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
+                raise self._exited_while_starting()
             self._send("shell", "kernel_info_request", {})
             msg = await _get(self._queues["shell"], _READY_RECHECK)
             answered |= msg is not None and _msg_type(msg) == "kernel_info_reply"
@@ -352,7 +362,7 @@ class Kernel(ABC):
                         kernel_id=self.kernel_id,
                     )
                 if not await self.is_alive():
-                    raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
+                    raise self._exited_while_starting()
                 if now >= ask_from:
                     self._send("shell", "kernel_info_request", {})
                 recheck = now + _READY_RECHECK
@@ -384,7 +394,7 @@ class Kernel(ABC):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ready_timeout
         if not await self.is_alive():
-            raise KernelStartError("kernel exited while starting", kernel_id=self.kernel_id)
+            raise self._exited_while_starting()
         probe = _Run(self._send("shell", "execute_request", self._stdin_probe or _STDIN_PROBE))
         answer = asyncio.ensure_future(self._serve_stdin(probe, _answer_probe))
         got_iopub = probe_running = False
@@ -401,9 +411,7 @@ class Kernel(ABC):
                 spare = probe_running
                 if now >= recheck:
                     if not await self.is_alive():
-                        raise KernelStartError(
-                            "kernel exited while starting", kernel_id=self.kernel_id
-                        )
+                        raise self._exited_while_starting()
                     if not got_iopub:
                         self._send("shell", "kernel_info_request", {})
                     recheck, spare = now + _READY_RECHECK, True

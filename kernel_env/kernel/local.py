@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
@@ -439,6 +440,18 @@ class LocalKernel(Kernel):
     async def is_alive(self) -> bool:
         return self._km is not None and await self._km.is_alive()
 
+    def exit_reasons(self) -> list[str]:
+        reasons = []
+        process = getattr(self._km.provisioner, "process", None) if self._km else None
+        status = getattr(process, "returncode", None)  # a kernel this process started
+        if status is not None and status < 0:
+            reasons.append(f"killed by signal {_signal_name(-status)}")
+        elif status:
+            reasons.append(f"exit status {status}")
+        if self._cgroup is not None:
+            reasons += self._cgroup.limits_hit()
+        return reasons
+
     async def interrupt(self) -> None:
         if self._km is not None:
             await self._km.interrupt_kernel()
@@ -513,3 +526,10 @@ def describe_isolation(python: str = sys.executable) -> dict[str, str]:
         if tracked
         else "a process that leaves the kernel's session may survive it",
     }
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{number} ({signal.Signals(number).name})"
+    except ValueError:  # a real-time signal, unnamed
+        return str(number)

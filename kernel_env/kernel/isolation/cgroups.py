@@ -174,6 +174,23 @@ class KernelCgroup:
         name = "tasks" if cgroup_version() == 1 else "cgroup.procs"
         return [p / name for p in self.paths]
 
+    def limits_hit(self) -> list[str]:
+        """The limits the kernel's processes ran into, in words: its memory limit (processes
+        killed for it) or its process limit (forks refused); empty when neither or unknown."""
+        hit = []
+        memory = _events(self._file_or_none("memory", "memory.oom_control", "memory.events"))
+        if memory.get("oom_kill", 0):
+            hit.append(f"its memory limit ({memory['oom_kill']} process(es) killed for it)")
+        pids = _events(self._file_or_none("pids", "pids.events", "pids.events"))
+        if pids.get("max", 0):
+            hit.append(f"its process limit ({pids['max']} fork(s) refused)")
+        return hit
+
+    def _file_or_none(self, controller: str, v1: str, v2: str) -> Path | None:
+        if controller not in self.controllers:
+            return None
+        return self._file(controller, v1, v2)
+
     def kill(self) -> None:
         """SIGKILL every process in the cgroup (the cgroup stays)."""
         for path in self.paths[:1]:  # on v1 every controller's directory holds the same
@@ -197,6 +214,19 @@ class KernelCgroup:
             log.error("cgroups %s outlived their kernel; retried later", self.paths)
         _remove_left_behind()
         return bool(emptied) and all(emptied)
+
+
+def _events(path: Path | None) -> dict[str, int]:
+    """A cgroup's ``name value`` lines (``memory.events``, ``pids.events``), {} if unread."""
+    found: dict[str, int] = {}
+    if path is None:
+        return found
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                found[name] = int(value)
+    return found
 
 
 # Kernel cgroups whose removal failed (a process outlived the kill loop): retried later.
