@@ -146,6 +146,7 @@ def _python_version(python: str) -> tuple[int, ...] | None:
 # 12's is 3.11.2: older than some pins of the tools `make test` installs, see test_install.py).
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # its own waits: a clone, a venv made, the examples run
 @pytest.mark.parametrize("python", [None, "/usr/bin/python3"], ids=["python3", "system-python3"])
 def test_getting_started_from_a_fresh_clone(tmp_path: Path, python: str | None) -> None:
     """The README's way in, as a newcomer takes it: a fresh clone, `make serve` (which makes
