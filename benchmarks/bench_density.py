@@ -3,7 +3,8 @@
 
     python benchmarks/bench_density.py                      # N = 16, 128, 512, 1000; ~15 min
     python benchmarks/bench_density.py --counts 16,128      # a quicker look
-    python benchmarks/bench_density.py --causes             # also one kernel's pages by cause
+    python benchmarks/bench_density.py --causes             # also one kernel's pages by cause:
+                                                            # fresh, after 1 step, after 10
 
 Run as root: the kernels run as uids of their own, and only root reads their ``smaps``. One
 ``kernel-env serve`` subprocess (forkserver, bubblewrap) on loopback; episodes open 8 at a
@@ -266,28 +267,51 @@ def _cause(path: str) -> str:
     return "file: " + os.path.basename(path).split(".cpython")[0]
 
 
-def kernel_of(server_pid: int) -> int | None:
-    """A forked kernel's process: a descendant whose command line names ipykernel's
-    ``kernel_env`` fork (the zygote's children), the youngest."""
-    found = [
-        p for p in descendants(server_pid) if b"zygote" in Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
-    return max(found) if found else None
+def forked_kernels(server_pid: int) -> dict[int, str]:
+    """The server tree's forked kernels (``ke-kernel``), each with its start time (clock ticks
+    since boot, the same inside a sandbox's PID namespace as outside)."""
+    found = {}
+    for pid in descendants(server_pid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "ke-kernel":
+                found[pid] = _started(Path(f"/proc/{pid}/stat").read_text())
+        except OSError:
+            continue
+    return found
+
+
+def _started(stat: str) -> str:
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+_ITS_START = "print(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19])"
 
 
 async def cause_table(server: ServeProcess) -> None:
+    """One forked kernel's private pages by cause: a fresh one from the pool (it ran no cell),
+    the episode's after its reset and first step, and after 10 steps."""
     url = server.url.replace("http", "ws", 1) + "/ws"
     ws = await open_episode(url, 0)
     try:
-        pid = kernel_of(server.process.pid)
-        if pid is None:
+        kernels = forked_kernels(server.process.pid)
+        now = {pid: causes(pid) for pid in kernels}  # before a step that tells which is ours
+        started = (await step(ws, _ITS_START))["stdout"].strip()
+        ours = next((pid for pid, start in kernels.items() if start == started), None)
+        fresh = max((pid for pid in kernels if pid != ours), default=None)
+        if ours is None or fresh is None:
             print("no forked kernel found")
             return
-        table = causes(pid)
-        print(f"one forked kernel's private pages (pid {pid}), by cause:")
-        for cause, size in table.most_common(12):
-            print(f"  {size / MiB:7.2f} MiB  {cause}")
-        print(f"  {sum(table.values()) / MiB:7.2f} MiB  in all")
+        tables = {"fresh": now[fresh], "1 step": now[ours]}
+        for _ in range(8):  # and the step that asked for its start: 10 in all
+            await step(ws, "print(mine)")
+        tables["10 steps"] = causes(ours)
+        print(f"one forked kernel's private pages by cause, MiB (pid {fresh} fresh, {ours}):")
+        print(f"  {'':44} " + " ".join(f"{name:>9}" for name in tables))
+        every = sum(tables.values(), Counter[str]())
+        for cause, _ in every.most_common(10):
+            print(f"  {cause:44} " + " ".join(f"{t[cause] / MiB:9.2f}" for t in tables.values()))
+        totals = (sum(t.values()) / MiB for t in tables.values())
+        print(f"  {'in all':44} " + " ".join(f"{total:9.2f}" for total in totals))
     finally:
         await ws.close()
 
