@@ -10,6 +10,7 @@ import secrets
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,47 @@ def test_two_sandboxes_cannot_see_each_other(opts: dict[str, Any], server: Serve
     finally:
         one.kill()
         two.kill()
+
+
+def test_list_pages_orders_and_filters(opts: dict[str, Any]) -> None:
+    """Sandbox.list as E2B's: limit pages with a next token (has_next), newest first unless
+    order="asc", startedAfter (at or after), the template filter (id or alias) and state."""
+    mark = {"run": secrets.token_hex(4)}
+    query = e2b.SandboxQuery(metadata=mark)
+    first = e2b_ci.Sandbox.create(metadata=mark, **opts)
+    second = e2b_ci.Sandbox.create(template="python3", metadata=mark, **opts)
+    try:
+        pages = e2b_ci.Sandbox.list(query=query, limit=1, **opts)
+        assert [s.sandbox_id for s in pages.next_items()] == [second.sandbox_id]
+        assert pages.has_next and pages.next_token is not None
+        assert [s.sandbox_id for s in pages.next_items()] == [first.sandbox_id]
+        assert not pages.has_next and pages.next_token is None
+
+        def ids(**kwargs: Any) -> list[str]:
+            listed = e2b_ci.Sandbox.list(**{"query": query, **kwargs}, **opts).next_items()
+            return [s.sandbox_id for s in listed]
+
+        assert ids(order="asc") == [first.sandbox_id, second.sandbox_id]
+        assert ids(order="desc") == [second.sandbox_id, first.sandbox_id]
+        started = first.get_info().started_at
+        after = e2b.SandboxQuery(metadata=mark, started_after=started)
+        assert first.sandbox_id in ids(query=after)
+        later = e2b.SandboxQuery(metadata=mark, started_after=started + timedelta(seconds=3600))
+        assert ids(query=later) == []
+        # A template's id, or its alias (the kernel's name: python3 is both sandboxes' own).
+        by_id = e2b.SandboxQuery(metadata=mark, template="code-interpreter-v1")
+        assert ids(query=by_id) == [first.sandbox_id]
+        by_alias = e2b.SandboxQuery(metadata=mark, template="python3")
+        assert ids(query=by_alias) == [second.sandbox_id, first.sandbox_id]
+        assert ids(query=e2b.SandboxQuery(metadata=mark, template="unknown-template")) == []
+        first.pause()
+        paused = e2b.SandboxQuery(metadata=mark, state=[e2b.SandboxState.PAUSED])
+        assert ids(query=paused) == [first.sandbox_id]
+        with pytest.raises(e2b.SandboxException):
+            e2b_ci.Sandbox.list(query=query, next_token="forged", **opts).next_items()
+    finally:
+        first.kill()
+        second.kill()
 
 
 def test_a_tenant_sees_and_kills_only_its_own_sandboxes(tmp_path: Path) -> None:
