@@ -3,6 +3,7 @@ serve`` on loopback: configured only through the SDK's settings (API URL, sandbo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import re
@@ -233,6 +234,40 @@ async def test_async_sdk_runs_code_with_callbacks(opts: dict[str, Any]) -> None:
     finally:
         await sandbox.kill()
     assert not await sandbox.is_running()
+
+
+async def test_an_async_commands_timeout_is_its_lifetime(opts: dict[str, Any]) -> None:
+    """AsyncSandbox.commands.run(timeout=2): the server keeps the Connect deadline, so a
+    longer command raises the SDK's TimeoutException in about 2 s, and is killed."""
+    sandbox = await e2b_ci.AsyncSandbox.create(**opts)
+    try:
+        since = time.monotonic()
+        with pytest.raises(e2b.TimeoutException):
+            await sandbox.commands.run("sleep 30", timeout=2)
+        assert 1.5 <= time.monotonic() - since < 15
+        deadline = time.monotonic() + 15
+        while _running("sleep 30", await sandbox.commands.list()):
+            assert time.monotonic() < deadline, "the command outlived its timeout"
+            await asyncio.sleep(0.1)
+        assert (await sandbox.commands.run("echo on", timeout=5)).stdout == "on\n"
+    finally:
+        await sandbox.kill()
+
+
+def test_a_commands_timeout_kills_it_after_its_client_left(opts: dict[str, Any]) -> None:
+    """The sync SDK gives up on a command at its timeout and closes the stream; the server
+    still kills the command at the deadline, as envd does."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        with pytest.raises(e2b.TimeoutException):
+            sandbox.commands.run("sleep 31", timeout=2)
+        deadline = time.monotonic() + 15
+        while _running("sleep 31", sandbox.commands.list()):
+            assert time.monotonic() < deadline, "the command outlived its timeout"
+            time.sleep(0.1)
+
+
+def _running(command: str, processes: list[Any]) -> bool:
+    return any(command in process.args for process in processes)
 
 
 def test_the_sdk_reads_its_environment_variables(server: ServeProcess) -> None:

@@ -299,6 +299,8 @@ def _proc_poll(pid: int) -> dict[str, Any]:
 
 def _proc_signal(signal_number: int, pid: int | None = None, tag: str | None = None) -> None:
     process = _find(pid, tag)
+    if process.ended:  # reaped: its pid (and group id) may be another process's by now
+        raise _Failure("not_found", "the process has ended")
     try:
         os.killpg(process.popen.pid, signal_number)
     except ProcessLookupError:
