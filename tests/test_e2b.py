@@ -270,6 +270,43 @@ def _running(command: str, processes: list[Any]) -> bool:
     return any(command in process.args for process in processes)
 
 
+def test_a_sandbox_killed_during_run_code_raises_timeout(opts: dict[str, Any]) -> None:
+    """Killing a sandbox while its cell runs cuts the cell's answer short, as E2B's does: the
+    SDK raises its TimeoutException (the sandbox was killed), not an ExecutionError."""
+    sandbox = e2b_ci.Sandbox.create(**opts)
+    try:
+
+        def kill(message: Any) -> None:
+            assert e2b_ci.Sandbox.kill(sandbox.sandbox_id, **opts) is True
+
+        with pytest.raises(e2b.TimeoutException, match="killed"):
+            sandbox.run_code(
+                "import time\nprint('running', flush=True)\ntime.sleep(60)", on_stdout=kill
+            )
+        assert not sandbox.is_running()
+    finally:
+        sandbox.kill()
+
+
+async def test_an_async_sandbox_killed_during_run_code_raises_timeout(
+    opts: dict[str, Any],
+) -> None:
+    """The same with AsyncSandbox."""
+    sandbox = await e2b_ci.AsyncSandbox.create(**opts)
+    try:
+
+        async def kill(message: Any) -> None:
+            assert await e2b_ci.AsyncSandbox.kill(sandbox.sandbox_id, **opts) is True
+
+        with pytest.raises(e2b.TimeoutException, match="killed"):
+            await sandbox.run_code(
+                "import time\nprint('running', flush=True)\ntime.sleep(60)", on_stdout=kill
+            )
+        assert not await sandbox.is_running()
+    finally:
+        await sandbox.kill()
+
+
 def test_the_sdk_reads_its_environment_variables(server: ServeProcess) -> None:
     """E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY alone configure the SDK."""
     import subprocess
