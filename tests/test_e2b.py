@@ -353,6 +353,24 @@ def test_pause_contexts_and_a_cell_past_its_timeout(opts: dict[str, Any]) -> Non
         assert sandbox.run_code("'next'").text == "next"
 
 
+def test_restart_code_context(opts: dict[str, Any]) -> None:
+    """restart_code_context starts a context's kernel afresh (its variables gone, the context
+    still there); the sandbox's own context is refused in E2B's shape, as is an unknown one."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        context = sandbox.create_code_context()
+        sandbox.run_code("x = 1", context=context)
+        sandbox.restart_code_context(context.id)
+        gone = sandbox.run_code("x", context=context)
+        assert gone.error is not None
+        assert (gone.error.name, gone.error.value) == ("NameError", "name 'x' is not defined")
+        assert sandbox.run_code("2 + 2", context=context).text == "4"
+        assert context.id in {c.id for c in sandbox.list_code_contexts()}
+        with pytest.raises(e2b.SandboxException, match="default context"):
+            sandbox.restart_code_context(sandbox.sandbox_id)
+        with pytest.raises(e2b.NotFoundException):
+            sandbox.restart_code_context("no-such-context")
+
+
 def test_r_bash_and_typescript_contexts_and_templates(opts: dict[str, Any]) -> None:
     """run_code(language=...) runs in that language's default context (its state kept from
     cell to cell), create_code_context makes a context in a language, and a template names

@@ -34,7 +34,7 @@ from kernel_env.errors import KernelEnvError, LanguageRefused, SessionError
 from kernel_env.models import REPLAction
 from kernel_env.server.e2b.door import sandbox_in
 from kernel_env.server.e2b.failures import refused, step_failure
-from kernel_env.server.e2b.sandboxes import Sandbox, Sandboxes
+from kernel_env.server.e2b.sandboxes import UNLIMITED_EPISODE, Sandbox, Sandboxes
 from kernel_env.server.sessions import Session, SessionManager
 
 __all__ = ["JUPYTER_PORT", "ROUTES", "e2b_output", "interpreter_app"]
@@ -255,6 +255,29 @@ async def remove_context(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def restart_context(request: Request) -> Response:
+    """A context's kernel started afresh (its variables gone), as E2B's restart. The
+    sandbox's own context is refused: its kernel holds the sandbox's files and commands."""
+    sandbox = sandbox_in(request.scope)
+    context_id = request.path_params["context_id"]
+    if context_id == sandbox.id:
+        return refused(
+            "the default context is the sandbox's own kernel, with its files and commands: it "
+            "is not restarted here; restart a context made with create_code_context()"
+        )
+    found = request.app.state.contexts.of(sandbox).get(context_id)
+    if found is None or found[0].closed is not None:
+        return refused(f"Context {context_id} not found", 404)
+    session, language, _ = found
+    manager = _registry(request).sessions
+    try:
+        async with manager.request(session):
+            await session.reset({**UNLIMITED_EPISODE, "kernel_name": _kernel_of(language)})
+    except KernelEnvError as exc:
+        return refused(f"Context {context_id} could not be restarted: {exc}", 500)
+    return Response(status_code=204)
+
+
 async def health(request: Request) -> Response:
     sandbox_in(request.scope)
     return JSONResponse("OK")
@@ -265,6 +288,7 @@ ROUTES = [
     Route("/contexts", create_context, methods=["POST"]),
     Route("/contexts", list_contexts, methods=["GET"]),
     Route("/contexts/{context_id}", remove_context, methods=["DELETE"]),
+    Route("/contexts/{context_id}/restart", restart_context, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
 ]
 
