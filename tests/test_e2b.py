@@ -423,6 +423,25 @@ def test_files_in_the_sandbox_workspace(opts: dict[str, Any]) -> None:
             sandbox.files.read("/home/user/none.txt")
 
 
+def test_remove_symlink_info_and_connect_as_e2bs(opts: dict[str, Any]) -> None:
+    """files.remove of a path that is not there does nothing; get_info of a symlink describes
+    its target (a FILE, its size) and names it; commands.connect to a pid that no command has
+    raises NotFoundException at once, not at wait()."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        sandbox.files.remove("/home/user/never-was.txt")
+        sandbox.files.write("/home/user/d/t.txt", "hi")
+        sandbox.commands.run("ln -s t.txt link.txt", cwd="/home/user/d")
+        info = sandbox.files.get_info("/home/user/d/link.txt")
+        assert (info.type, info.size) == (e2b.FileType.FILE, 2)
+        assert info.symlink_target == "/home/user/d/t.txt"
+        assert sandbox.files.get_info("/home/user/d").type == e2b.FileType.DIR
+        with pytest.raises(e2b.NotFoundException):
+            sandbox.commands.connect(999999)
+        running = sandbox.commands.run("sleep 60", background=True)
+        assert sandbox.commands.connect(running.pid).pid == running.pid
+        assert running.kill() is True
+
+
 def test_commands_run_in_the_kernels_sandbox(opts: dict[str, Any]) -> None:
     """commands.run in the foreground with on_stdout, in the background with wait() and
     kill(); a non-zero exit raises the SDK's CommandExitException; the command sees the

@@ -104,7 +104,14 @@ def _shown(path: str) -> str:
 
 
 def _entry(path: str) -> dict[str, Any]:
-    info = os.lstat(path)
+    """E2B's entry for ``path``: a symlink is described by its target, as envd does (its
+    type, size and mode; ``symlink_target`` names it); a dangling one as a symlink."""
+    own = os.lstat(path)
+    link = stat.S_ISLNK(own.st_mode)
+    try:
+        info = os.stat(path) if link else own
+    except OSError:
+        info = own
     kind = (
         "symlink" if stat.S_ISLNK(info.st_mode) else "dir" if stat.S_ISDIR(info.st_mode) else "file"
     )
@@ -119,7 +126,7 @@ def _entry(path: str) -> dict[str, Any]:
         "group": str(info.st_gid),
         "modified": info.st_mtime,
     }
-    if kind == "symlink":
+    if link:
         entry["symlink_target"] = _shown(os.path.realpath(path))
     return entry
 
@@ -165,7 +172,11 @@ def _move(source: str, destination: str) -> dict[str, Any]:
 
 
 def _remove(path: str) -> None:
+    """Remove the file or the directory (with what it holds); nothing if it is not there,
+    as envd does."""
     real = _real(path)
+    if not os.path.lexists(real):
+        return
     if os.path.isdir(real) and not os.path.islink(real):
         shutil.rmtree(real)
     else:
@@ -288,6 +299,12 @@ def _find(pid: int | None = None, tag: str | None = None) -> _Process:
     )
 
 
+def _proc_find(pid: int | None = None, tag: str | None = None) -> int:
+    """The pid of the process with this pid or tag, if the kernel started it (not_found
+    otherwise; one that has ended is found until its end is collected)."""
+    return _find(pid, tag).popen.pid
+
+
 def _proc_poll(pid: int) -> dict[str, Any]:
     """The output since the last poll, and the end once the process has ended."""
     process = _find(pid)
@@ -339,6 +356,7 @@ _OPERATIONS: dict[str, Callable[..., Any]] = {
     "write": _write,
     "set_envs": _set_envs,
     "proc_start": _proc_start,
+    "proc_find": _proc_find,
     "proc_poll": _proc_poll,
     "proc_signal": _proc_signal,
     "proc_input": _proc_input,

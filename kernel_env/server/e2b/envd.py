@@ -189,13 +189,10 @@ class ProcessService(Process):
         return pb.CloseStdinResponse()
 
     async def _pid(self, selector: pb.ProcessSelector | None) -> int:
-        chosen = _selector(selector)
-        if "pid" in chosen:
-            return int(chosen["pid"])
-        for process in await self.call("proc_list"):
-            if process["tag"] == chosen["tag"]:
-                return int(process["pid"])
-        raise ConnectError(Code.NOT_FOUND, f"process with tag {chosen['tag']} not found")
+        """The pid a selector names; not_found (before any stream starts) if no command of
+        the sandbox has it."""
+        found: int = await self.call("proc_find", **_selector(selector))
+        return found
 
     async def _follow(self, pid: int, deadline: float | None) -> AsyncIterator[pb.ProcessEvent]:
         """The command's output as it comes, then its end; nothing more once the client has
