@@ -442,6 +442,46 @@ def test_remove_symlink_info_and_connect_as_e2bs(opts: dict[str, Any]) -> None:
         assert running.kill() is True
 
 
+def test_signed_file_links(opts: dict[str, Any], server: ServeProcess) -> None:
+    """download_url() and upload_url() links work with no headers, as E2B's: the server finds
+    the sandbox whose token signed them. A link unsigned, forged, for another path or
+    operation, with its expiration moved, or expired is refused (401, E2B's shape)."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox, e2b_ci.Sandbox.create(**opts) as other:
+        sandbox.files.write("/home/user/s.txt", "signed")
+        link = sandbox.download_url("s.txt")
+        assert "signature=v1_" in link
+        assert httpx.get(link, timeout=30).text == "signed"
+        assert httpx.get(sandbox.download_url("s.txt", use_signature_expiration=120)).text == (
+            "signed"
+        )
+        upload = sandbox.upload_url("up.txt")
+        sent = httpx.post(upload, files={"file": ("up.txt", b"uploaded")}, timeout=30)
+        assert sent.status_code == 200, sent.text
+        assert sandbox.files.read("/home/user/up.txt") == "uploaded"
+        # Another sandbox's link reaches that sandbox, which has no s.txt.
+        assert httpx.get(other.download_url("s.txt"), timeout=30).status_code == 404
+
+        expired = httpx.get(sandbox.download_url("s.txt", use_signature_expiration=-120))
+        assert (expired.status_code, expired.json()) == (
+            401,
+            {"code": 401, "message": "signature is already expired"},
+        )
+        timed = httpx.URL(sandbox.download_url("s.txt", use_signature_expiration=120))
+        later = int(timed.params["signature_expiration"]) + 3600
+        refused = [
+            httpx.URL(link).copy_remove_param("signature"),  # unsigned: kernel_env's own route
+            httpx.URL(link).copy_set_param("signature", "v1_" + "A" * 43),
+            httpx.URL(link).copy_set_param("path", "up.txt"),
+            httpx.URL(link).copy_set_param("username", "root"),
+            timed.copy_set_param("signature_expiration", str(later)),
+        ]
+        for url in refused:
+            assert httpx.get(url, timeout=30).status_code == 401, url
+        as_upload = httpx.post(link, files={"file": ("s.txt", b"overwritten")}, timeout=30)
+        assert as_upload.status_code == 401
+        assert sandbox.files.read("/home/user/s.txt") == "signed"
+
+
 def test_commands_run_in_the_kernels_sandbox(opts: dict[str, Any]) -> None:
     """commands.run in the foreground with on_stdout, in the background with wait() and
     kill(); a non-zero exit raises the SDK's CommandExitException; the command sees the
