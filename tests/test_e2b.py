@@ -20,6 +20,7 @@ import pytest
 from fake_openai import FakeOpenAI
 from serverkit import ServeProcess, serve_process
 
+from kernel_env.kernel.isolation.sandbox import sandbox_problem
 from kernel_env.languages.catalog import installed_kernels
 
 e2b = pytest.importorskip("e2b")
@@ -421,6 +422,28 @@ def test_files_in_the_sandbox_workspace(opts: dict[str, Any]) -> None:
         assert not sandbox.files.exists("/home/user/d/moved.txt")
         with pytest.raises(e2b.NotFoundException):
             sandbox.files.read("/home/user/none.txt")
+
+
+def test_home_user_is_the_sandboxs_workspace(opts: dict[str, Any]) -> None:
+    """In a bubblewrap sandbox, /home/user is the kernel's workspace, as on E2B: a file the
+    files API writes there is the one the code opens, and the code's, its commands' and every
+    language's working directory and $HOME is /home/user."""
+    if sandbox_problem() is not None:
+        pytest.skip(f"the server's kernels are not sandboxed here: {sandbox_problem()}")
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        sandbox.files.write("/home/user/x.txt", "from the files API")
+        assert sandbox.run_code("open('/home/user/x.txt').read()").text == "from the files API"
+        where = sandbox.run_code("import os; print(os.getcwd(), os.environ['HOME'])\n!pwd")
+        # (IPython runs a shell escape in a pty: its line ends in \r\n.)
+        assert [line.rstrip() for line in where.logs.stdout] == [
+            "/home/user /home/user",
+            "/home/user",
+        ], where
+        assert sandbox.commands.run("pwd; echo $HOME").stdout == "/home/user\n/home/user\n"
+        assert "x.txt" in sandbox.commands.run("ls /home/user").stdout.split()
+        if "bash" in OTHERS:
+            said = sandbox.run_code("pwd; echo $HOME", language="bash")
+            assert "".join(said.logs.stdout) == "/home/user\n/home/user\n", said
 
 
 def test_remove_symlink_info_and_connect_as_e2bs(opts: dict[str, Any]) -> None:
