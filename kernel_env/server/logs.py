@@ -37,8 +37,7 @@ class HideSignatures(logging.Filter):
             isinstance(a, str) and "signature=" in a for a in record.args
         ):
             record.args = tuple(
-                _SIGNATURE.sub(r"\1[hidden]", a) if isinstance(a, str) else a
-                for a in record.args
+                _SIGNATURE.sub(r"\1[hidden]", a) if isinstance(a, str) else a for a in record.args
             )
         return True
 

@@ -80,9 +80,7 @@ class E2BDoor:
         scope.setdefault("state", {})[SANDBOX_KEY] = sandbox
         await app(scope, receive, send)
 
-    async def _signed(
-        self, query: QueryParams, scope: Scope, receive: Receive, send: Send
-    ) -> None:
+    async def _signed(self, query: QueryParams, scope: Scope, receive: Receive, send: Send) -> None:
         """A signed file link: to envd's ``/files`` of the sandbox whose token signed it."""
         found = signed_sandbox(self.sandboxes().live(), scope["method"], query)
         if isinstance(found, Sandbox) and found.state == "paused":
