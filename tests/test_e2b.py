@@ -372,6 +372,40 @@ def test_restart_code_context(opts: dict[str, Any]) -> None:
             sandbox.restart_code_context("no-such-context")
 
 
+def test_a_sandbox_paused_at_its_timeout_keeps_its_state(opts: dict[str, Any]) -> None:
+    """lifecycle={"on_timeout": "pause"}: at its timeout the sandbox is paused, not killed,
+    and connect() resumes it with its state; with auto_resume, a request to it resumes it."""
+
+    def paused(sandbox: Any) -> Any:
+        deadline = time.monotonic() + 20
+        while (info := e2b_ci.Sandbox.get_info(sandbox.sandbox_id, **opts)).state != (
+            e2b.SandboxState.PAUSED
+        ):
+            assert time.monotonic() < deadline, "the sandbox was not paused at its timeout"
+            time.sleep(0.1)
+        return info
+
+    sandbox = e2b_ci.Sandbox.create(timeout=2, lifecycle={"on_timeout": "pause"}, **opts)
+    try:
+        sandbox.run_code("kept = 'still here'")
+        info = paused(sandbox)
+        assert info.lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        assert not sandbox.is_running()
+        sandbox.connect(timeout=60)
+        assert sandbox.run_code("kept").text == "still here"
+    finally:
+        sandbox.kill()
+    lifecycle: Any = {"on_timeout": "pause", "auto_resume": True}
+    auto = e2b_ci.Sandbox.create(timeout=2, lifecycle=lifecycle, **opts)
+    try:
+        auto.run_code("kept = 'resumed'")
+        paused(auto)
+        assert auto.run_code("kept").text == "resumed"
+        assert auto.get_info().state == e2b.SandboxState.RUNNING
+    finally:
+        auto.kill()
+
+
 def test_r_bash_and_typescript_contexts_and_templates(opts: dict[str, Any]) -> None:
     """run_code(language=...) runs in that language's default context (its state kept from
     cell to cell), create_code_context makes a context in a language, and a template names

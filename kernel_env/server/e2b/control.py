@@ -97,6 +97,8 @@ async def create(request: Request, tenant: Tenant) -> Response:
         _timeout(body.get("timeout"), DEFAULT_TIMEOUT),
         _strings(body.get("metadata"), "metadata"),
         _strings(body.get("envVars"), "envVars"),
+        on_timeout="pause" if _flag(body.get("autoPause"), "autoPause") else "kill",
+        auto_resume=_flag(_auto_resume(body.get("autoResume")), "autoResume.enabled"),
     )
     return JSONResponse(sandbox.created(), status_code=201)
 
@@ -236,6 +238,23 @@ def _timeout(value: Any, default: int | None) -> float:
     if not 0 <= value <= MAX_TIMEOUT:
         raise SandboxError(400, f"timeout must be between 0 and {MAX_TIMEOUT} seconds")
     return float(value)
+
+
+def _flag(value: Any, name: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise SandboxError(400, f"{name} must be a boolean")
+    return value
+
+
+def _auto_resume(value: Any) -> Any:
+    """E2B's ``autoResume``: ``{"enabled": <bool>}``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise SandboxError(400, "autoResume must be an object")
+    return value.get("enabled")
 
 
 def _strings(value: Any, name: str) -> dict[str, str]:

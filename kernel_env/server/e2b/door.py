@@ -102,6 +102,8 @@ class E2BDoor:
         token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
         if not sandbox.admits(token):
             return sandbox_not_found()
+        if sandbox.state == "paused" and sandbox.auto_resume:
+            self.sandboxes().resume(sandbox, sandbox.timeout)  # its lifecycle's auto-resume
         if sandbox.state == "paused":
             return error_response(502, "The sandbox is paused: connect() resumes it", sandbox_id)
         port = headers.get("e2b-sandbox-port", "")
