@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import os
 import re
 import secrets
@@ -537,6 +538,31 @@ def test_signed_file_links(opts: dict[str, Any], server: ServeProcess) -> None:
         as_upload = httpx.post(link, files={"file": ("s.txt", b"overwritten")}, timeout=30)
         assert as_upload.status_code == 401
         assert sandbox.files.read("/home/user/s.txt") == "signed"
+
+
+def test_gzip_uploads_and_the_owner_user(opts: dict[str, Any], server: ServeProcess) -> None:
+    """files.write(gzip=True) sends the file gzipped (Content-Encoding), written inflated; a
+    body that is not gzip is refused (400); a file of the sandbox's is owned by 'user'."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        info = sandbox.files.write("/home/user/z.txt", "zipped " * 1000, gzip=True)
+        assert info.path == "/home/user/z.txt"
+        assert sandbox.files.read("/home/user/z.txt") == "zipped " * 1000
+        assert sandbox.files.read("/home/user/z.txt", gzip=True) == "zipped " * 1000
+        entry = sandbox.files.get_info("/home/user/z.txt")
+        assert (entry.owner, entry.group) == ("user", "user")
+        headers = {
+            "E2b-Sandbox-Id": sandbox.sandbox_id,
+            "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": sandbox._envd_access_token,
+            "Content-Type": "application/octet-stream",
+            "Content-Encoding": "gzip",
+        }
+        for body in (b"not gzip at all", gzip.compress(b"cut short")[:-6]):
+            sent = httpx.post(
+                f"{server.url}/files", params={"path": "bad.txt"}, content=body,
+                headers=headers, timeout=30,
+            )  # fmt: skip
+            assert sent.status_code == 400, sent.text
 
 
 def test_commands_run_in_the_kernels_sandbox(opts: dict[str, Any]) -> None:

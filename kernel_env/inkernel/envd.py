@@ -16,8 +16,10 @@ Runs in the kernel: the standard library only.
 from __future__ import annotations
 
 import base64
+import grp
 import json
 import os
+import pwd
 import selectors
 import shutil
 import signal
@@ -30,6 +32,7 @@ from typing import Any
 __all__ = ["E2B_HOME", "call"]
 
 E2B_HOME = "/home/user"
+E2B_USER = "user"  # E2B's name for its sandbox's user: here, the kernel's uid
 _BUFFER_BYTES = 8 << 20  # undelivered output kept per process; beyond it, dropped and counted
 
 
@@ -122,13 +125,24 @@ def _entry(path: str) -> dict[str, Any]:
         "size": info.st_size,
         "mode": stat.S_IMODE(info.st_mode),
         "permissions": stat.filemode(info.st_mode),
-        "owner": str(info.st_uid),
-        "group": str(info.st_gid),
+        "owner": _named(info.st_uid, os.getuid(), pwd.getpwuid),
+        "group": _named(info.st_gid, os.getgid(), grp.getgrgid),
         "modified": info.st_mtime,
     }
     if link:
         entry["symlink_target"] = _shown(os.path.realpath(path))
     return entry
+
+
+def _named(number: int, own: int, lookup: Callable[[int], Any]) -> str:
+    """E2B's name for a file's owner (or group): ``user`` for the kernel's own, as E2B names
+    its sandbox's user; else the system's name for it, or its number."""
+    if number == own:
+        return E2B_USER
+    try:
+        return str(lookup(number)[0])
+    except KeyError:
+        return str(number)
 
 
 # -- files -------------------------------------------------------------------------------
