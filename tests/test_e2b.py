@@ -3,13 +3,16 @@ serve`` on loopback: configured only through the SDK's settings (API URL, sandbo
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import gzip
 import os
 import re
 import secrets
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import pytest
 from fake_openai import FakeOpenAI
 from serverkit import ServeProcess, serve_process
 
+from kernel_env.kernel.isolation.sandbox import sandbox_problem
 from kernel_env.languages.catalog import installed_kernels
 
 e2b = pytest.importorskip("e2b")
@@ -136,6 +140,47 @@ def test_two_sandboxes_cannot_see_each_other(opts: dict[str, Any], server: Serve
         two.kill()
 
 
+def test_list_pages_orders_and_filters(opts: dict[str, Any]) -> None:
+    """Sandbox.list as E2B's: limit pages with a next token (has_next), newest first unless
+    order="asc", startedAfter (at or after), the template filter (id or alias) and state."""
+    mark = {"run": secrets.token_hex(4)}
+    query = e2b.SandboxQuery(metadata=mark)
+    first = e2b_ci.Sandbox.create(metadata=mark, **opts)
+    second = e2b_ci.Sandbox.create(template="python3", metadata=mark, **opts)
+    try:
+        pages = e2b_ci.Sandbox.list(query=query, limit=1, **opts)
+        assert [s.sandbox_id for s in pages.next_items()] == [second.sandbox_id]
+        assert pages.has_next and pages.next_token is not None
+        assert [s.sandbox_id for s in pages.next_items()] == [first.sandbox_id]
+        assert not pages.has_next and pages.next_token is None
+
+        def ids(**kwargs: Any) -> list[str]:
+            listed = e2b_ci.Sandbox.list(**{"query": query, **kwargs}, **opts).next_items()
+            return [s.sandbox_id for s in listed]
+
+        assert ids(order="asc") == [first.sandbox_id, second.sandbox_id]
+        assert ids(order="desc") == [second.sandbox_id, first.sandbox_id]
+        started = first.get_info().started_at
+        after = e2b.SandboxQuery(metadata=mark, started_after=started)
+        assert first.sandbox_id in ids(query=after)
+        later = e2b.SandboxQuery(metadata=mark, started_after=started + timedelta(seconds=3600))
+        assert ids(query=later) == []
+        # A template's id, or its alias (the kernel's name: python3 is both sandboxes' own).
+        by_id = e2b.SandboxQuery(metadata=mark, template="code-interpreter-v1")
+        assert ids(query=by_id) == [first.sandbox_id]
+        by_alias = e2b.SandboxQuery(metadata=mark, template="python3")
+        assert ids(query=by_alias) == [second.sandbox_id, first.sandbox_id]
+        assert ids(query=e2b.SandboxQuery(metadata=mark, template="unknown-template")) == []
+        first.pause()
+        paused = e2b.SandboxQuery(metadata=mark, state=[e2b.SandboxState.PAUSED])
+        assert ids(query=paused) == [first.sandbox_id]
+        with pytest.raises(e2b.SandboxException):
+            e2b_ci.Sandbox.list(query=query, next_token="forged", **opts).next_items()
+    finally:
+        first.kill()
+        second.kill()
+
+
 def test_a_tenant_sees_and_kills_only_its_own_sandboxes(tmp_path: Path) -> None:
     """On a server with a tokens file, each client tenant's key lists, reaches and kills only
     the sandboxes it created; another tenant's sandbox is "not found" to it."""
@@ -193,6 +238,77 @@ async def test_async_sdk_runs_code_with_callbacks(opts: dict[str, Any]) -> None:
     assert not await sandbox.is_running()
 
 
+async def test_an_async_commands_timeout_is_its_lifetime(opts: dict[str, Any]) -> None:
+    """AsyncSandbox.commands.run(timeout=2): the server keeps the Connect deadline, so a
+    longer command raises the SDK's TimeoutException in about 2 s, and is killed."""
+    sandbox = await e2b_ci.AsyncSandbox.create(**opts)
+    try:
+        since = time.monotonic()
+        with pytest.raises(e2b.TimeoutException):
+            await sandbox.commands.run("sleep 30", timeout=2)
+        assert 1.5 <= time.monotonic() - since < 15
+        deadline = time.monotonic() + 15
+        while _running("sleep 30", await sandbox.commands.list()):
+            assert time.monotonic() < deadline, "the command outlived its timeout"
+            await asyncio.sleep(0.1)
+        assert (await sandbox.commands.run("echo on", timeout=5)).stdout == "on\n"
+    finally:
+        await sandbox.kill()
+
+
+def test_a_commands_timeout_kills_it_after_its_client_left(opts: dict[str, Any]) -> None:
+    """The sync SDK gives up on a command at its timeout and closes the stream; the server
+    still kills the command at the deadline, as envd does."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        with pytest.raises(e2b.TimeoutException):
+            sandbox.commands.run("sleep 31", timeout=2)
+        deadline = time.monotonic() + 15
+        while _running("sleep 31", sandbox.commands.list()):
+            assert time.monotonic() < deadline, "the command outlived its timeout"
+            time.sleep(0.1)
+
+
+def _running(command: str, processes: list[Any]) -> bool:
+    return any(command in process.args for process in processes)
+
+
+def test_a_sandbox_killed_during_run_code_raises_timeout(opts: dict[str, Any]) -> None:
+    """Killing a sandbox while its cell runs cuts the cell's answer short, as E2B's does: the
+    SDK raises its TimeoutException (the sandbox was killed), not an ExecutionError."""
+    sandbox = e2b_ci.Sandbox.create(**opts)
+    try:
+
+        def kill(message: Any) -> None:
+            assert e2b_ci.Sandbox.kill(sandbox.sandbox_id, **opts) is True
+
+        with pytest.raises(e2b.TimeoutException, match="killed"):
+            sandbox.run_code(
+                "import time\nprint('running', flush=True)\ntime.sleep(60)", on_stdout=kill
+            )
+        assert not sandbox.is_running()
+    finally:
+        sandbox.kill()
+
+
+async def test_an_async_sandbox_killed_during_run_code_raises_timeout(
+    opts: dict[str, Any],
+) -> None:
+    """The same with AsyncSandbox."""
+    sandbox = await e2b_ci.AsyncSandbox.create(**opts)
+    try:
+
+        async def kill(message: Any) -> None:
+            assert await e2b_ci.AsyncSandbox.kill(sandbox.sandbox_id, **opts) is True
+
+        with pytest.raises(e2b.TimeoutException, match="killed"):
+            await sandbox.run_code(
+                "import time\nprint('running', flush=True)\ntime.sleep(60)", on_stdout=kill
+            )
+        assert not await sandbox.is_running()
+    finally:
+        await sandbox.kill()
+
+
 def test_the_sdk_reads_its_environment_variables(server: ServeProcess) -> None:
     """E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY alone configure the SDK."""
     import subprocess
@@ -237,6 +353,58 @@ def test_pause_contexts_and_a_cell_past_its_timeout(opts: dict[str, Any]) -> Non
         with pytest.raises(e2b.TimeoutException):
             sandbox.run_code("import time\ntime.sleep(60)", timeout=1)
         assert sandbox.run_code("'next'").text == "next"
+
+
+def test_restart_code_context(opts: dict[str, Any]) -> None:
+    """restart_code_context starts a context's kernel afresh (its variables gone, the context
+    still there); the sandbox's own context is refused in E2B's shape, as is an unknown one."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        context = sandbox.create_code_context()
+        sandbox.run_code("x = 1", context=context)
+        sandbox.restart_code_context(context.id)
+        gone = sandbox.run_code("x", context=context)
+        assert gone.error is not None
+        assert (gone.error.name, gone.error.value) == ("NameError", "name 'x' is not defined")
+        assert sandbox.run_code("2 + 2", context=context).text == "4"
+        assert context.id in {c.id for c in sandbox.list_code_contexts()}
+        with pytest.raises(e2b.SandboxException, match="default context"):
+            sandbox.restart_code_context(sandbox.sandbox_id)
+        with pytest.raises(e2b.NotFoundException):
+            sandbox.restart_code_context("no-such-context")
+
+
+def test_a_sandbox_paused_at_its_timeout_keeps_its_state(opts: dict[str, Any]) -> None:
+    """lifecycle={"on_timeout": "pause"}: at its timeout the sandbox is paused, not killed,
+    and connect() resumes it with its state; with auto_resume, a request to it resumes it."""
+
+    def paused(sandbox: Any) -> Any:
+        deadline = time.monotonic() + 20
+        while (info := e2b_ci.Sandbox.get_info(sandbox.sandbox_id, **opts)).state != (
+            e2b.SandboxState.PAUSED
+        ):
+            assert time.monotonic() < deadline, "the sandbox was not paused at its timeout"
+            time.sleep(0.1)
+        return info
+
+    sandbox = e2b_ci.Sandbox.create(timeout=2, lifecycle={"on_timeout": "pause"}, **opts)
+    try:
+        sandbox.run_code("kept = 'still here'")
+        info = paused(sandbox)
+        assert info.lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        assert not sandbox.is_running()
+        sandbox.connect(timeout=60)
+        assert sandbox.run_code("kept").text == "still here"
+    finally:
+        sandbox.kill()
+    lifecycle: Any = {"on_timeout": "pause", "auto_resume": True}
+    auto = e2b_ci.Sandbox.create(timeout=2, lifecycle=lifecycle, **opts)
+    try:
+        auto.run_code("kept = 'resumed'")
+        paused(auto)
+        assert auto.run_code("kept").text == "resumed"
+        assert auto.get_info().state == e2b.SandboxState.RUNNING
+    finally:
+        auto.kill()
 
 
 def test_r_bash_and_typescript_contexts_and_templates(opts: dict[str, Any]) -> None:
@@ -289,6 +457,111 @@ def test_files_in_the_sandbox_workspace(opts: dict[str, Any]) -> None:
         assert not sandbox.files.exists("/home/user/d/moved.txt")
         with pytest.raises(e2b.NotFoundException):
             sandbox.files.read("/home/user/none.txt")
+
+
+def test_home_user_is_the_sandboxs_workspace(opts: dict[str, Any]) -> None:
+    """In a bubblewrap sandbox, /home/user is the kernel's workspace, as on E2B: a file the
+    files API writes there is the one the code opens, and the code's, its commands' and every
+    language's working directory and $HOME is /home/user."""
+    if sandbox_problem() is not None:
+        pytest.skip(f"the server's kernels are not sandboxed here: {sandbox_problem()}")
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        sandbox.files.write("/home/user/x.txt", "from the files API")
+        assert sandbox.run_code("open('/home/user/x.txt').read()").text == "from the files API"
+        where = sandbox.run_code("import os; print(os.getcwd(), os.environ['HOME'])\n!pwd")
+        # (IPython runs a shell escape in a pty: its line ends in \r\n. A loaded kernel may
+        # send both lines in one stream message.)
+        lines = "".join(where.logs.stdout).replace("\r\n", "\n").splitlines()
+        assert lines == ["/home/user /home/user", "/home/user"], where
+        assert sandbox.commands.run("pwd; echo $HOME").stdout == "/home/user\n/home/user\n"
+        assert "x.txt" in sandbox.commands.run("ls /home/user").stdout.split()
+        if "bash" in OTHERS:
+            said = sandbox.run_code("pwd; echo $HOME", language="bash")
+            assert "".join(said.logs.stdout) == "/home/user\n/home/user\n", said
+
+
+def test_remove_symlink_info_and_connect_as_e2bs(opts: dict[str, Any]) -> None:
+    """files.remove of a path that is not there does nothing; get_info of a symlink describes
+    its target (a FILE, its size) and names it; commands.connect to a pid that no command has
+    raises NotFoundException at once, not at wait()."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        sandbox.files.remove("/home/user/never-was.txt")
+        sandbox.files.write("/home/user/d/t.txt", "hi")
+        sandbox.commands.run("ln -s t.txt link.txt", cwd="/home/user/d")
+        info = sandbox.files.get_info("/home/user/d/link.txt")
+        assert (info.type, info.size) == (e2b.FileType.FILE, 2)
+        assert info.symlink_target == "/home/user/d/t.txt"
+        assert sandbox.files.get_info("/home/user/d").type == e2b.FileType.DIR
+        with pytest.raises(e2b.NotFoundException):
+            sandbox.commands.connect(999999)
+        running = sandbox.commands.run("sleep 60", background=True)
+        assert sandbox.commands.connect(running.pid).pid == running.pid
+        assert running.kill() is True
+
+
+def test_signed_file_links(opts: dict[str, Any], server: ServeProcess) -> None:
+    """download_url() and upload_url() links work with no headers, as E2B's: the server finds
+    the sandbox whose token signed them. A link unsigned, forged, for another path or
+    operation, with its expiration moved, or expired is refused (401, E2B's shape)."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox, e2b_ci.Sandbox.create(**opts) as other:
+        sandbox.files.write("/home/user/s.txt", "signed")
+        link = sandbox.download_url("s.txt")
+        assert "signature=v1_" in link
+        assert httpx.get(link, timeout=30).text == "signed"
+        assert httpx.get(sandbox.download_url("s.txt", use_signature_expiration=120)).text == (
+            "signed"
+        )
+        upload = sandbox.upload_url("up.txt")
+        sent = httpx.post(upload, files={"file": ("up.txt", b"uploaded")}, timeout=30)
+        assert sent.status_code == 200, sent.text
+        assert sandbox.files.read("/home/user/up.txt") == "uploaded"
+        # Another sandbox's link reaches that sandbox, which has no s.txt.
+        assert httpx.get(other.download_url("s.txt"), timeout=30).status_code == 404
+
+        expired = httpx.get(sandbox.download_url("s.txt", use_signature_expiration=-120))
+        assert (expired.status_code, expired.json()) == (
+            401,
+            {"code": 401, "message": "signature is already expired"},
+        )
+        timed = httpx.URL(sandbox.download_url("s.txt", use_signature_expiration=120))
+        later = int(timed.params["signature_expiration"]) + 3600
+        refused = [
+            httpx.URL(link).copy_remove_param("signature"),  # unsigned: kernel_env's own route
+            httpx.URL(link).copy_set_param("signature", "v1_" + "A" * 43),
+            httpx.URL(link).copy_set_param("path", "up.txt"),
+            httpx.URL(link).copy_set_param("username", "root"),
+            timed.copy_set_param("signature_expiration", str(later)),
+        ]
+        for url in refused:
+            assert httpx.get(url, timeout=30).status_code == 401, url
+        as_upload = httpx.post(link, files={"file": ("s.txt", b"overwritten")}, timeout=30)
+        assert as_upload.status_code == 401
+        assert sandbox.files.read("/home/user/s.txt") == "signed"
+
+
+def test_gzip_uploads_and_the_owner_user(opts: dict[str, Any], server: ServeProcess) -> None:
+    """files.write(gzip=True) sends the file gzipped (Content-Encoding), written inflated; a
+    body that is not gzip is refused (400); a file of the sandbox's is owned by 'user'."""
+    with e2b_ci.Sandbox.create(**opts) as sandbox:
+        info = sandbox.files.write("/home/user/z.txt", "zipped " * 1000, gzip=True)
+        assert info.path == "/home/user/z.txt"
+        assert sandbox.files.read("/home/user/z.txt") == "zipped " * 1000
+        assert sandbox.files.read("/home/user/z.txt", gzip=True) == "zipped " * 1000
+        entry = sandbox.files.get_info("/home/user/z.txt")
+        assert (entry.owner, entry.group) == ("user", "user")
+        headers = {
+            "E2b-Sandbox-Id": sandbox.sandbox_id,
+            "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": sandbox._envd_access_token,
+            "Content-Type": "application/octet-stream",
+            "Content-Encoding": "gzip",
+        }
+        for body in (b"not gzip at all", gzip.compress(b"cut short")[:-6]):
+            sent = httpx.post(
+                f"{server.url}/files", params={"path": "bad.txt"}, content=body,
+                headers=headers, timeout=30,
+            )  # fmt: skip
+            assert sent.status_code == 400, sent.text
 
 
 def test_commands_run_in_the_kernels_sandbox(opts: dict[str, Any]) -> None:

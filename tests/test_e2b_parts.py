@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ import pytest
 from kernel_env.inkernel import envd
 from kernel_env.inkernel.contract import DEFAULT_OUTPUT_CAP
 from kernel_env.server.e2b.interpreter import e2b_output
+from kernel_env.server.e2b.signed import signature
 from kernel_env.server.e2b.transfers import DOWN_CHUNK
+from kernel_env.server.logs import HideSignatures
 
 
 def test_streams_results_and_errors_become_e2b_lines() -> None:
@@ -112,3 +115,31 @@ def test_a_file_is_written_and_read_a_chunk_at_a_time(home: Path) -> None:
     answer = repr(envd.call("read", json.dumps({"path": "big.bin", "size": DOWN_CHUNK})))
     assert len(answer) < DEFAULT_OUTPUT_CAP
     assert len(base64.b64decode(json.loads(answer)["ok"])) == DOWN_CHUNK
+
+
+def test_a_file_links_signature_is_the_sdks() -> None:
+    """signed.signature computes what the SDK's get_signature does, with and without an
+    expiration, for the default user and a named one."""
+    sdk = pytest.importorskip("e2b.sandbox.signature")
+    for user, expires in ((None, None), ("user", 120)):
+        signed = sdk.get_signature("a/b.txt", "read", user, "tok", expires)
+        assert (
+            signature("a/b.txt", "read", user or "", "tok", signed["expiration"])
+            == (signed["signature"])
+        )
+    assert signature("a", "read", "", "tok") != signature("a", "write", "", "tok")
+
+
+def test_an_access_line_hides_a_links_signature() -> None:
+    """The access log keeps a signed link's path, not its signature."""
+    record = logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        "",
+        0,
+        '%s "%s %s"',
+        ("c", "GET", "/files?path=a&signature=v1_x&n=1"),
+        None,
+    )
+    assert HideSignatures().filter(record)
+    assert record.getMessage() == 'c "GET /files?path=a&signature=[hidden]&n=1"'

@@ -211,7 +211,7 @@ async def test_a_forked_kernel_looks_like_a_cold_one(forkserver: ForkServer) -> 
             await env.reset()
             kernel = env.environment.kernel  # type: ignore[union-attr]
             seen = eval(await _run(env, _WHAT_A_CELL_SEES))
-            workdir = str(kernel.workdir)
+            workdir = kernel.kernel_cwd  # a sandboxed kernel's is /home/user, inside it
             assert seen[0] == workdir and seen[1] == [workdir]
             assert seen[2] == f"{workdir}/.ipython/profile_default"
             snapshots.append((kernel.forked, [s.replace(workdir, "W") for s in map(str, seen)]))

@@ -177,6 +177,27 @@ def test_s2_episodes_cannot_reach_each_other() -> None:
         assert "READ" not in res.stdout
 
 
+def test_the_workspace_is_home_user() -> None:
+    """Inside the sandbox the workspace is /home/user, as on E2B: the kernel's working
+    directory, its $HOME and its commands' too; each episode's is its own."""
+    with sandboxed() as a, sandboxed() as b:
+        a.reset()
+        b.reset()
+        b.execute("open('/home/user/mine.txt', 'w').write('b')")
+        res = a.execute(
+            "import os, subprocess\n"
+            "print(os.getcwd(), os.environ['HOME'], os.path.expanduser('~'))\n"
+            "print(subprocess.run(['pwd'], capture_output=True, text=True).stdout.strip())\n"
+            "open('here.txt', 'w').write('a')\n"
+            "print(sorted(n for n in os.listdir('/home/user') if not n.startswith('.')))"
+        ).observation.result
+        assert res.stdout.splitlines() == [
+            "/home/user /home/user /home/user",
+            "/home/user",
+            "['here.txt']",
+        ], res
+
+
 def test_s1_unsandboxed_kernel_has_no_secrets_either(monkeypatch) -> None:
     """S1 on the plain local backend: its explicit environment holds no host secret."""
     for key, value in SECRETS.items():

@@ -16,8 +16,10 @@ Runs in the kernel: the standard library only.
 from __future__ import annotations
 
 import base64
+import grp
 import json
 import os
+import pwd
 import selectors
 import shutil
 import signal
@@ -30,6 +32,7 @@ from typing import Any
 __all__ = ["E2B_HOME", "call"]
 
 E2B_HOME = "/home/user"
+E2B_USER = "user"  # E2B's name for its sandbox's user: here, the kernel's uid
 _BUFFER_BYTES = 8 << 20  # undelivered output kept per process; beyond it, dropped and counted
 
 
@@ -104,7 +107,14 @@ def _shown(path: str) -> str:
 
 
 def _entry(path: str) -> dict[str, Any]:
-    info = os.lstat(path)
+    """E2B's entry for ``path``: a symlink is described by its target, as envd does (its
+    type, size and mode; ``symlink_target`` names it); a dangling one as a symlink."""
+    own = os.lstat(path)
+    link = stat.S_ISLNK(own.st_mode)
+    try:
+        info = os.stat(path) if link else own
+    except OSError:
+        info = own
     kind = (
         "symlink" if stat.S_ISLNK(info.st_mode) else "dir" if stat.S_ISDIR(info.st_mode) else "file"
     )
@@ -115,13 +125,24 @@ def _entry(path: str) -> dict[str, Any]:
         "size": info.st_size,
         "mode": stat.S_IMODE(info.st_mode),
         "permissions": stat.filemode(info.st_mode),
-        "owner": str(info.st_uid),
-        "group": str(info.st_gid),
+        "owner": _named(info.st_uid, os.getuid(), pwd.getpwuid),
+        "group": _named(info.st_gid, os.getgid(), grp.getgrgid),
         "modified": info.st_mtime,
     }
-    if kind == "symlink":
+    if link:
         entry["symlink_target"] = _shown(os.path.realpath(path))
     return entry
+
+
+def _named(number: int, own: int, lookup: Callable[[int], Any]) -> str:
+    """E2B's name for a file's owner (or group): ``user`` for the kernel's own, as E2B names
+    its sandbox's user; else the system's name for it, or its number."""
+    if number == own:
+        return E2B_USER
+    try:
+        return str(lookup(number)[0])
+    except KeyError:
+        return str(number)
 
 
 # -- files -------------------------------------------------------------------------------
@@ -165,7 +186,11 @@ def _move(source: str, destination: str) -> dict[str, Any]:
 
 
 def _remove(path: str) -> None:
+    """Remove the file or the directory (with what it holds); nothing if it is not there,
+    as envd does."""
     real = _real(path)
+    if not os.path.lexists(real):
+        return
     if os.path.isdir(real) and not os.path.islink(real):
         shutil.rmtree(real)
     else:
@@ -288,6 +313,12 @@ def _find(pid: int | None = None, tag: str | None = None) -> _Process:
     )
 
 
+def _proc_find(pid: int | None = None, tag: str | None = None) -> int:
+    """The pid of the process with this pid or tag, if the kernel started it (not_found
+    otherwise; one that has ended is found until its end is collected)."""
+    return _find(pid, tag).popen.pid
+
+
 def _proc_poll(pid: int) -> dict[str, Any]:
     """The output since the last poll, and the end once the process has ended."""
     process = _find(pid)
@@ -299,6 +330,8 @@ def _proc_poll(pid: int) -> dict[str, Any]:
 
 def _proc_signal(signal_number: int, pid: int | None = None, tag: str | None = None) -> None:
     process = _find(pid, tag)
+    if process.ended:  # reaped: its pid (and group id) may be another process's by now
+        raise _Failure("not_found", "the process has ended")
     try:
         os.killpg(process.popen.pid, signal_number)
     except ProcessLookupError:
@@ -337,6 +370,7 @@ _OPERATIONS: dict[str, Callable[..., Any]] = {
     "write": _write,
     "set_envs": _set_envs,
     "proc_start": _proc_start,
+    "proc_find": _proc_find,
     "proc_poll": _proc_poll,
     "proc_signal": _proc_signal,
     "proc_input": _proc_input,

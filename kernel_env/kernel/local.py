@@ -135,6 +135,12 @@ class LocalKernel(Kernel):
         return self._dir / "work"
 
     @property
+    def kernel_cwd(self) -> str:
+        """The kernel's working directory and ``$HOME``, as the kernel names it: its workdir
+        (a sandbox's is a path of its own)."""
+        return str(self.workdir)
+
+    @property
     def pid(self) -> int | None:
         """The process the host holds: the kernel, or the launch it runs under (a sandbox's
         bubblewrap, a forked kernel's placeholder)."""
@@ -160,7 +166,7 @@ class LocalKernel(Kernel):
         return [*launch_guard(joins), *self._drop(), *self._argv]
 
     def _environ(self) -> dict[str, str]:
-        return minimal_environ(str(self.workdir), self._python)
+        return minimal_environ(self.kernel_cwd, self._python)
 
     def _drop(self) -> list[str]:
         lease = self._lease
@@ -274,7 +280,7 @@ class LocalKernel(Kernel):
                 "gid": self._lease.gid if self._lease is not None else None,
                 "connection_file": km.connection_file,
                 "env": self._launch_env(),
-                "cwd": str(self.workdir),
+                "cwd": self.kernel_cwd,
                 "rlimits": self._rlimits(),
                 "namespace_rlimits": self._namespace_rlimits(),
             }

@@ -20,6 +20,7 @@ from kernel_env.kernel.isolation import privilege, seccomp
 from kernel_env.kernel.isolation.cgroups import KernelCgroup
 from kernel_env.kernel.isolation.runtime import runtime_parent
 from kernel_env.kernel.isolation.sandbox import (
+    INSIDE_HOME,
     INSIDE_IPC_DIR,
     SandboxLimits,
     bwrap_command,
@@ -104,6 +105,10 @@ class SandboxedKernel(LocalKernel):
             interrupt_mode="message",
         )
 
+    @property
+    def kernel_cwd(self) -> str:
+        return INSIDE_HOME  # its workspace, a tmpfs inside the sandbox
+
     def _environ(self) -> dict[str, str]:
         env = super()._environ()
         env["TMPDIR"] = "/tmp"
@@ -153,7 +158,7 @@ class SandboxedKernel(LocalKernel):
         """bubblewrap's command line; ``filtered``: the kernel's seccomp program is on
         :data:`SECCOMP_FD` (a forked kernel installs it on itself instead)."""
         fd = SECCOMP_FD if filtered else None
-        return bwrap_command(self.limits, str(self.workdir), binds, staged, seccomp_fd=fd)
+        return bwrap_command(self.limits, binds, staged, seccomp_fd=fd)
 
     def _limit_values(self) -> dict[str, int | None]:
         return limit_values(self.limits)
@@ -218,8 +223,9 @@ class SandboxedKernel(LocalKernel):
         )
 
     def _prepare_dirs(self) -> None:
-        # The workspace is a tmpfs inside; its mount point, and those of the staged binds,
-        # are empty directories the kernel cannot write (the runtime dir is bound read-only).
+        # The workspace is a tmpfs inside (INSIDE_HOME); the host's workdir is only where
+        # the launch starts. The mount points of the staged binds are empty directories the
+        # kernel cannot write (the runtime dir is bound read-only).
         self.workdir.mkdir()
         for keep in self._staged(self._binds()).values():
             Path(keep).mkdir(parents=True)

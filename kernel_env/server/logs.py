@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
-__all__ = ["JsonFormatter", "log_config"]
+__all__ = ["HideSignatures", "JsonFormatter", "log_config"]
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -27,6 +28,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False)
 
 
+class HideSignatures(logging.Filter):
+    """Hides the signature of a signed file link (E2B's ``download_url()``) in an access
+    line: it is a credential for that file as long as it is valid."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(
+            isinstance(a, str) and "signature=" in a for a in record.args
+        ):
+            record.args = tuple(
+                _SIGNATURE.sub(r"\1[hidden]", a) if isinstance(a, str) else a for a in record.args
+            )
+        return True
+
+
+_SIGNATURE = re.compile(r"((?:^|[?&])signature=)[^&\s]*")
+
+
 def log_config(level: str, fmt: str) -> dict[str, Any]:
     """A ``logging.config.dictConfig`` (what uvicorn's ``log_config`` takes) that sends every
     logger, uvicorn's included, to one stderr handler in the chosen format."""
@@ -36,6 +54,7 @@ def log_config(level: str, fmt: str) -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"kernel_env": formatter},
+        "filters": {"hide_signatures": {"()": HideSignatures}},
         "handlers": {
             "stderr": {
                 "class": "logging.StreamHandler",
@@ -47,6 +66,6 @@ def log_config(level: str, fmt: str) -> dict[str, Any]:
         "loggers": {
             "uvicorn": one_handler,
             "uvicorn.error": one_handler,
-            "uvicorn.access": one_handler,
+            "uvicorn.access": {**one_handler, "filters": ["hide_signatures"]},
         },
     }

@@ -287,7 +287,9 @@ def _prepare(request: dict[str, Any], spawner: int) -> None:
     join_cgroups(request.get("cgroup_join", []))
     if request.get("staged"):
         _bind_staged(request["staged"])
-    os.chdir(request["cwd"])  # before the uid change: the kernel's uid may not traverse the way
+    # Before the uid change: the kernel's uid may not traverse the way. A sandbox's cwd is a
+    # path inside it, where bubblewrap's --chdir puts the launch.
+    os.chdir("/" if request.get("sandboxed") else request["cwd"])
     set_ids(request)
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
     if os.getppid() != spawner:

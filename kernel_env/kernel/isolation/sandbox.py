@@ -49,6 +49,7 @@ from kernel_env.kernel.isolation import privilege, seccomp
 from kernel_env.kernel.isolation.cgroups import available_controllers, cgroup_version
 
 __all__ = [
+    "INSIDE_HOME",
     "INSIDE_IPC_DIR",
     "SandboxLimits",
     "bwrap_command",
@@ -71,6 +72,9 @@ MiB = 1024**2
 
 # Where the kernel's IPC sockets live inside the sandbox (on its private /tmp tmpfs).
 INSIDE_IPC_DIR = "/tmp/.kernel-env"
+# The kernel's workspace inside the sandbox: its $HOME and working directory, a tmpfs of its
+# own. E2B's home, so that a path an E2B client names is the one its code sees.
+INSIDE_HOME = "/home/user"
 
 # What is not the kernel's, in the (otherwise readable) host filesystem: masked inside, each
 # directory behind an empty tmpfs, each file behind /dev/null. Every home directory
@@ -494,16 +498,15 @@ def keep_visible() -> tuple[str, ...]:
 
 def bwrap_command(
     limits: SandboxLimits,
-    workdir: str,
     binds: list[tuple[str, str]],
     staged: dict[int, str],
     *,
     seccomp_fd: int | None = None,
 ) -> list[str]:
-    """bubblewrap's command line, up to the command it runs: ``binds`` are read-only
-    ``(host path, path inside)`` pairs, those whose index is in ``staged`` taken from the mount
-    point given there; ``seccomp_fd``: where the kernel's seccomp program is open (a forked
-    kernel installs it on itself instead)."""
+    """bubblewrap's command line, up to the command it runs, in the workspace
+    (:data:`INSIDE_HOME`): ``binds`` are read-only ``(host path, path inside)`` pairs, those
+    whose index is in ``staged`` taken from the mount point given there; ``seccomp_fd``: where
+    the kernel's seccomp program is open (a forked kernel installs it on itself instead)."""
     size = str(limits.workspace_bytes)
     args = [
         bwrap_path() or "bwrap",
@@ -525,8 +528,9 @@ def bwrap_command(
           for arg in ("--ro-bind", staged.get(i, source), inside)],
         # secret files, password hashes
         *_mask_files([inside for _, inside in binds], limits.hidden_paths),
-        "--size", size, "--tmpfs", workdir,  # the capped, private workspace
-        "--chdir", workdir,
+        # the capped, private workspace (over the hidden /home)
+        "--size", size, "--tmpfs", INSIDE_HOME,
+        "--chdir", INSIDE_HOME,
     ]  # fmt: skip
     return [*args, "--"]
 

@@ -13,7 +13,6 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import parse_qsl
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,6 +22,7 @@ from starlette.routing import Route
 from kernel_env.errors import KernelEnvError, SandboxError
 from kernel_env.server.auth import Tenant, Tenants
 from kernel_env.server.e2b.failures import control_error, error_response
+from kernel_env.server.e2b.listing import page_of
 from kernel_env.server.e2b.sandboxes import DEFAULT_TEMPLATE, MAX_TIMEOUT, Sandbox, Sandboxes
 
 __all__ = ["CONTROL_PREFIXES", "ROUTES", "control_app"]
@@ -97,20 +97,21 @@ async def create(request: Request, tenant: Tenant) -> Response:
         _timeout(body.get("timeout"), DEFAULT_TIMEOUT),
         _strings(body.get("metadata"), "metadata"),
         _strings(body.get("envVars"), "envVars"),
+        on_timeout="pause" if _flag(body.get("autoPause"), "autoPause") else "kill",
+        auto_resume=_flag(_auto_resume(body.get("autoResume")), "autoResume.enabled"),
     )
     return JSONResponse(sandbox.created(), status_code=201)
 
 
 async def listing(request: Request, tenant: Tenant) -> Response:
-    wanted = _metadata_query(request.query_params.get("metadata"))
-    states = set(filter(None, request.query_params.get("state", "").split(",")))
+    page = page_of(_registry(request).visible_to(tenant), request.query_params)
     found = [
-        {k: v for k, v in s.detail().items() if k != "envdAccessToken"}
-        for s in _registry(request).visible_to(tenant)
-        if all(s.metadata.get(k) == v for k, v in wanted.items())
-        and (not states or s.state in states)
+        {k: v for k, v in s.detail().items() if k != "envdAccessToken"} for s in page.sandboxes
     ]
-    return JSONResponse(found)
+    headers = {"X-Total-Running": str(page.running)}
+    if page.next_token is not None:
+        headers["X-Next-Token"] = page.next_token
+    return JSONResponse(found, headers=headers)
 
 
 async def get_info(request: Request, tenant: Tenant) -> Response:
@@ -239,6 +240,23 @@ def _timeout(value: Any, default: int | None) -> float:
     return float(value)
 
 
+def _flag(value: Any, name: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise SandboxError(400, f"{name} must be a boolean")
+    return value
+
+
+def _auto_resume(value: Any) -> Any:
+    """E2B's ``autoResume``: ``{"enabled": <bool>}``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise SandboxError(400, "autoResume must be an object")
+    return value.get("enabled")
+
+
 def _strings(value: Any, name: str) -> dict[str, str]:
     if value is None:
         return {}
@@ -247,11 +265,6 @@ def _strings(value: Any, name: str) -> dict[str, str]:
     ):
         raise SandboxError(400, f"{name} must map strings to strings")
     return dict(value)
-
-
-def _metadata_query(raw: str | None) -> dict[str, str]:
-    """E2B's ``metadata`` query: ``k1=v1&k2=v2``, URL-encoded once more."""
-    return dict(parse_qsl(raw or ""))
 
 
 def _now() -> float:

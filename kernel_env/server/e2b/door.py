@@ -6,6 +6,8 @@ URL and names the sandbox and the port in headers (``E2b-Sandbox-Id``,
 ``E2B-Traffic-Access-Token``) instead of an API key. A request that carries
 ``E2b-Sandbox-Id`` is therefore the sandbox's, whatever its path: it goes to envd's app
 (port 49983) or the code interpreter's (49999) once the sandbox and its token check out.
+A signed file link (``download_url()``, ``upload_url()``: ``/files`` with a ``signature``
+and no headers) goes to envd's app of the sandbox whose token signed it (:mod:`.signed`).
 Requests to E2B's API paths (``/sandboxes``, ...) go to the control plane, which checks
 the API key itself. Everything else passes on to kernel_env's own routes, behind
 :class:`~kernel_env.server.auth.AuthGate`.
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from starlette.datastructures import QueryParams
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kernel_env.errors import SandboxError
 from kernel_env.server.e2b.failures import error_response, sandbox_not_found
 from kernel_env.server.e2b.sandboxes import Sandbox, Sandboxes
+from kernel_env.server.e2b.signed import is_signed, signed_sandbox
 
 __all__ = ["SANDBOX_KEY", "E2BDoor"]
 
@@ -39,12 +43,14 @@ class E2BDoor:
         control: ASGIApp,
         control_prefixes: tuple[str, ...],
         ports: dict[str, ASGIApp],
+        files_port: str,
         sandboxes: Callable[[], Sandboxes],
     ) -> None:
         self.app = app
         self.control = control
         self.control_prefixes = control_prefixes
         self.ports = ports
+        self.files_port = files_port  # the port whose /files a signed link reaches (envd's)
         self.sandboxes = sandboxes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -53,8 +59,11 @@ class E2BDoor:
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         sandbox_id = headers.get("e2b-sandbox-id")
+        query = QueryParams(scope.get("query_string", b""))
         if sandbox_id is not None:
             await self._to_sandbox(sandbox_id, headers, scope, receive, send)
+        elif is_signed(scope["method"], scope["path"], query):
+            await self._signed(query, scope, receive, send)
         elif _under(scope["path"], self.control_prefixes):
             await self.control(scope, receive, send)
         else:
@@ -71,6 +80,17 @@ class E2BDoor:
         scope.setdefault("state", {})[SANDBOX_KEY] = sandbox
         await app(scope, receive, send)
 
+    async def _signed(self, query: QueryParams, scope: Scope, receive: Receive, send: Send) -> None:
+        """A signed file link: to envd's ``/files`` of the sandbox whose token signed it."""
+        found = signed_sandbox(self.sandboxes().live(), scope["method"], query)
+        if isinstance(found, Sandbox) and found.state == "paused":
+            found = error_response(502, "The sandbox is paused: connect() resumes it", found.id)
+        if isinstance(found, JSONResponse):
+            await found(scope, receive, send)
+            return
+        scope.setdefault("state", {})[SANDBOX_KEY] = found
+        await self.ports[self.files_port](scope, receive, send)
+
     def _check(
         self, sandbox_id: str, headers: dict[str, str]
     ) -> tuple[Sandbox, ASGIApp] | JSONResponse:
@@ -82,6 +102,8 @@ class E2BDoor:
         token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
         if not sandbox.admits(token):
             return sandbox_not_found()
+        if sandbox.state == "paused" and sandbox.auto_resume:
+            self.sandboxes().resume(sandbox, sandbox.timeout)  # its lifecycle's auto-resume
         if sandbox.state == "paused":
             return error_response(502, "The sandbox is paused: connect() resumes it", sandbox_id)
         port = headers.get("e2b-sandbox-port", "")

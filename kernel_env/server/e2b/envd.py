@@ -106,6 +106,7 @@ class ProcessService(Process):
 
     def __init__(self, call: _Calls) -> None:
         self.call = call
+        self._killing: set[asyncio.Task[None]] = set()  # kills at a deadline, under way
 
     async def start(self, request: pb.StartRequest, ctx: Any) -> AsyncIterator[pb.StartResponse]:
         if request.pty is not None:
@@ -114,6 +115,7 @@ class ProcessService(Process):
         if config is None or not config.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
         sandbox = _CURRENT.get()
+        deadline = _deadline(ctx)
         async with self.call.stream():  # refused past the bound before the command starts
             pid = await self.call(
                 "proc_start",
@@ -125,17 +127,33 @@ class ProcessService(Process):
                 tag=request.tag or None,
             )
             yield pb.StartResponse(event=_event("start", pb.ProcessEvent.StartEvent(pid=pid)))
-            async for event in self._follow(pid):
-                yield pb.StartResponse(event=event)
+            ended = False
+            try:
+                async for event in self._follow(pid, deadline):
+                    ended = ended or (event.event is not None and event.event.field == "end")
+                    yield pb.StartResponse(event=event)
+            except _DeadlineExceeded:
+                ended = True
+                await self._kill(sandbox, pid)
+                raise _deadline_error(pid) from None
+            finally:
+                # The deadline is the command's lifetime, as envd's: its client gone, it is
+                # still killed then.
+                if not ended and deadline is not None:
+                    self._kill_at(sandbox, pid, deadline)
 
     async def connect(
         self, request: pb.ConnectRequest, ctx: Any
     ) -> AsyncIterator[pb.ConnectResponse]:
+        deadline = _deadline(ctx)
         async with self.call.stream():
             pid = await self._pid(request.process)
             yield pb.ConnectResponse(event=_event("start", pb.ProcessEvent.StartEvent(pid=pid)))
-            async for event in self._follow(pid):
-                yield pb.ConnectResponse(event=event)
+            try:
+                async for event in self._follow(pid, deadline):
+                    yield pb.ConnectResponse(event=event)
+            except _DeadlineExceeded:
+                raise _deadline_error(pid) from None  # only the stream ends: not its command
 
     async def list(self, request: pb.ListRequest, ctx: Any) -> pb.ListResponse:
         processes = [
@@ -171,18 +189,17 @@ class ProcessService(Process):
         return pb.CloseStdinResponse()
 
     async def _pid(self, selector: pb.ProcessSelector | None) -> int:
-        chosen = _selector(selector)
-        if "pid" in chosen:
-            return int(chosen["pid"])
-        for process in await self.call("proc_list"):
-            if process["tag"] == chosen["tag"]:
-                return int(process["pid"])
-        raise ConnectError(Code.NOT_FOUND, f"process with tag {chosen['tag']} not found")
+        """The pid a selector names; not_found (before any stream starts) if no command of
+        the sandbox has it."""
+        found: int = await self.call("proc_find", **_selector(selector))
+        return found
 
-    async def _follow(self, pid: int) -> AsyncIterator[pb.ProcessEvent]:
+    async def _follow(self, pid: int, deadline: float | None) -> AsyncIterator[pb.ProcessEvent]:
         """The command's output as it comes, then its end; nothing more once the client has
-        gone (the command runs on: ``connect`` follows it again)."""
+        gone (the command runs on: ``connect`` follows it again). :class:`_DeadlineExceeded`
+        once ``deadline`` (the loop's time) passes first."""
         gone = _GONE.get()
+        loop = asyncio.get_running_loop()
         delay = _FIRST_POLL
         while not gone.is_set():
             polled = await self.call.poll(pid)
@@ -193,9 +210,46 @@ class ProcessService(Process):
             if end is not None:
                 yield _event("end", pb.ProcessEvent.EndEvent(**end))
                 return
+            if deadline is not None and loop.time() >= deadline:
+                raise _DeadlineExceeded
             delay = _FIRST_POLL if polled["output"] else min(_LAST_POLL, delay * 2)
+            if deadline is not None:
+                delay = max(0.0, min(delay, deadline - loop.time()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(gone.wait(), delay)
+
+    def _kill_at(self, sandbox: Sandbox, pid: int, deadline: float) -> None:
+        """Kill ``pid`` at ``deadline`` (the loop's time)."""
+
+        def expire() -> None:
+            task = asyncio.ensure_future(self._kill(sandbox, pid))
+            self._killing.add(task)
+            task.add_done_callback(self._killing.discard)
+
+        asyncio.get_running_loop().call_at(deadline, expire)
+
+    async def _kill(self, sandbox: Sandbox, pid: int) -> None:
+        """SIGKILL to the command's process group; nothing if it, or its sandbox, has ended."""
+        with contextlib.suppress(ConnectError):
+            await self.call.in_sandbox(sandbox, "proc_signal", signal_number=9, pid=pid)
+
+
+class _DeadlineExceeded(Exception):
+    """A stream's Connect deadline (``connect-timeout-ms``) has passed."""
+
+
+def _deadline(ctx: Any) -> float | None:
+    """The loop's time at which the request's Connect deadline passes (None: it has none)."""
+    remaining = ctx.timeout_ms
+    if remaining is None:
+        return None
+    return asyncio.get_running_loop().time() + max(0.0, remaining / 1000)
+
+
+def _deadline_error(pid: int) -> ConnectError:
+    return ConnectError(
+        Code.DEADLINE_EXCEEDED, f"process {pid}: the request's timeout passed (context deadline)"
+    )
 
 
 def _without_login(cmd: str, args: list[str]) -> list[str]:

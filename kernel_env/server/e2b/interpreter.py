@@ -17,7 +17,9 @@ default context, made at its first use.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -26,15 +28,18 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Send
 
-from kernel_env.errors import KernelEnvError, LanguageRefused
+from kernel_env.errors import KernelEnvError, LanguageRefused, SessionError
 from kernel_env.models import REPLAction
 from kernel_env.server.e2b.door import sandbox_in
 from kernel_env.server.e2b.failures import refused, step_failure
-from kernel_env.server.e2b.sandboxes import Sandbox, Sandboxes
+from kernel_env.server.e2b.sandboxes import UNLIMITED_EPISODE, Sandbox, Sandboxes
 from kernel_env.server.sessions import Session, SessionManager
 
 __all__ = ["JUPYTER_PORT", "ROUTES", "e2b_output", "interpreter_app"]
+
+log = logging.getLogger(__name__)
 
 JUPYTER_PORT = "49999"
 HOME = "/home/user"  # E2B's default cwd, reported for contexts
@@ -171,7 +176,7 @@ async def execute(request: Request) -> Response:
     if session is None:
         return refused(f"Context {context_id} not found", 404)
     manager = _registry(request).sessions
-    return StreamingResponse(_run(session, code, manager), media_type="application/x-ndjson")
+    return _CellStream(_run(session, code, manager), media_type="application/x-ndjson")
 
 
 async def _context_session(
@@ -250,6 +255,29 @@ async def remove_context(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def restart_context(request: Request) -> Response:
+    """A context's kernel started afresh (its variables gone), as E2B's restart. The
+    sandbox's own context is refused: its kernel holds the sandbox's files and commands."""
+    sandbox = sandbox_in(request.scope)
+    context_id = request.path_params["context_id"]
+    if context_id == sandbox.id:
+        return refused(
+            "the default context is the sandbox's own kernel, with its files and commands: it "
+            "is not restarted here; restart a context made with create_code_context()"
+        )
+    found = request.app.state.contexts.of(sandbox).get(context_id)
+    if found is None or found[0].closed is not None:
+        return refused(f"Context {context_id} not found", 404)
+    session, language, _ = found
+    manager = _registry(request).sessions
+    try:
+        async with manager.request(session):
+            await session.reset({**UNLIMITED_EPISODE, "kernel_name": _kernel_of(language)})
+    except KernelEnvError as exc:
+        return refused(f"Context {context_id} could not be restarted: {exc}", 500)
+    return Response(status_code=204)
+
+
 async def health(request: Request) -> Response:
     sandbox_in(request.scope)
     return JSONResponse("OK")
@@ -260,8 +288,23 @@ ROUTES = [
     Route("/contexts", create_context, methods=["POST"]),
     Route("/contexts", list_contexts, methods=["GET"]),
     Route("/contexts/{context_id}", remove_context, methods=["DELETE"]),
+    Route("/contexts/{context_id}/restart", restart_context, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
 ]
+
+
+class _SandboxGone(Exception):
+    """The cell's sandbox was closed (killed, timed out, reaped) while the cell ran."""
+
+
+class _CellStream(StreamingResponse):
+    """A cell's lines; cut short, its body left unterminated, if its sandbox goes meanwhile:
+    E2B's answer when a sandbox's VM goes, which the SDK reads as the sandbox killed (its
+    ``TimeoutException``) once ``is_running`` says so. The server logs the cut response."""
+
+    async def stream_response(self, send: Send) -> None:
+        with contextlib.suppress(_SandboxGone):
+            await super().stream_response(send)
 
 
 async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIterator[str]:
@@ -269,6 +312,7 @@ async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIte
     goes away interrupts the kernel rather than leaving the cell running unseen."""
     lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     errored = False
+    gone: SessionError | None = None
 
     def tell(event: dict[str, Any]) -> None:
         nonlocal errored
@@ -279,6 +323,7 @@ async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIte
         lines.put_nowait(line)
 
     async def step() -> None:
+        nonlocal gone
         try:
             async with manager.request(session):
                 obs = await session.step(REPLAction(code=code), on_output=tell)
@@ -286,6 +331,8 @@ async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIte
                 lines.put_nowait(
                     {"type": "number_of_executions", "execution_count": obs.result.execution_count}
                 )
+        except SessionError as exc:
+            gone = exc
         except KernelEnvError as exc:
             tell(step_failure(exc))
         finally:
@@ -295,6 +342,11 @@ async def _run(session: Session, code: str, manager: SessionManager) -> AsyncIte
     try:
         while (line := await lines.get()) is not None:
             yield json.dumps(line) + "\n"
+        if gone is not None:
+            log.info(
+                "e2b: session %s went during a cell (%s); its answer is cut", session.id[:8], gone
+            )
+            raise _SandboxGone
         yield json.dumps({"type": "end_of_execution"}) + "\n"
     finally:
         if not task.done():

@@ -56,5 +56,6 @@ def mount(app: FastAPI) -> None:
                 streamed=frozenset({"/files"}),  # uploads stream to the kernel in chunks
             ),
         },
+        files_port=ENVD_PORT,
         sandboxes=sandboxes,
     )

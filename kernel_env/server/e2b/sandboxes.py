@@ -65,6 +65,7 @@ DEFAULT_PAUSED_TTL = float(MAX_TIMEOUT)
 UNLIMITED_EPISODE: dict[str, Any] = {"max_iterations": MAX_ITERATIONS}
 
 State = Literal["running", "paused"]
+OnTimeout = Literal["kill", "pause"]
 
 
 @dataclass(eq=False)
@@ -80,6 +81,11 @@ class Sandbox:
     end: float  # wall clock, for endAt
     access_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     state: State = "running"
+    # E2B's lifecycle: what its timeout does ("kill", or "pause" it), whether a request to
+    # it while paused resumes it, and the timeout it then runs for again.
+    on_timeout: OnTimeout = "kill"
+    auto_resume: bool = False
+    timeout: float = 0.0
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     # What goes with the sandbox (its extra contexts' sessions), called once it is gone.
     on_kill: list[Callable[[], object]] = field(default_factory=list, repr=False)
@@ -128,6 +134,7 @@ class Sandbox:
             "diskSizeMB": 0,
             "metadata": dict(self.metadata),
             "state": self.state,
+            "lifecycle": {"onTimeout": self.on_timeout, "autoResume": self.auto_resume},
         }
 
 
@@ -150,9 +157,14 @@ class Sandboxes:
         timeout: float,
         metadata: dict[str, str],
         envs: dict[str, str],
+        *,
+        on_timeout: OnTimeout = "kill",
+        auto_resume: bool = False,
     ) -> Sandbox:
         """A new sandbox of ``owner`` whose session has started its episode, with E2B's
-        ``envs`` as its kernel's variables (and so its commands')."""
+        ``envs`` as its kernel's variables (and so its commands'); at its timeout it is
+        killed, or paused (``on_timeout="pause"``), and then resumed by a request to it if
+        ``auto_resume``."""
         kernel_name = TEMPLATES.get(template)
         if kernel_name is None:
             known = ", ".join(sorted(TEMPLATES))
@@ -163,7 +175,10 @@ class Sandboxes:
             )
         session = await self.start_session(owner, kernel_name, envs)
         now = time.time()
-        sandbox = Sandbox(session, template, kernel_name, metadata, envs, now, now)
+        sandbox = Sandbox(
+            session, template, kernel_name, metadata, envs, now, now,
+            on_timeout=on_timeout, auto_resume=auto_resume, timeout=timeout,
+        )  # fmt: skip
         self._all[sandbox.id] = sandbox
         self.set_timeout(sandbox, timeout)
         return sandbox
@@ -201,6 +216,9 @@ class Sandboxes:
                 dict(parent.envs),
                 now,
                 now,
+                on_timeout=parent.on_timeout,
+                auto_resume=parent.auto_resume,
+                timeout=timeout,
             )
             self._all[child.id] = child
             self.set_timeout(child, timeout)
@@ -217,11 +235,15 @@ class Sandboxes:
             raise SandboxError(404, f"sandbox {sandbox_id!r} not found")
         return sandbox
 
-    def visible_to(self, tenant: Tenant) -> list[Sandbox]:
+    def live(self) -> list[Sandbox]:
+        """Every live sandbox, whoever owns it (a signed link names none: its signature does)."""
         for sandbox in list(self._all.values()):
             if not sandbox.alive:
                 self._forget(sandbox)
-        return [s for s in self._all.values() if tenant.may_use(s.owner.name)]
+        return list(self._all.values())
+
+    def visible_to(self, tenant: Tenant) -> list[Sandbox]:
+        return [s for s in self.live() if tenant.may_use(s.owner.name)]
 
     def set_timeout(self, sandbox: Sandbox, timeout: float) -> None:
         """The sandbox ends ``timeout`` seconds from now (E2B's ``set_timeout``); its owner
@@ -230,7 +252,7 @@ class Sandboxes:
             raise SandboxError(400, f"timeout must be between 0 and {MAX_TIMEOUT} seconds")
         sandbox.end = time.time() + timeout
         sandbox.session.touch()
-        self._end_in(sandbox, timeout, "past its timeout")
+        self._end_in(sandbox, timeout, self._timed_out)
 
     def pause(self, sandbox: Sandbox) -> None:
         """Stop the sandbox's clock: it ends ``paused_ttl`` from now unless resumed."""
@@ -242,7 +264,8 @@ class Sandboxes:
             sandbox.timer = None
         if self.paused_ttl > 0:
             sandbox.end = time.time() + self.paused_ttl
-            self._end_in(sandbox, self.paused_ttl, f"paused for {self.paused_ttl:g} s")
+            why = f"paused for {self.paused_ttl:g} s"
+            self._end_in(sandbox, self.paused_ttl, lambda s: self._expire(s, why))
 
     def resume(self, sandbox: Sandbox, timeout: float) -> None:
         sandbox.state = "running"
@@ -252,11 +275,21 @@ class Sandboxes:
         self._forget(sandbox)
         await self.sessions.close_session(sandbox.session)
 
-    def _end_in(self, sandbox: Sandbox, seconds: float, why: str) -> None:
+    def _end_in(self, sandbox: Sandbox, seconds: float, end: Callable[[Sandbox], None]) -> None:
         if sandbox.timer is not None:
             sandbox.timer.cancel()
         loop = asyncio.get_running_loop()
-        sandbox.timer = loop.call_later(seconds, self._expire, sandbox, why)
+        sandbox.timer = loop.call_later(seconds, end, sandbox)
+
+    def _timed_out(self, sandbox: Sandbox) -> None:
+        """The sandbox's E2B timeout has passed: it is paused (its lifecycle says so) or
+        killed."""
+        sandbox.timer = None
+        if sandbox.on_timeout == "pause" and sandbox.alive and sandbox.state == "running":
+            log.info("sandbox %s: past its timeout; paused", sandbox.id[:8])
+            self.pause(sandbox)
+            return
+        self._expire(sandbox, "past its timeout")
 
     def _expire(self, sandbox: Sandbox, why: str) -> None:
         log.info("sandbox %s: %s; killed", sandbox.id[:8], why)

@@ -2,7 +2,8 @@
 
 A file moves between the client and the sandbox's kernel a chunk at a time, each chunk one
 kernel call (:mod:`.kernelcalls`): an upload is read from the request as it arrives
-(``application/octet-stream``, or ``multipart/form-data`` parsed as it streams) and written
+(``application/octet-stream``, gzipped or not, or ``multipart/form-data`` parsed as it
+streams) and written
 by the kernel :data:`UP_CHUNK` bytes at a time; a download is read by the kernel
 :data:`DOWN_CHUNK` bytes at a time and streamed to the client. So whatever the file's size,
 a transfer holds a chunk or two in the server, and a download's chunk fits the kernel's
@@ -20,6 +21,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import weakref
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -219,19 +221,39 @@ async def upload(call: Call, request: Request) -> list[Any]:
     if kind == b"application/octet-stream":
         if not path:
             raise UploadRefused(error_response(400, "path is required"))
-        if request.headers.get("content-encoding", "").lower() == "gzip":
-            raise UploadRefused(
-                error_response(400, "gzip uploads are not served; send the file as it is")
-            )
+        encoding = request.headers.get("content-encoding", "identity").lower()
+        if encoding not in ("identity", "gzip"):
+            raise UploadRefused(error_response(400, f"Content-Encoding {encoding} is not served"))
         file = _File(call, path)
-        async for piece in request.stream():
-            await file.add(piece)
+        if encoding == "gzip":
+            await _inflate(request.stream(), file)
+        else:
+            async for piece in request.stream():
+                await file.add(piece)
         return [await file.finish()]
     if kind != b"multipart/form-data" or b"boundary" not in options:
         raise UploadRefused(
             error_response(400, "send multipart/form-data or application/octet-stream")
         )
     return await _Multipart(call, options[b"boundary"], path).read(request.stream())
+
+
+async def _inflate(body: AsyncIterator[bytes], file: _File) -> None:
+    """A gzip body (``Content-Encoding: gzip``) into ``file`` as it arrives: at most
+    :data:`UP_CHUNK` inflated bytes at a time, so a small body that inflates to a large file
+    still holds a chunk in the server (the file is bounded by the sandbox's workspace)."""
+    inflate = zlib.decompressobj(wbits=31)  # a gzip header and trailer
+    try:
+        async for piece in body:
+            data = piece
+            while data and not inflate.eof:
+                await file.add(inflate.decompress(data, UP_CHUNK))
+                data = inflate.unconsumed_tail
+        await file.add(inflate.flush())
+    except zlib.error as exc:
+        raise UploadRefused(error_response(400, f"the gzip body is not valid: {exc}")) from None
+    if not inflate.eof:
+        raise UploadRefused(error_response(400, "the gzip body was cut short"))
 
 
 class _Multipart:
