@@ -6,7 +6,8 @@
 Everything runs in a network namespace of its own with only ``lo`` (Ray binds the machine's
 interface address otherwise): a Ray cluster of raylets on this machine (a head without the
 ``kernel_env`` resource, then one host node, then three) and, beside it, a ``kernel-env serve``
-with the host's settings. Measured, rounds interleaved:
+with the host's settings. Each host declares a third of this machine's capacity as its slots
+(``kernel-env capacity``: what a node of its own would declare). Measured, rounds interleaved:
 
 1. step p50/p95 (``x = 1``, one episode each): the server's ``/ws``; the cluster, steps over
    the host's ``/ws``; the cluster, steps as Ray calls to the host actor (the same sessions);
@@ -38,8 +39,16 @@ from typing import Any
 
 _INSIDE = "KERNEL_ENV_BENCH_NETNS"
 _NOT_UP = 75  # the inner run's exit code when a Ray node did not start
-SLOTS = 8
 POOL = 4
+HOSTS = 3  # host nodes at most on this one machine: each gets a third of what it holds
+
+
+def host_slots() -> int:
+    """Each host's slots: this machine's capacity (``kernel-env capacity``, what a node would
+    declare), shared by the hosts this run puts on it."""
+    from kernel_env.server.capacity import machine_capacity
+
+    return max(1, machine_capacity().kernels // HOSTS)
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -168,7 +177,8 @@ async def start_serve(token: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "KERNEL_ENV_TOKEN": token}
     command = [sys.executable, "-m", "kernel_env", "serve", "--port", str(port)]
-    command += ["--pool-size", str(POOL), "--max-sessions", str(SLOTS), "--log-level", "warning"]
+    command += ["--pool-size", str(POOL), "--max-sessions", str(host_slots())]
+    command += ["--log-level", "warning"]
     proc = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(trust_env=False) as http:
@@ -190,7 +200,9 @@ async def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     from kernel_env.ray.hosts import NAMESPACE, host_name
 
     settings = {"pool_size": POOL}
-    node = cluster.add_node(num_cpus=0, resources={"kernel_env": SLOTS}).node_id
+    slots = host_slots()
+    print(f"each host's slots: {slots} (this machine's capacity / {HOSTS})", flush=True)
+    node = cluster.add_node(num_cpus=0, resources={"kernel_env": slots}).node_id
     # The one host, under the name every client looks for: it serves /ws and Ray calls alike.
     host = (
         ray_call_host()
@@ -199,11 +211,11 @@ async def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
             namespace=NAMESPACE,
             lifetime="detached",
             num_cpus=0,
-            resources={"kernel_env": SLOTS},
+            resources={"kernel_env": slots},
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             max_concurrency=1000,
         )
-        .remote(SLOTS, settings)
+        .remote(slots, settings)
     )
     await host.ping.remote()
     token = "bench-" + os.urandom(8).hex()
@@ -237,8 +249,8 @@ async def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
         one_host = await interleaved_rates(openers, args)
         print_table(f"episodes/s, {args.concurrency} at a time, one host", one_host)
         # 3. three host nodes on this machine (the serve beside them again, for reference)
-        for _ in range(2):
-            cluster.add_node(num_cpus=0, resources={"kernel_env": SLOTS})
+        for _ in range(HOSTS - 1):
+            cluster.add_node(num_cpus=0, resources={"kernel_env": slots})
         three = KernelEnvCluster(capacity_timeout=60, settings=settings)
         await three.load()
         await asyncio.sleep(3)
