@@ -79,7 +79,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Kind = Literal["ws", "http"]
+Kind = Literal["ws", "http", "jupyter"]  # "jupyter": a kernel of Jupyter's API
 
 _SHUTTING_DOWN = "the server is shutting down; the session was closed"
 _REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rather than "unknown"
@@ -135,13 +135,15 @@ class Session:
         self._ops: set[asyncio.Task[Any]] = set()
         self.busy = 0
         self.streams = 0  # open streams (:meth:`SessionManager.stream`)
-        self.claimed = kind == "ws"  # a socket is its own claim; HTTP: once a request names it
+        # A socket is its own claim, as is a kernel started by name; HTTP: once a request names it
+        self.claimed = kind != "http"
         self.last_active = asyncio.get_running_loop().time()
         self.closed: SessionError | None = None
         self.done_kernels = Counters()  # counters of kernels this session already discarded
         self.feed = EpisodeFeed()  # what /web shows of this session, live
-        self.attached = kind == "ws"  # a WebSocket owns it (then no other may attach)
+        self.attached = kind != "http"  # a WebSocket (/ws, Jupyter's) owns it: no /ws may take it
         self.seq = 0  # the how-manieth session its manager opened: GET /sessions pages by it
+        self._ended = asyncio.Event()  # set once it is closed (by its owner, the reaper, a drain)
 
     async def reset(self, kwargs: dict[str, Any]) -> REPLObservation:
         old = self.env.kernel
@@ -220,6 +222,13 @@ class Session:
         return self.env.record
 
     @property
+    def kernel_name(self) -> str | None:
+        """The kernelspec name of the current (or last) episode's kernel; None before the
+        first reset."""
+        record = self.env.record
+        return record.kernel_name if record is not None else None
+
+    @property
     def holds_kernel(self) -> bool:
         """Whether a kernel is the session's now (between a reset and its close)."""
         return self.env.kernel is not None
@@ -234,6 +243,11 @@ class Session:
             return await asyncio.to_thread(export, record)
 
         return await self._run(run)
+
+    async def wait_closed(self) -> None:
+        """Return once the session is closed, however that happened (a door that holds a
+        connection to it then ends that connection)."""
+        await self._ended.wait()
 
     def state(self) -> REPLState:
         # Not serialized behind a running step: the state is a snapshot, read at once.
@@ -578,6 +592,7 @@ class SessionManager:
         if session.closed is None:
             session.closed = error or SessionClosed("the session was closed")
         session.feed.close()
+        session._ended.set()
         if self._sessions.pop(session.id, None) is None:
             return False
         self._held[session.owner.name] -= 1
