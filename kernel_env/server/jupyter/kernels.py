@@ -37,10 +37,10 @@ __all__ = [
     "api",
     "connections",
     "find",
+    "get_kernel",
     "id_of",
     "interrupt",
-    "kernel",
-    "kernels",
+    "list_kernels",
     "reset_options",
     "restart",
     "shut_down",
@@ -109,12 +109,12 @@ async def api(request: Request) -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
-async def kernels(request: Request) -> JSONResponse:
+async def list_kernels(request: Request) -> JSONResponse:
     visible = _sessions(request).visible_to(tenant_of(request))
     return JSONResponse([model(request, s) for s in visible if s.kind == "jupyter"])
 
 
-async def kernel(request: Request) -> JSONResponse:
+async def get_kernel(request: Request) -> JSONResponse:
     return JSONResponse(model(request, find(request, request.path_params["kernel_id"])))
 
 
