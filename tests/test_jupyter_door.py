@@ -396,6 +396,23 @@ def test_a_flood_of_executes_is_bounded(server: ServeProcess, alices_kernel: str
         assert text_result(execute(ws, "n")) == str(len(ran))
 
 
+def test_control_interrupts_the_running_cell(server: ServeProcess, alices_kernel: str) -> None:
+    """``interrupt_request`` on control ends a running cell within 2 s, state kept."""
+    url = ws_url(server.url, f"/api/kernels/{alices_kernel}/channels?token={TOKENS['alice']}")
+    with connect(url) as ws:
+        execute(ws, "kept = 1")
+        running = request("execute_request", {"code": "import time\ntime.sleep(60)"})
+        ws.send(json.dumps(running))
+        time.sleep(0.5)
+        started = time.monotonic()
+        stop = request("interrupt_request", {}, channel="control")
+        ws.send(json.dumps(stop))
+        answered = collect_all(ws, [running["header"]["msg_id"]], timeout=10)
+        assert time.monotonic() - started < 2.0
+        assert answered[running["header"]["msg_id"]]["reply"]["ename"] == "KeyboardInterrupt"
+        assert text_result(execute(ws, "kept")) == "1"
+
+
 def test_kernels_per_tenant_are_bounded(server: ServeProcess, alices_kernel: str) -> None:
     """A tenant holds at most ``--max-sessions-per-tenant`` kernels: the next start is a 503
     in Jupyter's shape, and a shutdown makes room."""
@@ -453,13 +470,17 @@ def test_messages_are_read_and_built_as_jupyter_defines_them() -> None:
 
 
 def test_messages_are_jupyter_clients_own() -> None:
-    """jupyter_client's own message checks accept what the door sends."""
+    """What the door sends survives jupyter_client's own wire format (signed, serialized and
+    read back), as the messages of a kernel do."""
     from jupyter_client.session import Session
 
-    session = Session()
+    session = Session(key=b"k")
     parent = session.msg("execute_request", {"code": "1"})
     built = messages.message("iopub", "status", {"execution_state": "idle"},
                              parent=parent["header"], session="s")  # fmt: skip
-    keys = {"header", "parent_header", "metadata", "content", "msg_id", "msg_type"}
-    assert keys <= set(built)
+    frames = session.serialize(built)
+    _, frames = session.feed_identities(frames[1:] if frames[0] == b"" else frames)
+    read = session.deserialize(frames, content=True)
+    assert read["msg_type"] == "status" and read["content"] == {"execution_state": "idle"}
+    assert read["parent_header"]["msg_id"] == parent["header"]["msg_id"]
     assert set(parent["header"]) <= set(built["header"])
