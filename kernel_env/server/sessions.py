@@ -18,9 +18,10 @@ had (``UnknownSession``), so ids cannot be probed. ``max_sessions_per_tenant`` c
 client tenant holds; its own unclaimed sessions make room first, as at ``max_sessions``.
 
 A :class:`Session` is the core every front door speaks to (OpenEnv's routes and ``/ws``,
-E2B's sandboxes, the web view): an episode's reset, step and state, an export of its record,
-a call in its kernel outside the episode, an interrupt. No door holds the kernel or the
-environment behind it (``tests/test_layers.py``); what a door needs is added here, for all.
+E2B's sandboxes, Jupyter's kernels, the web view): an episode's reset, step and state, an
+export of its record, a call in its kernel outside the episode, an interrupt, the wait for its
+end. No door holds the kernel or the environment behind it (``tests/test_layers.py``); what
+a door needs is added here, for all.
 
 Session exceptions (all ``KernelEnvError``)::
 
