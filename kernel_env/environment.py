@@ -28,7 +28,7 @@ from kernel_env.kernel import Kernel, KernelSource
 from kernel_env.languages import catalog as languages
 from kernel_env.llm import CallableBackend, LLMBackend
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
-from kernel_env.record import EpisodeRecord, StepRecord
+from kernel_env.record import AGENT, EpisodeRecord, StepRecord
 from kernel_env.recursion import BackendForToken, ChildEpisodes, ParentLink
 from kernel_env.recursion import ChildSolver as _ChildSolver
 from kernel_env.rubric import StepRubric, as_rubric, give_expected, is_step_rubric
@@ -183,14 +183,16 @@ class KernelEnvironment:
     # -- step -------------------------------------------------------------------------------
 
     async def step(
-        self, action: REPLAction, *, on_output: OnOutput | None = None
+        self, action: REPLAction, *, on_output: OnOutput | None = None, author: str = AGENT
     ) -> REPLObservation:
         """Run one action and return what the agent sees. ``on_output`` gets the cell's output
-        events as they happen (see :mod:`kernel_env.streaming`; it must not block)."""
+        events as they happen (see :mod:`kernel_env.streaming`; it must not block).
+        ``author``: who runs it (:data:`~kernel_env.record.AGENT`, or a person attached to
+        the kernel, whose cells are recorded but are not the agent's iterations)."""
         episode, kernel = self._current()
         self._stepping += 1
         try:
-            seen = await episode.step(kernel, action, on_output)
+            seen = await episode.step(kernel, action, on_output, author)
         finally:
             self._stepping -= 1
         record = episode.record
@@ -298,8 +300,8 @@ class KernelEnvironment:
             episode.calls.recorded = None
         episode.record.forked_from = forks.replayed_from(parent, why_not_live, matched)
 
-    async def _rerun_step(self, action: REPLAction) -> StepRecord:
-        await self.step(action)
+    async def _rerun_step(self, action: REPLAction, author: str) -> StepRecord:
+        await self.step(action, author=author)
         return self._require()[0].steps[-1]
 
     # -- state, close ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ from serverkit import ServeProcess, serve_process, wait_until
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
+from kernel_env import KernelEnv
+from kernel_env.models import StepResult
 from kernel_env.server.jupyter import messages
 from kernel_env.server.jupyter.channels import MAX_QUEUED
 
@@ -440,6 +443,113 @@ def test_an_idle_kernel_is_culled(llm: FakeOpenAI, tmp_path: Path) -> None:
         gone = httpx.get(f"{served.url}/api/kernels/{kernel_id}", headers=auth("alice"))
         assert gone.status_code == 404
         assert httpx.get(f"{served.url}/api/kernels", headers=auth("alice")).json() == []
+
+
+# -- an agent's episode, attached ------------------------------------------------------------
+
+
+def channels_of(server: ServeProcess, kernel_id: str, who: str = "alice") -> str:
+    return ws_url(server.url, f"/api/kernels/{kernel_id}/channels?token={TOKENS[who]}")
+
+
+def _code_cells(notebook: dict[str, Any]) -> list[tuple[str, str]]:
+    """(source, author) of each step's cell in an exported notebook."""
+    return [
+        ("".join(c["source"]), c["metadata"]["kernel_env"]["author"])
+        for c in notebook["cells"]
+        if c["cell_type"] == "code" and "step" in c["metadata"].get("kernel_env", {})
+    ]
+
+
+def test_a_person_attaches_to_an_agents_episode(server: ServeProcess, tmp_path: Path) -> None:
+    """An agent's episode over ``/ws`` is a kernel of its owner's: its id in the reset's
+    metadata, ``GET /api/kernels`` and ``/sessions``. A Jupyter client attached to it reads
+    and sets the agent's variables; the agent's next step sees the change; the notebook and
+    ``/web`` have each cell with its author, and the person's cells are no iterations."""
+    with KernelEnv(server.url, token=TOKENS["alice"]) as agent:
+        kernel_id = agent.reset(task_prompt="keep a secret").observation.metadata["kernel_id"]
+        assert agent.execute("secret = 41").observation.result.success
+        mine = httpx.get(f"{server.url}/api/kernels", headers=auth("alice")).json()
+        assert kernel_id in [k["id"] for k in mine]
+        assert httpx.get(f"{server.url}/api/kernels", headers=auth("bob")).json() == []
+        rows = httpx.get(f"{server.url}/sessions", headers=auth("ops")).json()["sessions"]
+        assert [r["kind"] for r in rows if r["kernel_id"] == kernel_id] == ["ws"]
+        with connect(channels_of(server, kernel_id)) as ws:
+            assert text_result(execute(ws, "secret")) == "41"
+            assert execute(ws, "secret = 42")["reply"]["status"] == "ok"
+        seen = agent.execute("print(secret)").observation
+        assert seen.result.stdout.strip() == "42"
+        assert seen.iteration == 2  # the person's cells are not the agent's iterations
+        written = agent.export_notebook(tmp_path / "episode.ipynb")
+        session_id = uuid.UUID(kernel_id).hex
+        feed = httpx.get(f"{server.url}/web/api/sessions/{session_id}/events", headers=auth("ops"))
+        steps = [e for e in feed.json()["events"] if e["kind"] == "step"]
+    cells = _code_cells(json.loads(written.read_text()))
+    assert cells == [("secret = 41", "agent"), ("secret", "jupyter"),
+                     ("secret = 42", "jupyter"), ("print(secret)", "agent")]  # fmt: skip
+    assert [e["author"] for e in steps] == ["agent", "jupyter", "jupyter", "agent"]
+
+
+def test_a_persons_execute_waits_behind_the_agents_cell(server: ServeProcess) -> None:
+    """A person's execute sent while the agent's cell runs waits its turn, then runs in the
+    same kernel; the ``/web`` feed shows both, each with its author."""
+    with KernelEnv(server.url, token=TOKENS["alice"]) as agent:
+        kernel_id = agent.reset().observation.metadata["kernel_id"]
+        agent.execute("order = []")
+        done: list[StepResult[Any]] = []
+        running = threading.Thread(target=lambda: done.append(agent.execute(
+            "import time\ntime.sleep(2)\norder.append('agent')")))  # fmt: skip
+        running.start()
+        try:
+            assert wait_until(lambda: _state(server, kernel_id) == "busy", 30)
+            with connect(channels_of(server, kernel_id)) as ws:
+                assert execute(ws, "order.append('person')")["reply"]["status"] == "ok"
+                assert done  # the agent's cell had ended before the person's ran
+                assert text_result(execute(ws, "order")) == "['agent', 'person']"
+        finally:
+            running.join(60)
+        feed = httpx.get(f"{server.url}/web/api/sessions/{uuid.UUID(kernel_id).hex}/events",
+                         headers=auth("alice")).json()  # fmt: skip
+        authors = [e["author"] for e in feed["events"] if e["kind"] == "step"]
+        assert authors == ["agent", "agent", "jupyter", "jupyter"]
+
+
+def _state(server: ServeProcess, kernel_id: str) -> str:
+    found = httpx.get(f"{server.url}/api/kernels/{kernel_id}", headers=auth("alice")).json()
+    return str(found.get("execution_state"))
+
+
+def test_interrupt_reaches_the_agents_running_cell(server: ServeProcess) -> None:
+    """``POST /api/kernels/{id}/interrupt`` on an agent's episode ends its running cell: the
+    agent's ``/ws`` step returns within 2 s with a KeyboardInterrupt, its state kept. A
+    restart, which would end the agent's episode, is refused."""
+    with KernelEnv(server.url, token=TOKENS["alice"]) as agent:
+        kernel_id = agent.reset().observation.metadata["kernel_id"]
+        agent.execute("kept = 'still here'")
+        done: list[tuple[float, StepResult[Any]]] = []
+        looping = threading.Thread(target=lambda: done.append(
+            (time.monotonic(), agent.execute("while True: pass"))))  # fmt: skip
+        looping.start()
+        try:
+            assert wait_until(lambda: _state(server, kernel_id) == "busy", 30)
+            time.sleep(0.3)  # the loop is running in the kernel
+            sent = time.monotonic()
+            stop = httpx.post(f"{server.url}/api/kernels/{kernel_id}/interrupt",
+                              headers=auth("alice"))  # fmt: skip
+            assert stop.status_code == 204
+        finally:
+            looping.join(30)
+        returned, interrupted = done[0]
+        assert returned - sent < 2.0
+        result = interrupted.observation.result
+        assert not result.success and "KeyboardInterrupt" in (result.exception or "") + str(
+            result.outputs
+        )
+        assert agent.execute("print(kept)").observation.result.stdout.strip() == "still here"
+        refused = httpx.post(f"{server.url}/api/kernels/{kernel_id}/restart",
+                             headers=auth("alice"))  # fmt: skip
+        assert refused.status_code == 400
+        assert agent.execute("print(kept)").observation.result.stdout.strip() == "still here"
 
 
 # -- messages, as plain data ----------------------------------------------------------------

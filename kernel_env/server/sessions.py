@@ -40,6 +40,7 @@ import contextlib
 import logging
 import secrets
 import time
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -60,7 +61,7 @@ from kernel_env.errors import (
 )
 from kernel_env.kernel import Kernel
 from kernel_env.models import REPLAction, REPLObservation, REPLState
-from kernel_env.record import EpisodeRecord
+from kernel_env.record import AGENT, EpisodeRecord
 from kernel_env.server.auth import Tenant
 from kernel_env.server.feed import EpisodeFeed
 from kernel_env.text import shorten
@@ -156,13 +157,29 @@ class Session:
         record = self.env.record
         if record is not None:
             self.feed.episode_started(record.episode_id, record.task_prompt, record.max_iterations)
+        observation.metadata["kernel_id"] = self.kernel_id
         return observation
 
+    @property
+    def kernel_id(self) -> str:
+        """The id Jupyter's kernel API knows the session's kernel by: the session's id written
+        as a UUID (Jupyter Server's routes take only that form), whichever door opened it."""
+        try:
+            return str(uuid.UUID(hex=self.id))
+        except ValueError:  # not 32 hex digits (a session id of another making): as it is
+            return self.id
+
     async def step(
-        self, action: REPLAction, on_output: Callable[[dict[str, Any]], None] | None = None
+        self,
+        action: REPLAction,
+        on_output: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        author: str = AGENT,
     ) -> REPLObservation:
         """One step; its output goes to the session's feed (the web view) and to ``on_output``
-        (a client that asked for output frames) as it happens."""
+        (a client that asked for output frames) as it happens. ``author``: the agent, or a
+        person attached to the kernel (:mod:`kernel_env.record`): a step of either waits for
+        the one running, behind the session's lock, as a kernel queues its executes."""
 
         def tell(event: dict[str, Any]) -> None:
             self.feed.output(event)
@@ -170,9 +187,9 @@ class Session:
                 on_output(event)
 
         async def run() -> REPLObservation:
-            self.feed.step_started(action.code, action.is_final)
+            self.feed.step_started(action.code, action.is_final, author)
             try:
-                observation = await self.env.step(action, on_output=tell)
+                observation = await self.env.step(action, on_output=tell, author=author)
             except BaseException as exc:
                 self.feed.step_failed(f"{type(exc).__name__}: {exc}")
                 raise
@@ -283,6 +300,7 @@ class Session:
         busy = "busy" if self.busy else None
         return {
             "session_id": self.id,
+            "kernel_id": self.kernel_id,
             "tenant": self.owner.name,
             "kind": self.kind,
             "claimed": self.claimed,

@@ -1,12 +1,15 @@
 """``WS /api/kernels/{id}/channels``: Jupyter's kernel messages, over the session core.
 
-Each ``execute_request`` is a step of the kernel's episode (``Session.step``): it runs in
-the sandboxed kernel with the helpers, ``llm_query`` is answered by the server's model, the
-cell enters the episode's record and notebook and shows in ``/web``, and its output comes
-back as iopub messages while it runs (``stream``, ``display_data``, ``execute_result``,
-``error``, ``clear_output``), between ``busy`` and ``idle``, with its ``execute_reply`` on
-shell. Executes run one at a time, in order, as a kernel runs them; a step of another
-client of the session waits its turn behind the session's lock. ``interrupt_request`` on
+Each ``execute_request`` is a cell of the kernel's episode (``Session.step``, its author
+``"jupyter"``): it runs in the sandboxed kernel with the helpers, ``llm_query`` is answered
+by the server's model, the cell enters the episode's record and notebook and shows in
+``/web``, and its output comes back as iopub messages while it runs (``stream``,
+``display_data``, ``execute_result``, ``error``, ``clear_output``), between ``busy`` and
+``idle``, with its ``execute_reply`` on shell. The episode may be an agent's (opened over
+``/ws``, HTTP or E2B): the cells of the person attached are recorded beside the agent's
+steps but are not its iterations. Executes run one at a time, in order, as a kernel runs
+them; a step of the agent (or of another socket) waits its turn behind the session's lock,
+and so does an execute sent while the agent's cell runs. ``interrupt_request`` on
 control interrupts the running cell. The other shell requests need no kernel and are
 answered at once (``kernel_info``, and empty ``complete``, ``inspect``, ``history``,
 ``comm_info``); stdin is not served: a kernel_env kernel's own ``input()`` fails at once.
@@ -34,6 +37,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from kernel_env import __version__
 from kernel_env.errors import KernelEnvError
 from kernel_env.models import REPLAction, REPLObservation
+from kernel_env.record import JUPYTER
 from kernel_env.server.jupyter import messages
 from kernel_env.server.jupyter.failures import refuse_channels
 from kernel_env.server.jupyter.kernels import connections, find
@@ -223,7 +227,9 @@ class _Connection:
         """The ``execute_reply`` content of one step."""
         try:
             async with self.runtime.sessions.request(self.session):
-                observation = await self.session.step(REPLAction(code=code), stream.push)
+                observation = await self.session.step(
+                    REPLAction(code=code), stream.push, author=JUPYTER
+                )
         except (KernelEnvError, SessionError) as exc:
             return _error_reply(type(exc).__name__, str(exc), [], None)
         return _reply_for(observation)

@@ -1,12 +1,15 @@
 """``/api/kernels``: Jupyter Server's kernel REST API over sessions.
 
-A kernel is a session of kind ``"jupyter"`` whose episode runs in a kernel of the name
-asked for: started from the server's pool, sandboxed, with the helpers, counted toward
-``--max-sessions`` (and the tenant's share), reaped after ``--idle-ttl`` without a request.
-Its id is the session's id written as a UUID (Jupyter Server's routes take only that
-form), so ``/sessions``, ``/web`` and the notebook routes name it too, by the same 32 hex
-digits without the dashes. A restart is a reset (a new episode in a fresh kernel, the same
-id); a shutdown closes the session.
+Every session that holds a kernel is one, whichever door opened it: an agent's episode over
+``/ws``, HTTP or E2B is listed for its owner (and operators) and reachable by its channels,
+so a person attaches to it (:mod:`.channels`). A kernel started here is a session of kind
+``"jupyter"`` whose episode runs in a kernel of the name asked for: started from the
+server's pool, sandboxed, with the helpers, counted toward ``--max-sessions`` (and the
+tenant's share), reaped after ``--idle-ttl`` without a request. A kernel's id is its
+session's written as a UUID (:attr:`Session.kernel_id`; Jupyter Server's routes take only
+that form): the reset observation's ``kernel_id``, ``/sessions`` and ``/web`` give it, and
+the notebook routes take the same 32 hex digits without the dashes. A restart is a reset (a
+new episode in a fresh kernel, the same id); a shutdown closes the session.
 
 The body of ``POST /api/kernels`` is Jupyter Server's (``name``, ``path``, ``env`` of
 ``KERNEL_*`` values, ``kernel_id``): read, checked for shape, and otherwise unused, since
@@ -66,10 +69,7 @@ def connections(connection: HTTPConnection) -> Counter[str]:
 
 def id_of(session: Session) -> str:
     """The session's id as Jupyter writes a kernel's: a UUID."""
-    try:
-        return str(uuid.UUID(hex=session.id))
-    except ValueError:  # not 32 hex digits (a session id of another making): as it is
-        return session.id
+    return session.kernel_id
 
 
 def _session_id(kernel_id: str) -> str:
@@ -82,7 +82,7 @@ def _session_id(kernel_id: str) -> str:
 def find(connection: HTTPConnection, kernel_id: str) -> Session:
     """The kernel ``kernel_id`` if the caller may see it, else the one unknown-id error."""
     session = _sessions(connection).peek(_session_id(kernel_id), tenant_of(connection))
-    if session is None or session.kind != "jupyter" or session.closed is not None:
+    if session is None or session.closed is not None or not session.holds_kernel:
         raise no_such_kernel(kernel_id)
     return session
 
@@ -111,7 +111,7 @@ async def api(request: Request) -> JSONResponse:
 
 async def list_kernels(request: Request) -> JSONResponse:
     visible = _sessions(request).visible_to(tenant_of(request))
-    return JSONResponse([model(request, s) for s in visible if s.kind == "jupyter"])
+    return JSONResponse([model(request, s) for s in visible if s.holds_kernel])
 
 
 async def get_kernel(request: Request) -> JSONResponse:
@@ -166,6 +166,11 @@ async def restart(request: Request) -> JSONResponse:
     """A new episode in a fresh kernel, under the same id: the running cell is interrupted
     first, as a restart ends it, and the reset waits for its step to return."""
     session = find(request, request.path_params["kernel_id"])
+    if session.kind != "jupyter":
+        raise InvalidInput(
+            "this kernel is an agent's episode: its agent resets it, a restart here would end "
+            "the episode; interrupt it, or shut it down"
+        )
     await session.interrupt()
     async with _sessions(request).request(session):
         await session.reset(reset_options(session.kernel_name or DEFAULT_KERNEL))
