@@ -35,6 +35,8 @@ from kernel_env.rubric import StepRubric, as_rubric, give_expected, is_step_rubr
 
 log = logging.getLogger(__name__)
 
+_REPEAT_INTERRUPT = 1.0  # seconds in which a step's cell is interrupted once at most
+
 __all__ = [
     "MAX_FORKS",
     "ChildEpisodes",
@@ -101,6 +103,8 @@ class KernelEnvironment:
         self._episode: Episode | None = None
         self.stats = Counters()
         self._stepping = 0  # steps in flight (fork refuses to copy a running one)
+        self._steps_run = 0  # steps started so far
+        self._interrupted = (0, 0.0)  # the step last interrupted, and when (monotonic)
 
     @property
     def kernel(self) -> Kernel | None:
@@ -191,6 +195,7 @@ class KernelEnvironment:
         the kernel, whose cells are recorded but are not the agent's iterations)."""
         episode, kernel = self._current()
         self._stepping += 1
+        self._steps_run += 1
         try:
             seen = await episode.step(kernel, action, on_output, author)
         finally:
@@ -200,6 +205,23 @@ class KernelEnvironment:
             how = "final answer" if record.final_answer is not None else "out of iterations"
             _log_end(record, how)
         return seen
+
+    async def interrupt(self) -> None:
+        """Interrupt the running step's cell (from another task): the step returns at once,
+        failed with a ``KeyboardInterrupt``, the episode's state kept. Between steps nothing
+        happens: no cell runs, and the next one must not be cut short. Asked again within
+        :data:`_REPEAT_INTERRUPT` s in the same step, nothing is sent either. Both seen on a
+        server's forked kernels: a SIGINT between cells, or a second one landing as the cell
+        ended, and the next reply never came (the step waited out its timeout, then the
+        kernel was restarted)."""
+        if self._kernel is None or not self._stepping:
+            return
+        now = time.monotonic()
+        step, at = self._interrupted
+        if step == self._steps_run and now - at < _REPEAT_INTERRUPT:
+            return
+        self._interrupted = (self._steps_run, now)
+        await self._kernel.interrupt()
 
     async def _settle_setup(self) -> None:
         """Carry a pending setup into the kernel now (before the kernel is copied)."""

@@ -10,9 +10,11 @@ the bounds on kernels per tenant and on idle kernels.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +32,7 @@ from serverkit import ServeProcess, serve_process, wait_until
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from kernel_env import KernelEnv
+from kernel_env import AsyncKernelEnv, KernelEnv
 from kernel_env.models import StepResult
 from kernel_env.server.jupyter import messages
 from kernel_env.server.jupyter.channels import MAX_QUEUED
@@ -550,6 +552,140 @@ def test_interrupt_reaches_the_agents_running_cell(server: ServeProcess) -> None
                              headers=auth("alice"))  # fmt: skip
         assert refused.status_code == 400
         assert agent.execute("print(kept)").observation.result.stdout.strip() == "still here"
+
+
+# -- the client's interrupt, and Ctrl-C ------------------------------------------------------
+
+LOOP = "print('looping', flush=True)\nwhile True: pass"
+
+
+@pytest.fixture(params=["local", "remote"])
+def base_url(request: pytest.FixtureRequest, server: ServeProcess) -> str | None:
+    return None if request.param == "local" else server.url
+
+
+def test_env_interrupt_stops_the_running_cell(base_url: str | None) -> None:
+    """``env.interrupt()`` from another thread (or the step's output callback) ends the
+    running cell within 2 s, locally and on a server: the step returns with a
+    KeyboardInterrupt, and the next step runs in the same kernel, its state kept."""
+    token = TOKENS["alice"] if base_url else None
+    with KernelEnv(base_url, token=token) as env:
+        env.reset()
+        env.execute("kept = 7")
+        running = threading.Event()
+        stopped: list[float] = []  # when the cell's KeyboardInterrupt came out
+        done: list[tuple[float, StepResult[Any]]] = []
+
+        def watch(event: dict[str, Any]) -> None:
+            running.set()
+            if event.get("ename") == "KeyboardInterrupt":
+                stopped.append(time.monotonic())
+
+        def loop() -> None:
+            seen = env.execute(LOOP, on_output=watch)
+            done.append((time.monotonic(), seen))
+
+        looping = threading.Thread(target=loop)
+        looping.start()
+        try:
+            assert running.wait(60)
+            sent = time.monotonic()
+            env.interrupt()
+        finally:
+            looping.join(30)
+        returned, interrupted = done[0]
+        assert stopped[0] - sent < 2.0  # the cell stopped
+        assert returned - sent < 10.0  # and its step returned, at once
+        result = interrupted.observation.result
+        assert not result.success and "KeyboardInterrupt" in str(result.outputs)
+        assert env.execute("print(kept)").observation.result.stdout.strip() == "7"
+        env.interrupt()  # between steps: nothing runs, nothing happens
+        assert env.execute("print(kept)").observation.result.stdout.strip() == "7"
+        # The step's own output callback may stop it.
+        stopped = env.execute(LOOP, on_output=lambda event: env.interrupt()).observation.result
+        assert not stopped.success and "KeyboardInterrupt" in str(stopped.outputs)
+
+
+async def test_a_cancelled_step_interrupts_its_cell(base_url: str | None) -> None:
+    """An ``AsyncKernelEnv`` step whose caller is cancelled (Ctrl-C under ``asyncio.run``)
+    interrupts its cell and lets the step return before the cancellation ends: the next step
+    runs at once in the same kernel, its state kept."""
+    token = TOKENS["alice"] if base_url else None
+    async with AsyncKernelEnv(base_url, token=token) as env:
+        await env.reset()
+        await env.execute("kept = 7")
+        running = asyncio.Event()
+
+        async def started(event: dict[str, Any]) -> None:
+            running.set()
+
+        step = asyncio.create_task(env.execute(LOOP, on_output=started))
+        await asyncio.wait_for(running.wait(), 60)
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(step, 5)
+        seen = await asyncio.wait_for(env.execute("print(kept)"), 10)
+        assert seen.observation.result.stdout.strip() == "7"
+
+
+_CTRL_C_CLIENT = """
+import os, sys, time
+from kernel_env import AsyncKernelEnv, KernelEnv
+
+with KernelEnv(sys.argv[1] or None) as env:
+    env.reset()
+    env.execute("kept = 7")
+    try:
+        env.execute(LOOP, on_output=lambda event: print(
+            "stopped" if event.get("ename") else "running", time.monotonic(), flush=True))
+        print("finished", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", time.monotonic(), flush=True)
+    seen = env.execute("print(kept)").observation.result.stdout.strip()
+    print("next", seen, time.monotonic(), flush=True)
+""".replace("LOOP", repr(LOOP))
+
+
+def test_ctrl_c_interrupts_the_episodes_cell(base_url: str | None, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) in a script inside ``env.execute()`` interrupts the episode's cell
+    rather than abandoning it: the KeyboardInterrupt comes within 2 s, and the next step runs
+    at once in the same kernel, its state kept; locally and on a server."""
+    script = tmp_path / "client.py"
+    script.write_text(_CTRL_C_CLIENT)
+    env = {**_env(), "KERNEL_ENV_TOKEN": TOKENS["alice"]} if base_url else _env()
+    command = [sys.executable, str(script), base_url or ""]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env) as client:  # fmt: skip
+        try:
+            lines = _lines_until(client, "running", 90)
+            sent = time.monotonic()
+            client.send_signal(signal.SIGINT)
+            lines += _lines_until(client, "next", 30)
+        finally:
+            client.kill()
+    said = {line.split()[0]: line.split()[1:] for line in lines if line.strip()}
+    assert "finished" not in said, lines
+    stopped_at, interrupted_at = float(said["stopped"][0]), float(said["interrupted"][0])
+    seen, next_at = said["next"][0], float(said["next"][1])
+    assert stopped_at - sent < 2.0  # the cell stopped: its KeyboardInterrupt came out
+    assert interrupted_at - sent < 10.0  # then the step returned and Ctrl-C was raised
+    assert seen == "7"  # the same kernel, its state kept
+    assert next_at - interrupted_at < 10.0  # at once: not behind an abandoned cell
+
+
+def _lines_until(process: subprocess.Popen[str], word: str, timeout: float) -> list[str]:
+    """The process's lines up to the first that starts with ``word`` (all it said, on failure)."""
+    assert process.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(word):
+            return lines
+    raise AssertionError(f"no {word!r} line from the client:\n{''.join(lines)}")
 
 
 # -- messages, as plain data ----------------------------------------------------------------

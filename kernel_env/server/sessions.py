@@ -226,13 +226,12 @@ class Session:
         return await self._run(run, touch=activity)
 
     async def interrupt(self) -> None:
-        """Interrupt the cell the session's kernel runs, if any (its client went away); not
-        behind the lock, which that cell holds. A kernel that cannot be reached is left to the
-        step's own timeout ladder."""
-        kernel = self.env.kernel
-        if kernel is not None:
-            with contextlib.suppress(Exception):
-                await kernel.interrupt()
+        """Interrupt the step's cell the session's kernel runs, if any (its client went away,
+        or asked; a person attached from Jupyter); not behind the lock, which that cell holds.
+        Between steps nothing is sent: no cell runs, and the next must not be cut short. A
+        kernel that cannot be reached is left to the step's own timeout ladder."""
+        with contextlib.suppress(Exception):
+            await self.env.interrupt()
 
     @property
     def record(self) -> EpisodeRecord | None:
