@@ -79,10 +79,16 @@ def _session_id(kernel_id: str) -> str:
         return kernel_id
 
 
+def _is_kernel(session: Session) -> bool:
+    """Whether the session is a kernel here: one started here (a restart's new kernel
+    included), or any episode that holds one (an agent's, to attach to)."""
+    return session.kind == "jupyter" or session.holds_kernel
+
+
 def find(connection: HTTPConnection, kernel_id: str) -> Session:
     """The kernel ``kernel_id`` if the caller may see it, else the one unknown-id error."""
     session = _sessions(connection).peek(_session_id(kernel_id), tenant_of(connection))
-    if session is None or session.closed is not None or not session.holds_kernel:
+    if session is None or session.closed is not None or not _is_kernel(session):
         raise no_such_kernel(kernel_id)
     return session
 
@@ -111,7 +117,7 @@ async def api(request: Request) -> JSONResponse:
 
 async def list_kernels(request: Request) -> JSONResponse:
     visible = _sessions(request).visible_to(tenant_of(request))
-    return JSONResponse([model(request, s) for s in visible if s.holds_kernel])
+    return JSONResponse([model(request, s) for s in visible if _is_kernel(s)])
 
 
 async def get_kernel(request: Request) -> JSONResponse:
