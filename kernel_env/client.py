@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
@@ -49,9 +50,15 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncKernelEnv", "KernelEnv"]
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 _CLOSE_GRACE = 10.0  # seconds close() waits for cancelled in-flight calls to unwind
+# Seconds a step whose caller gave up (Ctrl-C) may take to return once its cell is
+# interrupted; past them it is abandoned (a cell that ignores SIGINT: the step's own timeout
+# ladder restarts its kernel).
+_INTERRUPT_GRACE = 10.0
 _CLOSED = "this client is closed; create a new one"
 # The sync clients whose call is in progress in this context: the loop's task and the threads
 # it hands host callables to (an llm_query_fn) inherit it, so a call back into the same
@@ -71,6 +78,7 @@ class _Session(Protocol):
         self, action: REPLAction, on_output: OutputCallback | None = None
     ) -> StepResult[REPLObservation]: ...
     async def state(self) -> REPLState: ...
+    async def interrupt(self) -> None: ...
     async def close(self) -> None: ...
 
 
@@ -104,6 +112,9 @@ class _LocalSession:
 
     async def state(self) -> REPLState:
         return self.env.state
+
+    async def interrupt(self) -> None:
+        await self.env.interrupt()
 
     async def close(self) -> None:
         await self.env.close()
@@ -240,12 +251,27 @@ class AsyncKernelEnv:
         """Run one action. ``on_output(event)`` (a function or a coroutine function) gets the
         cell's output while it runs (see :mod:`kernel_env.streaming`), all of it before this
         returns; a slow callback never slows the kernel (text is merged, overflow dropped with
-        a ``dropped`` event)."""
-        return await self._call(lambda session: session.step(action, on_output))
+        a ``dropped`` event).
 
-    async def _call(self, op: Callable[[_Session], Awaitable[T]]) -> T:
+        A caller cancelled while the step runs (Ctrl-C under ``asyncio.run``) interrupts the
+        step's cell and waits for the step to return before it is cancelled: the episode's
+        next step then runs at once, never behind an abandoned cell."""
+        return await self._call(lambda session: session.step(action, on_output), step=True)
+
+    async def interrupt(self) -> None:
+        """Interrupt the episode's running cell, called from another task (or, for a
+        ``KernelEnv``, another thread): the step running returns at once, failed with a
+        ``KeyboardInterrupt`` in its output, the episode's variables kept. Between steps it
+        does nothing. On a server it is ``POST /api/kernels/{id}/interrupt``."""
+        if self._closed:
+            raise ClientClosed(_CLOSED)
+        session = self._session
+        if session is not None:  # else a remote client never connected: nothing runs
+            await session.interrupt()
+
+    async def _call(self, op: Callable[[_Session], Awaitable[T]], *, step: bool = False) -> T:
         """Runs ``op`` as its own task, so that ``close()`` can end it (ClientClosed) without
-        cancelling the caller's task."""
+        cancelling the caller's task; ``step``: a caller that gives up interrupts it first."""
 
         async def run() -> T:
             return await op(await self._connect())
@@ -257,10 +283,23 @@ class AsyncKernelEnv:
         except asyncio.CancelledError:
             if task.cancelled() and self._closed:
                 raise ClientClosed(f"{_CLOSED} (it was closed during this call)") from None
+            if step and not self._closed:
+                await self._let_return(task)
             task.cancel()
             raise
         finally:
             self._inflight.discard(task)
+
+    async def _let_return(self, task: asyncio.Future[Any]) -> None:
+        """Interrupt the cell of a step whose caller gave up, and wait (a bounded time) for
+        the step to return; its result, or failure, is nobody's."""
+        task.add_done_callback(_discard_outcome)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.interrupt()), _INTERRUPT_GRACE)
+        except (Exception, asyncio.CancelledError) as exc:  # abandoned as before, but said
+            log.warning("could not interrupt the step's cell: %r", exc)
+            return
+        await asyncio.wait({task}, timeout=_INTERRUPT_GRACE)
 
     async def execute(
         self, code: str, *, on_output: OutputCallback | None = None
@@ -429,6 +468,11 @@ class AsyncKernelEnv:
         await self.close()
 
 
+def _discard_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a step nobody waits for fails quietly
+
+
 class _LoopThread:
     """One event loop on a daemon thread; ``run`` submits a coroutine and waits for it.
 
@@ -460,7 +504,14 @@ class _LoopThread:
         if last:
             self.stop()
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        on_interrupt: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    ) -> T:
+        """``coro``'s result; ``on_interrupt``: what stops it when a KeyboardInterrupt (Ctrl-C)
+        comes while it runs, before the interrupt is raised: run, then ``coro`` has a
+        bounded time to return (a second Ctrl-C gives up at once)."""
         with self._lock:
             if self._stopped:
                 coro.close()
@@ -468,11 +519,27 @@ class _LoopThread:
             future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result()
+        except KeyboardInterrupt:
+            if on_interrupt is not None:
+                self._stop(future, on_interrupt)
+            raise
         except concurrent.futures.CancelledError:
             raise ClientClosed(f"{_CLOSED} (it was closed during this call)") from None
         except (ConnectionError, RemoteError) as exc:
             # Said in one line: the frames inside the loop thread tell a user nothing.
             raise exc.with_traceback(None) from None
+
+    def _stop(
+        self, future: concurrent.futures.Future[Any], stop: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(_INTERRUPT_GRACE)
+            future.result(_INTERRUPT_GRACE)
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+        except BaseException:  # the call's outcome is nobody's: Ctrl-C wins
+            future.cancel()
 
     def stop(self) -> None:
         with self._lock:
@@ -583,7 +650,9 @@ class KernelEnv:
         """The local episode engine (None for a remote client)."""
         return self._async.environment
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T], *, step: bool = False) -> T:
+        """``coro`` on the client's loop; ``step``: Ctrl-C while it runs interrupts the
+        episode's cell and lets the step return before the KeyboardInterrupt is raised."""
         loop = self._loop
         if loop is None:
             coro.close()
@@ -594,7 +663,7 @@ class KernelEnv:
             raise EpisodeError(f"{_RECURSIVE} (an llm_query_fn that calls it, say)")
         token = _CALLING.set(calling | {id(self)})
         try:
-            return loop.run(coro)
+            return loop.run(coro, self._async.interrupt if step else None)
         finally:
             _CALLING.reset(token)
 
@@ -626,17 +695,32 @@ class KernelEnv:
         self, action: REPLAction, *, on_output: OutputCallback | None = None
     ) -> StepResult[REPLObservation]:
         """Run one action; ``on_output`` as :meth:`AsyncKernelEnv.step` (a plain function runs
-        in a worker thread)."""
-        return self._run(self._async.step(action, on_output=on_output))
+        in a worker thread).
+
+        Ctrl-C (a KeyboardInterrupt, JupyterLab's stop button) while it runs interrupts the
+        episode's cell and waits for the step to return, then raises: the next step runs at
+        once, in the same kernel, its state kept."""
+        return self._run(self._async.step(action, on_output=on_output), step=True)
 
     def execute(
         self, code: str, *, on_output: OutputCallback | None = None
     ) -> StepResult[REPLObservation]:
-        return self._run(self._async.execute(code, on_output=on_output))
+        """Run ``code`` as one step (as :meth:`step`, Ctrl-C included)."""
+        return self._run(self._async.execute(code, on_output=on_output), step=True)
 
     def run(self, code: str, *, on_output: OutputCallback | None = None) -> CodeBlockResult:
         """Run ``code`` as a step; its result (``.stdout``, ``.stderr``, ``.success``...)."""
-        return self._run(self._async.run(code, on_output=on_output))
+        return self._run(self._async.run(code, on_output=on_output), step=True)
+
+    def interrupt(self) -> None:
+        """Interrupt the episode's running cell, from another thread or from the step's own
+        ``on_output`` callback (as :meth:`AsyncKernelEnv.interrupt`)."""
+        loop = self._loop
+        if loop is None:
+            raise ClientClosed(_CLOSED)
+        # Not behind the re-entry guard of _run: it waits on no step, so a callback of the
+        # step it stops may call it.
+        loop.run(self._async.interrupt())
 
     def fork(
         self, n: int = 1, *, own_budget: bool = False, method: ForkMethod = "auto"

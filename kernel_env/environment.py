@@ -28,12 +28,14 @@ from kernel_env.kernel import Kernel, KernelSource
 from kernel_env.languages import catalog as languages
 from kernel_env.llm import CallableBackend, LLMBackend
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState, ResetOptions
-from kernel_env.record import EpisodeRecord, StepRecord
+from kernel_env.record import AGENT, EpisodeRecord, StepRecord
 from kernel_env.recursion import BackendForToken, ChildEpisodes, ParentLink
 from kernel_env.recursion import ChildSolver as _ChildSolver
 from kernel_env.rubric import StepRubric, as_rubric, give_expected, is_step_rubric
 
 log = logging.getLogger(__name__)
+
+_REPEAT_INTERRUPT = 1.0  # seconds in which a step's cell is interrupted once at most
 
 __all__ = [
     "MAX_FORKS",
@@ -101,6 +103,8 @@ class KernelEnvironment:
         self._episode: Episode | None = None
         self.stats = Counters()
         self._stepping = 0  # steps in flight (fork refuses to copy a running one)
+        self._steps_run = 0  # steps started so far
+        self._interrupted = (0, 0.0)  # the step last interrupted, and when (monotonic)
 
     @property
     def kernel(self) -> Kernel | None:
@@ -183,14 +187,17 @@ class KernelEnvironment:
     # -- step -------------------------------------------------------------------------------
 
     async def step(
-        self, action: REPLAction, *, on_output: OnOutput | None = None
+        self, action: REPLAction, *, on_output: OnOutput | None = None, author: str = AGENT
     ) -> REPLObservation:
         """Run one action and return what the agent sees. ``on_output`` gets the cell's output
-        events as they happen (see :mod:`kernel_env.streaming`; it must not block)."""
+        events as they happen (see :mod:`kernel_env.streaming`; it must not block).
+        ``author``: who runs it (:data:`~kernel_env.record.AGENT`, or a person attached to
+        the kernel, whose cells are recorded but are not the agent's iterations)."""
         episode, kernel = self._current()
         self._stepping += 1
+        self._steps_run += 1
         try:
-            seen = await episode.step(kernel, action, on_output)
+            seen = await episode.step(kernel, action, on_output, author)
         finally:
             self._stepping -= 1
         record = episode.record
@@ -198,6 +205,23 @@ class KernelEnvironment:
             how = "final answer" if record.final_answer is not None else "out of iterations"
             _log_end(record, how)
         return seen
+
+    async def interrupt(self) -> None:
+        """Interrupt the running step's cell (from another task): the step returns at once,
+        failed with a ``KeyboardInterrupt``, the episode's state kept. Between steps nothing
+        happens: no cell runs, and the next one must not be cut short. Asked again within
+        :data:`_REPEAT_INTERRUPT` s in the same step, nothing is sent either. Both seen on a
+        server's forked kernels: a SIGINT between cells, or a second one landing as the cell
+        ended, and the next reply never came (the step waited out its timeout, then the
+        kernel was restarted)."""
+        if self._kernel is None or not self._stepping:
+            return
+        now = time.monotonic()
+        step, at = self._interrupted
+        if step == self._steps_run and now - at < _REPEAT_INTERRUPT:
+            return
+        self._interrupted = (self._steps_run, now)
+        await self._kernel.interrupt()
 
     async def _settle_setup(self) -> None:
         """Carry a pending setup into the kernel now (before the kernel is copied)."""
@@ -298,8 +322,8 @@ class KernelEnvironment:
             episode.calls.recorded = None
         episode.record.forked_from = forks.replayed_from(parent, why_not_live, matched)
 
-    async def _rerun_step(self, action: REPLAction) -> StepRecord:
-        await self.step(action)
+    async def _rerun_step(self, action: REPLAction, author: str) -> StepRecord:
+        await self.step(action, author=author)
         return self._require()[0].steps[-1]
 
     # -- state, close ---------------------------------------------------------------------

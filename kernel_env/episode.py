@@ -22,7 +22,7 @@ from kernel_env.kernel import ExecutionResult, Kernel
 from kernel_env.languages import catalog as languages
 from kernel_env.models import CodeBlockResult, REPLAction, REPLObservation, REPLState
 from kernel_env.outputs import OutputBudget
-from kernel_env.record import EpisodeRecord
+from kernel_env.record import AGENT, EpisodeRecord
 from kernel_env.rubric import Rubric, StepRubric, score_final, score_step
 
 __all__ = ["Counters", "Episode"]
@@ -124,11 +124,20 @@ class Episode:
     # -- step -------------------------------------------------------------------------------
 
     async def step(
-        self, kernel: Kernel, action: REPLAction, on_output: OnOutput | None
+        self,
+        kernel: Kernel,
+        action: REPLAction,
+        on_output: OnOutput | None,
+        author: str = AGENT,
     ) -> REPLObservation:
-        """Run one action in ``kernel`` and return what the agent sees."""
-        if self.record.done:
+        """Run one action in ``kernel`` and return what the agent sees. Of another ``author``
+        (a person attached to the kernel), a cell: run and recorded as a step is, but not an
+        iteration of the agent's, never a final answer, and allowed once the episode ended (a
+        person may look into a finished episode's kernel)."""
+        if self.record.done and author == AGENT:
             raise EpisodeFinished(EPISODE_OVER, episode_id=self.record.episode_id)
+        if action.is_final and author != AGENT:
+            raise LimitExceeded("only the episode's agent submits its final answer")
         if action.is_final:
             self.cut = {}
             result = CodeBlockResult(stdout="Final answer submitted.")
@@ -163,6 +172,8 @@ class Episode:
             budget=self.output_budget,
         )
         self.stats.truncations += len(self.cut)
+        if author != AGENT:
+            return self._record_cell(action, execution, result, author)
 
         async def lookup(expression: str) -> str | None:
             return await _lookup(kernel, expression)
@@ -184,7 +195,7 @@ class Episode:
         self.stats.timeouts += result.timed_out
         self.total_time += result.execution_time
         calls = self.calls.take_calls()
-        iteration = len(record.steps) + 1
+        iteration = record.iterations + 1
         exhausted = final is None and iteration >= record.max_iterations
         if exhausted:
             # As upstream: say so in stdout, and take an unfinished answer["content"].
@@ -207,6 +218,19 @@ class Episode:
         if done:
             record.reward = reward
         return seen
+
+    def _record_cell(
+        self, action: REPLAction, ex: ExecutionResult, result: CodeBlockResult, author: str
+    ) -> REPLObservation:
+        """Record a person's cell: numbered after the agent's last step, with no reward."""
+        self.stats.steps += 1
+        self.total_time += result.execution_time
+        calls = self.calls.take_calls()
+        step = observation.step_record(self.record.iterations, action, ex, result, calls, 0.0, None)
+        step.reward, step.author = None, author
+        self.record.steps.append(step)
+        self.record.llm_usage = self.calls.usage.as_dict()
+        return self.observation(result, reward=None, done=self.record.done)
 
     def _reward(
         self, result: CodeBlockResult, final: str | None, done: bool

@@ -90,8 +90,11 @@ def recorded_answers(parent: EpisodeRecord) -> list[tuple[str, str]]:
     return [(c.prompt, c.response) for step in parent.steps for c in step.llm_calls if not c.error]
 
 
-async def rerun(parent: EpisodeRecord, step: Callable[[REPLAction], Awaitable[StepRecord]]) -> bool:
-    """Re-run ``parent``'s steps through ``step`` (which returns the new step's record);
+async def rerun(
+    parent: EpisodeRecord, step: Callable[[REPLAction, str], Awaitable[StepRecord]]
+) -> bool:
+    """Re-run ``parent``'s steps through ``step`` (given each one's author; it returns the
+    new step's record);
     whether every one re-run made the same outputs. Steps that timed out, killed their kernel
     or submitted a final answer are not re-run: they would hang or crash again."""
     matched = True
@@ -99,7 +102,8 @@ async def rerun(parent: EpisodeRecord, step: Callable[[REPLAction], Awaitable[St
         if recorded.status in ("timeout", "died", "final"):
             matched = False
             continue
-        mine = await step(REPLAction(code=recorded.code, metadata=_meta_of(recorded)))
+        action = REPLAction(code=recorded.code, metadata=_meta_of(recorded))
+        mine = await step(action, recorded.author)
         matched = matched and cells_match(recorded.outputs, mine.outputs)
     return matched
 

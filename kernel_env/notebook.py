@@ -171,6 +171,7 @@ def _step_cell(step: StepRecord, kernel_name: str = DEFAULT_KERNEL) -> NotebookN
     }
     cell.metadata["kernel_env"] = {
         "step": step.index,
+        "author": step.author,
         "status": step.status,
         "duration": round(step.duration, 6),
         "reward": step.reward,
@@ -285,8 +286,10 @@ def notebook_title(record: EpisodeRecord) -> str:
 def _steps_line(record: EpisodeRecord) -> str:
     """Steps run, against the budget as the user set it: an agent's model turns, or cells."""
     if record.agent_max_turns is not None:
-        return f"{len(record.steps)} (the agent's budget: {record.agent_max_turns} model turns)"
-    return f"{len(record.steps)} of {record.max_iterations}"
+        return f"{record.iterations} (the agent's budget: {record.agent_max_turns} model turns)"
+    line = f"{record.iterations} of {record.max_iterations}"
+    people = len(record.steps) - record.iterations
+    return line + (f", and {people} cell(s) run from Jupyter" if people else "")
 
 
 def episode_to_notebook(

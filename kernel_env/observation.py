@@ -115,7 +115,7 @@ def observation(
         metadata: dict[str, Any] = {
             "final_answer": record.final_answer,
             "total_execution_time": total_time,
-            "total_iterations": len(record.steps),
+            "total_iterations": record.iterations,
         }
     else:
         metadata = {
@@ -131,7 +131,7 @@ def observation(
         context_preview=record.context[:preview] or None,
         context_length=len(record.context),
         available_variables=list(names),
-        iteration=len(record.steps),
+        iteration=record.iterations,
         max_iterations=record.max_iterations,
         done=done,
         reward=reward,
@@ -145,10 +145,10 @@ def state(
     """The state of ``record``'s episode, as ``GET /state`` reports it."""
     return REPLState(
         episode_id=record.episode_id,
-        step_count=len(record.steps),
+        step_count=record.iterations,
         context=record.context,
         task_prompt=record.task_prompt,
-        iteration=len(record.steps),
+        iteration=record.iterations,
         max_iterations=record.max_iterations,
         namespace_keys=list(names),
         final_answer=record.final_answer,

@@ -9,7 +9,13 @@ from typing import Any
 
 from kernel_env.hostcalls import LLMCall
 
-__all__ = ["EpisodeRecord", "StepRecord"]
+__all__ = ["AGENT", "JUPYTER", "EpisodeRecord", "StepRecord"]
+
+# Who ran a step: the episode's own client (the agent, over any door but Jupyter's), or a
+# person in a Jupyter frontend attached to its kernel. A person's cells are recorded, but are
+# not the agent's iterations: they spend none of its budget and never end its episode.
+AGENT = "agent"
+JUPYTER = "jupyter"
 
 
 @dataclass
@@ -30,6 +36,7 @@ class StepRecord:
     reward: float | None = None
     final_answer: str | None = None
     note: str | None = None  # the prose the agent wrote before this code (markdown)
+    author: str = AGENT  # AGENT, or JUPYTER: a cell run from an attached Jupyter frontend
 
 
 @dataclass
@@ -58,3 +65,8 @@ class EpisodeRecord:
     kernel_name: str = "python3"  # the kernelspec the episode ran in
     # The kernel's own language_info (kernel_info_reply), for exports of other languages.
     language_info: dict[str, Any] | None = None
+
+    @property
+    def iterations(self) -> int:
+        """The agent's steps so far (the budget counts them; a person's cells are not)."""
+        return sum(step.author == AGENT for step in self.steps)

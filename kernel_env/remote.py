@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import socket
 from collections.abc import Callable, Mapping
@@ -201,6 +202,7 @@ class RemoteSession:
         self._token = token
         self._lock = asyncio.Lock()  # one request in flight: replies carry no correlation id
         self.session_id: str | None = None
+        self.kernel_id: str | None = None  # the episode's, in Jupyter's kernel API (its reset says)
 
     @classmethod
     async def connect(
@@ -248,7 +250,33 @@ class RemoteSession:
         reply = await self._request({"type": "reset", "data": kwargs}, "observation")
         result = _step_result(reply)
         self.session_id = result.observation.metadata.get("session_id", self.session_id)
+        self.kernel_id = result.observation.metadata.get("kernel_id", self.kernel_id)
         return result
+
+    async def interrupt(self) -> None:
+        """Interrupt the episode's running cell: ``POST /api/kernels/{id}/interrupt``, Jupyter's
+        kernel API on the same server, over HTTP beside the socket (which the running step
+        holds). Before a reset, nothing runs: nothing is sent."""
+        kernel = self.kernel_id or self.session_id  # the route takes a session's id too
+        if kernel is None or self._base_url is None:
+            return
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        root = http_url(self._base_url)
+        url = f"{root}/api/kernels/{quote(kernel, safe='')}/interrupt"
+        try:
+            status, text = await asyncio.to_thread(_post, url, headers, self.message_timeout_s)
+        except OSError as exc:
+            raise ConnectionError(unreachable(root, exc)) from None
+        if status == 204:
+            return
+        if status in (401, 403):
+            message = auth_refused(root, status, self._token)
+            raise RemoteError(message, code="UNAUTHORIZED", data={"status": status})
+        raise RemoteError(
+            f"the interrupt failed (HTTP {status}): {text[:300]}",
+            code="INTERRUPT_FAILED",
+            data={"status": status},
+        )
 
     async def step(
         self, action: REPLAction, on_output: OutputCallback | None = None
@@ -316,6 +344,10 @@ class RemoteSession:
                     on_output(parsed["data"])
                     raw = await asyncio.wait_for(ws.recv(), self.message_timeout_s)
                     parsed = json.loads(raw)
+            except asyncio.CancelledError:
+                # Its reply would answer the next request: the socket cannot serve another.
+                await self._abandon()
+                raise
             except TimeoutError:
                 # The reply may still come, and would answer the *next* request: drop the socket.
                 await self._abandon()
@@ -347,6 +379,22 @@ class RemoteSession:
         ws, self._ws = self._ws, None
         if ws is not None:
             await ws.close()
+
+
+def _post(url: str, headers: dict[str, str], timeout: float) -> tuple[int, str]:
+    """``POST url`` with no body: its status and the start of its body. By the standard
+    library, not httpx: a Ctrl-C waits on this request, and httpx's first client costs
+    0.4 to 1 s on a loaded host (its transports' imports, its CA bundle)."""
+    parts = urlsplit(url)
+    https = parts.scheme == "https"
+    kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+    connection = kind(parts.netloc, timeout=timeout)
+    try:
+        connection.request("POST", parts.path, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read(4096).decode("utf-8", "replace")
+    finally:
+        connection.close()
 
 
 def _is_output(frame: Any) -> bool:

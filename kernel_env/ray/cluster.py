@@ -74,15 +74,15 @@ class ClusterEpisode(AsyncKernelEnv):
             counted._released(self.node_id)
         await super().close()
 
-    async def _call(self, op: Callable[[Any], Awaitable[T]]) -> T:
+    async def _call(self, op: Callable[[Any], Awaitable[T]], *, step: bool = False) -> T:
         try:
-            result = await super()._call(op)
+            result = await super()._call(op, step=step)
         except CapacityReached:
             placer, self._placer = self._placer, None
             if placer is None:
                 raise
             await self._move(placer)
-            return await self._call(op)
+            return await self._call(op, step=step)
         except RemoteError as exc:
             if exc.code not in _LOST or isinstance(exc, HostLost):
                 raise

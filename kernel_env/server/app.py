@@ -3,9 +3,10 @@
 It builds what the running server owns (:class:`~kernel_env.server.runtime.Runtime`, in the
 app's lifespan), puts the middleware around it (browser guard, CORS, the token, body limits),
 and mounts each front door: OpenEnv's HTTP routes and ``/ws`` (:mod:`.openenv`), E2B's
-sandbox protocol (:mod:`.e2b`), and beside them the operator's routes (:mod:`.operator`) and
-the live web view (:mod:`.web`). Every door speaks to the sessions (:mod:`.sessions`) alone;
-docs/architecture.md ("Doors") says how one is added.
+sandbox protocol (:mod:`.e2b`), Jupyter's kernel API (:mod:`.jupyter`), and beside them the
+operator's routes (:mod:`.operator`) and the live web view (:mod:`.web`). Every door speaks
+to the sessions (:mod:`.sessions`) alone; docs/architecture.md ("Doors") says how one is
+added.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from kernel_env.kernel.fork.server import ForkServer
 from kernel_env.server.auth import AuthGate, Tenants, load_tenants, redact_client_secrets_in_logs
 from kernel_env.server.e2b import add_e2b
 from kernel_env.server.guard import BrowserGuard, HostPolicy
+from kernel_env.server.jupyter.routes import PREFIXES as JUPYTER_PREFIXES
+from kernel_env.server.jupyter.routes import add_jupyter
 from kernel_env.server.limits import BodyLimit
 from kernel_env.server.openenv.info import SESSIONS_DOC
 from kernel_env.server.openenv.protocol import SESSION_HEADER
@@ -84,6 +87,7 @@ def create_app(
     app.state.isolation = {"backend": "kernels from a custom factory"} if kernel_factory else None
     _add_middleware(app, settings)
     add_openenv(app)
+    add_jupyter(app)
     add_operator_routes(app)
     add_web_routes(app)
     return app
@@ -139,6 +143,7 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
         tenants=app.state.tenants,
         public=PUBLIC_PATHS,
         public_prefixes=(DOCS_ASSETS,),
+        query_token_prefixes=JUPYTER_PREFIXES,
     )
     if settings.allowed_origins:
         app.add_middleware(

@@ -16,7 +16,10 @@ its line, never a field of it.
 ``AuthGate`` checks the token as ASGI middleware, from the headers alone: a request without one
 is answered 401 before a byte of its body is read (a 150 MB body is never received, let alone
 parsed), and a WebSocket handshake without one is refused (HTTP 403). It hands the caller's
-tenant to the routes in the request's state (:func:`tenant_of`).
+tenant to the routes in the request's state (:func:`tenant_of`). The token comes as
+``Authorization: Bearer T`` or, as Jupyter's clients send it, ``Authorization: token T``; and
+on the paths of a door whose clients put it in the URL (Jupyter's, for its WebSocket), as
+``?token=T``, which the access log then shows as ``token=[redacted]``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import parse_qs
 
 from fastapi import HTTPException
 from starlette.requests import HTTPConnection
@@ -53,7 +57,7 @@ __all__ = [
 Role = Literal["client", "operator"]
 ROLES: tuple[Role, ...] = ("client", "operator")
 
-_SCHEME = "bearer"
+_SCHEMES = ("bearer", "token")  # "token": Jupyter's clients (its gateway client, JupyterLab)
 _STATE_KEY = "kernel_env.tenant"
 
 
@@ -96,7 +100,7 @@ class Tenants:
         if not self._entries:
             return ANONYMOUS
         scheme, _, credential = (authorization or "").strip().partition(" ")
-        if scheme.lower() != _SCHEME:
+        if scheme.lower() not in _SCHEMES:
             return None
         presented = _digest(credential.strip())
         found = None
@@ -135,11 +139,15 @@ class AuthGate:
         tenants: Tenants,
         public: Iterable[str],
         public_prefixes: Iterable[str] = (),
+        query_token_prefixes: Iterable[str] = (),
     ) -> None:
         self.app = app
         self.tenants = tenants
         self.public = frozenset(public)
         self.public_prefixes = tuple(public_prefixes)  # static files, e.g. /docs' assets
+        # Paths whose clients may send the token as ?token= (a browser's WebSocket cannot
+        # set a header): Jupyter's API.
+        self.query_token_prefixes = tuple(query_token_prefixes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -153,6 +161,8 @@ class AuthGate:
             (v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"authorization"),
             None,
         )
+        if authorization is None and scope["path"].startswith(self.query_token_prefixes):
+            authorization = _query_token(scope)
         tenant = self.tenants.identify(authorization)
         if tenant is not None:
             scope.setdefault("state", {})[_STATE_KEY] = tenant
@@ -171,20 +181,36 @@ class AuthGate:
             )
 
 
+def _query_token(scope: Scope) -> str | None:
+    """``?token=T`` as the header it stands for (``token T``), or None."""
+    query = scope.get("query_string", b"").decode("latin-1")
+    tokens = parse_qs(query, keep_blank_values=True).get("token")
+    return f"token {tokens[0]}" if tokens else None
+
+
 # -- logs -------------------------------------------------------------------------------------
 
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 # The loggers the websockets library writes to: the one uvicorn gives it, and its own default.
 _WEBSOCKET_LOGGERS = ("uvicorn.error", "websockets.server")
+# uvicorn's access lines and its WebSocket lines show the path with its query: ?token=T.
+_QUERY_TOKEN = re.compile(r"([?&]token=)[^&\s\"']*")
+_PATH_LOGGERS = ("uvicorn.access", "uvicorn.error")
 
 
 class _RedactClientSecrets(logging.Filter):
     """At debug level the websockets library logs every handshake header (``< authorization:
     Bearer ...``) and the start and end of every frame (a reset frame's ``hf_token``): the
-    header's value and the frame's payload are left out, its kind and size kept."""
+    header's value and the frame's payload are left out, its kind and size kept. A path's
+    ``?token=`` (uvicorn's access and WebSocket lines) is left out too."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
+        if any(isinstance(a, str) and "token=" in a for a in args):
+            args = tuple(
+                _QUERY_TOKEN.sub(r"\1[redacted]", a) if isinstance(a, str) else a for a in args
+            )
+            record.args = args
         if record.msg == "< %s: %s" and len(args) == 2:
             if str(args[0]).lower() in _SECRET_HEADERS:
                 record.args = (args[0], "[redacted]")
@@ -200,7 +226,7 @@ _REDACT = _RedactClientSecrets()
 def redact_client_secrets_in_logs() -> None:
     """Install the filter that keeps tokens out of the websockets library's debug lines
     (once per process; a logger's filters outlive a later ``dictConfig``)."""
-    for name in _WEBSOCKET_LOGGERS:
+    for name in dict.fromkeys((*_WEBSOCKET_LOGGERS, *_PATH_LOGGERS)):
         logger = logging.getLogger(name)
         if _REDACT not in logger.filters:
             logger.addFilter(_REDACT)

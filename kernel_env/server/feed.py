@@ -18,6 +18,7 @@ from typing import Any
 from kernel_env.hostcalls import LLMCall
 from kernel_env.models import REPLObservation
 from kernel_env.outputs import output_size
+from kernel_env.record import AGENT
 from kernel_env.text import shorten
 
 __all__ = ["EpisodeFeed"]
@@ -52,10 +53,12 @@ class EpisodeFeed:
             started=time.time(),
         )
 
-    def step_started(self, code: str, is_final: bool) -> None:
+    def step_started(self, code: str, is_final: bool, author: str = AGENT) -> None:
         self._step_chars = self._dropped = 0
         code = shorten(code, 100_000)
-        self._add("step", len(code), code=code, is_final=is_final, started=time.time())
+        self._add(
+            "step", len(code), code=code, is_final=is_final, author=author, started=time.time()
+        )
 
     def output(self, event: dict[str, Any]) -> None:
         """One output event of the running step (``kernel_env.streaming``'s shape)."""

@@ -18,9 +18,10 @@ had (``UnknownSession``), so ids cannot be probed. ``max_sessions_per_tenant`` c
 client tenant holds; its own unclaimed sessions make room first, as at ``max_sessions``.
 
 A :class:`Session` is the core every front door speaks to (OpenEnv's routes and ``/ws``,
-E2B's sandboxes, the web view): an episode's reset, step and state, an export of its record,
-a call in its kernel outside the episode, an interrupt. No door holds the kernel or the
-environment behind it (``tests/test_layers.py``); what a door needs is added here, for all.
+E2B's sandboxes, Jupyter's kernels, the web view): an episode's reset, step and state, an
+export of its record, a call in its kernel outside the episode, an interrupt, the wait for its
+end. No door holds the kernel or the environment behind it (``tests/test_layers.py``); what
+a door needs is added here, for all.
 
 Session exceptions (all ``KernelEnvError``)::
 
@@ -39,6 +40,7 @@ import contextlib
 import logging
 import secrets
 import time
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -59,7 +61,7 @@ from kernel_env.errors import (
 )
 from kernel_env.kernel import Kernel
 from kernel_env.models import REPLAction, REPLObservation, REPLState
-from kernel_env.record import EpisodeRecord
+from kernel_env.record import AGENT, EpisodeRecord
 from kernel_env.server.auth import Tenant
 from kernel_env.server.feed import EpisodeFeed
 from kernel_env.text import shorten
@@ -79,7 +81,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Kind = Literal["ws", "http"]
+Kind = Literal["ws", "http", "jupyter"]  # "jupyter": a kernel of Jupyter's API
 
 _SHUTTING_DOWN = "the server is shutting down; the session was closed"
 _REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rather than "unknown"
@@ -135,13 +137,15 @@ class Session:
         self._ops: set[asyncio.Task[Any]] = set()
         self.busy = 0
         self.streams = 0  # open streams (:meth:`SessionManager.stream`)
-        self.claimed = kind == "ws"  # a socket is its own claim; HTTP: once a request names it
+        # A socket is its own claim, as is a kernel started by name; HTTP: once a request names it
+        self.claimed = kind != "http"
         self.last_active = asyncio.get_running_loop().time()
         self.closed: SessionError | None = None
         self.done_kernels = Counters()  # counters of kernels this session already discarded
         self.feed = EpisodeFeed()  # what /web shows of this session, live
-        self.attached = kind == "ws"  # a WebSocket owns it (then no other may attach)
+        self.attached = kind != "http"  # a WebSocket (/ws, Jupyter's) owns it: no /ws may take it
         self.seq = 0  # the how-manieth session its manager opened: GET /sessions pages by it
+        self._ended = asyncio.Event()  # set once it is closed (by its owner, the reaper, a drain)
 
     async def reset(self, kwargs: dict[str, Any]) -> REPLObservation:
         old = self.env.kernel
@@ -153,13 +157,29 @@ class Session:
         record = self.env.record
         if record is not None:
             self.feed.episode_started(record.episode_id, record.task_prompt, record.max_iterations)
+        observation.metadata["kernel_id"] = self.kernel_id
         return observation
 
+    @property
+    def kernel_id(self) -> str:
+        """The id Jupyter's kernel API knows the session's kernel by: the session's id written
+        as a UUID (Jupyter Server's routes take only that form), whichever door opened it."""
+        try:
+            return str(uuid.UUID(hex=self.id))
+        except ValueError:  # not 32 hex digits (a session id of another making): as it is
+            return self.id
+
     async def step(
-        self, action: REPLAction, on_output: Callable[[dict[str, Any]], None] | None = None
+        self,
+        action: REPLAction,
+        on_output: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        author: str = AGENT,
     ) -> REPLObservation:
         """One step; its output goes to the session's feed (the web view) and to ``on_output``
-        (a client that asked for output frames) as it happens."""
+        (a client that asked for output frames) as it happens. ``author``: the agent, or a
+        person attached to the kernel (:mod:`kernel_env.record`): a step of either waits for
+        the one running, behind the session's lock, as a kernel queues its executes."""
 
         def tell(event: dict[str, Any]) -> None:
             self.feed.output(event)
@@ -167,9 +187,9 @@ class Session:
                 on_output(event)
 
         async def run() -> REPLObservation:
-            self.feed.step_started(action.code, action.is_final)
+            self.feed.step_started(action.code, action.is_final, author)
             try:
-                observation = await self.env.step(action, on_output=tell)
+                observation = await self.env.step(action, on_output=tell, author=author)
             except BaseException as exc:
                 self.feed.step_failed(f"{type(exc).__name__}: {exc}")
                 raise
@@ -206,18 +226,24 @@ class Session:
         return await self._run(run, touch=activity)
 
     async def interrupt(self) -> None:
-        """Interrupt the cell the session's kernel runs, if any (its client went away); not
-        behind the lock, which that cell holds. A kernel that cannot be reached is left to the
-        step's own timeout ladder."""
-        kernel = self.env.kernel
-        if kernel is not None:
-            with contextlib.suppress(Exception):
-                await kernel.interrupt()
+        """Interrupt the step's cell the session's kernel runs, if any (its client went away,
+        or asked; a person attached from Jupyter); not behind the lock, which that cell holds.
+        Between steps nothing is sent: no cell runs, and the next must not be cut short. A
+        kernel that cannot be reached is left to the step's own timeout ladder."""
+        with contextlib.suppress(Exception):
+            await self.env.interrupt()
 
     @property
     def record(self) -> EpisodeRecord | None:
         """The current (or last) episode's record; None before the first reset."""
         return self.env.record
+
+    @property
+    def kernel_name(self) -> str | None:
+        """The kernelspec name of the current (or last) episode's kernel; None before the
+        first reset."""
+        record = self.env.record
+        return record.kernel_name if record is not None else None
 
     @property
     def holds_kernel(self) -> bool:
@@ -234,6 +260,11 @@ class Session:
             return await asyncio.to_thread(export, record)
 
         return await self._run(run)
+
+    async def wait_closed(self) -> None:
+        """Return once the session is closed, however that happened (a door that holds a
+        connection to it then ends that connection)."""
+        await self._ended.wait()
 
     def state(self) -> REPLState:
         # Not serialized behind a running step: the state is a snapshot, read at once.
@@ -268,6 +299,7 @@ class Session:
         busy = "busy" if self.busy else None
         return {
             "session_id": self.id,
+            "kernel_id": self.kernel_id,
             "tenant": self.owner.name,
             "kind": self.kind,
             "claimed": self.claimed,
@@ -578,6 +610,7 @@ class SessionManager:
         if session.closed is None:
             session.closed = error or SessionClosed("the session was closed")
         session.feed.close()
+        session._ended.set()
         if self._sessions.pop(session.id, None) is None:
             return False
         self._held[session.owner.name] -= 1

@@ -90,11 +90,17 @@ function show(sessionId) {
   $("cells").replaceChildren();
   $("title").textContent = "";
   $("episode-id").textContent = sessionId;
+  $("kernel-id").textContent = "kernel " + kernelId(sessionId);
   const link = "#session=" + encodeURIComponent(sessionId);
   $("session-link").href = link;
   if (location.hash !== link) history.replaceState(null, "", link);
   for (const row of $("sessions").children) row.classList.toggle("selected", row.dataset.session === sessionId);
   follow(sessionId, mine);
+}
+
+// The session's id as Jupyter's kernel API names its kernel: a UUID.
+function kernelId(sessionId) {
+  return sessionId.replace(/^([0-9a-f]{8})([0-9a-f]{4})([0-9a-f]{4})([0-9a-f]{4})([0-9a-f]{12})$/, "$1-$2-$3-$4-$5");
 }
 
 async function follow(sessionId, mine) {
@@ -122,7 +128,9 @@ function render(event) {
     document.title = "kernel_env: " + (event.task || event.episode_id);
     $("episode-id").textContent = event.episode_id;
   } else if (event.kind === "step") {
-    cell = el("div", { class: "cell running" });
+    const person = event.author && event.author !== "agent";
+    cell = el("div", { class: person ? "cell running person" : "cell running" });
+    if (person) cell.append(el("div", { class: "author" }, "run from " + event.author + " (a person attached to the kernel)"));
     cell.append(el("div", { class: "prompt" }, "In [ ]:"));
     cell.append(el("pre", { class: "code" }, event.is_final ? "(final answer submitted)" : event.code));
     cell.append(el("div", { class: "outputs" }));
