@@ -199,7 +199,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             type=_FLAG_TYPES.get(kind, str),
             choices=f.metadata["choices"],
             metavar=f.metadata["metavar"],
-            help=f"{f.metadata['help']} (default: {_shown(f.default)})",
+            help=f"{f.metadata['help']} (default: {f.metadata.get('shown') or _shown(f.default)})",
             # A list flag given twice: both lists (comma-separated items in each).
             action="extend" if f.metadata.get("repeat") else "store",
         )
@@ -284,7 +284,14 @@ def _status_line(settings: ServerSettings) -> str:
             for name, value in describe_served_limits(settings).items()
         )
         + f"\nkernel-env:   {_descriptors(settings)}"
+        + f"\nkernel-env: {_episodes_kept(settings)}"
     )
+
+
+def _episodes_kept(settings: ServerSettings) -> str:
+    if settings.episodes is None:
+        return "episodes: not kept (--episodes none)"
+    return f"episodes: kept in {settings.episodes} ({settings.episodes_keep})"
 
 
 def _descriptors(settings: ServerSettings) -> str:
