@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kernel_env.errors import KernelEnvError
+from kernel_env.errors import StoredEpisodeError
 from kernel_env.notebook import (
     INLINE_CONTEXT_CHARS,
     child_notebook_name,
@@ -48,7 +48,7 @@ from kernel_env.record import EpisodeRecord
 from kernel_env.server.index import Filters, Index, Page
 from kernel_env.server.retention import Keep, to_remove
 
-__all__ = ["INDEX_NAME", "EpisodeStore", "StoreReader", "StoredNotebookError", "write_durably"]
+__all__ = ["INDEX_NAME", "EpisodeStore", "StoreReader", "write_durably"]
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,6 @@ T = TypeVar("T")
 INDEX_NAME = "index.sqlite"
 _TASK_CHARS = 2000  # of the task prompt, in the index (the notebook has it whole)
 _DEAD_SERVER = "the server stopped before the episode ended (killed, or it crashed)"
-
-
-class StoredNotebookError(KernelEnvError):
-    """A stored episode's notebook is missing or unreadable (the index row stays)."""
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -122,7 +118,7 @@ class StoreReader:
             json.loads(data)
         except (OSError, ValueError) as exc:
             log.warning("episode store: the notebook of %s is unreadable: %s", row["key"], exc)
-            raise StoredNotebookError(
+            raise StoredEpisodeError(
                 f"the stored notebook of episode {row['episode_id'][:80]!r} is missing or "
                 "unreadable"
             ) from None
