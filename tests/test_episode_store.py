@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import nbformat
 import pytest
+from fake_openai import FakeOpenAI
 from serverkit import ServeProcess, serve_process, terminate
 
 from kernel_env import KernelEnv
@@ -316,6 +317,30 @@ def test_a_fork_is_stored_with_its_parent_link(tmp_path: Path) -> None:
         assert copy["episode"]["parent"] == parent
         assert copy["episode"]["relation"] == "fork"
         assert (copy["episode"]["state"], copy["episode"]["steps"]) == ("done", 2)
+
+
+def _child_model(body: dict[str, Any]) -> str:
+    """The model behind rlm_query's child: it answers with code that gives the answer."""
+    return "```repl\nFINAL(6 * 7)\n```"
+
+
+@pytest.mark.integration
+def test_an_rlm_query_child_is_stored_with_its_parent_link(tmp_path: Path) -> None:
+    """rlm_query's child episode gets a row of its own, linked to its parent, and its
+    notebook, valid, beside the parent's."""
+    with FakeOpenAI(_child_model) as model:
+        model_flags = ("--llm-base-url", model.url, "--llm-model", "fake-model")
+        with _serve(tmp_path, *model_flags) as server:
+            code = "print(rlm_query('what is six times seven?'))"
+            _, parent = _episode(server.url, [code], task_prompt="ask", rlm_max_depth=2)
+            found = httpx.get(f"{server.url}/episodes/{parent}", timeout=10).json()
+            [child] = found["children"]
+            assert (child["parent"], child["relation"], child["state"]) == (parent, "child", "done")
+            assert child["final_answer"] == "42" and child["tenant"] == found["episode"]["tenant"]
+            reply = httpx.get(f"{server.url}/episodes/{child['episode_id']}/notebook", timeout=10)
+            nbformat.validate(nbformat.reads(reply.text, as_version=4))
+            nb = httpx.get(f"{server.url}/episodes/{parent}/notebook", timeout=10).text
+            assert f"{parent}.child-1-1.ipynb" in nb
 
 
 # -- bad input ---------------------------------------------------------------------------------

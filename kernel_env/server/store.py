@@ -202,9 +202,11 @@ class EpisodeStore(StoreReader):
             return
 
         def end() -> None:
-            self._write(key, record, ended=True, reason=reason)
-            self._children.pop(key, None)
+            steps = self._children.pop(key, None)
             self._tenants.pop(key, None)
+            if record.done and steps == len(record.steps):
+                return  # written, and retired, as its last step ended
+            self._write(key, record, ended=True, reason=reason)
             self._retire()
 
         await self._safely(f"episode {record.episode_id}", end)
@@ -265,7 +267,7 @@ class EpisodeStore(StoreReader):
         folder = self._folder(key, record)
         folder.mkdir(mode=0o700, exist_ok=True)
         name = notebook_name(record.episode_id)
-        text = notebook_text(record, name)
+        text = notebook_text(record, name, validate=False)
         sidecar = folder / f"{Path(name).stem}.context.txt"
         if len(record.context) > INLINE_CONTEXT_CHARS and not sidecar.exists():
             write_durably(sidecar, record.context.encode())
@@ -285,7 +287,7 @@ class EpisodeStore(StoreReader):
         """An rlm_query child episode: its notebook beside its parent's, a row of its own."""
         folder = self._folder(key, parent)
         name = child_notebook_name(Path(notebook_name(parent.episode_id)).stem, step, n)
-        write_durably(folder / name, notebook_text(child, name).encode())
+        write_durably(folder / name, notebook_text(child, name, validate=False).encode())
         path = str(folder.relative_to(self.directory) / name)
         tenant = self._tenants.get(key, "")
         row = self._insert(child, "", tenant, key, "child", container=key, path=path)
