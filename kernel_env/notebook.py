@@ -396,8 +396,8 @@ def write_notebook(record: EpisodeRecord, directory: str | os.PathLike[str], nam
 def notebook_text(record: EpisodeRecord, name: str, *, validate: bool = True) -> str:
     """The validated text of the notebook :func:`write_notebook` writes as ``name`` (it refers
     to the context sidecar and child notebooks by their names beside it). ``validate=False``:
-    the same notebook, not checked against the schema again (the episode store writes one
-    after every step; the check was most of that write's time)."""
+    the same notebook, not checked against the schema again (the episode store renders one
+    each time a running episode's notebook is read; the check was most of that time)."""
     stem = Path(name).stem
     context_file = _sidecar_name(stem) if _uses_sidecar(record) else None
     nb = episode_to_notebook(record, context_file=context_file, stem=stem)

@@ -185,6 +185,34 @@ def test_a_server_killed_after_step_3_leaves_the_episode_interrupted_with_3_step
         ]
 
 
+@pytest.mark.integration
+def test_a_torn_last_journal_line_is_skipped_and_reported(tmp_path: Path) -> None:
+    """kill -9, and half a line at the end of the episode's journal (a kill in the middle of
+    its write): the new server keeps the 2 whole steps, says it skipped the torn line, in its
+    log and the episode's reason, and serves on."""
+    codes = ["print('one')", "print('two')"]
+    with _serve(tmp_path) as first:
+        _, episode_id = _episode(first.url, codes, task_prompt="torn")
+        terminate(first.process, signal.SIGKILL)
+        first.process.wait(10)
+    [journal] = (tmp_path / "episodes").glob("*/*.journal.jsonl")
+    assert len(journal.read_bytes().splitlines()) == 1 + len(codes)
+    with open(journal, "ab") as f:
+        f.write(b'{"step":{"index":3,"code":"print(\'thr')
+    with _serve(tmp_path) as second:
+        [row] = _listing(second.url)["episodes"]
+        assert (row["episode_id"], row["state"], row["steps"]) == (episode_id, "interrupted", 2)
+        assert "1 unreadable journal line(s) skipped" in row["reason"]
+        assert "1 unreadable line(s)" in second.log.read_text()
+        reply = httpx.get(f"{second.url}/episodes/{episode_id}/notebook", timeout=30)
+        nb = nbformat.reads(reply.text, as_version=4)
+        nbformat.validate(nb)
+        assert [cell.source for cell in recorded_steps(nb)] == codes
+        assert not journal.exists()  # its notebook is written: the journal is done with
+        _, new = _episode(second.url, ["FINAL('b')"])
+        assert _listing(second.url)["episodes"][0]["episode_id"] == new
+
+
 # -- retention -----------------------------------------------------------------------------
 
 

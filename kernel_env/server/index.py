@@ -151,11 +151,34 @@ class Index:
         sets = ", ".join(f"{name} = ?" for name in changes)
         self._write(f"UPDATE episodes SET {sets} WHERE key = ?", [*changes.values(), key])
 
+    def update_many(self, changes: Iterable[tuple[int, Mapping[str, Any]]]) -> None:
+        """Several rows' changes, in one transaction."""
+        with self._lock, self._db:
+            for key, change in changes:
+                sets = ", ".join(f"{name} = ?" for name in change)
+                self._db.execute(
+                    f"UPDATE episodes SET {sets} WHERE key = ?", (*change.values(), key)
+                )
+
     def running_servers(self, but: str) -> list[str]:
         rows = self._read(
             "SELECT DISTINCT server FROM episodes WHERE state = 'running' AND server != ?", [but]
         )
         return [str(row[0]) for row in rows]
+
+    def running_of(self, server: str) -> list[tuple[int, str, str]]:
+        """The episodes ``server`` left running (key, notebook path, tenant)."""
+        rows = self._read(
+            "SELECT key, path, tenant FROM episodes WHERE server = ? AND state = 'running' "
+            "AND container IS NULL AND path != ''",
+            [server],
+        )
+        return [(int(r[0]), str(r[1]), str(r[2])) for r in rows]
+
+    def child_paths(self, container: int) -> list[str]:
+        """The notebook paths of the rlm_query children stored beside episode ``container``."""
+        rows = self._read("SELECT path FROM episodes WHERE container = ?", [container])
+        return [str(r[0]) for r in rows]
 
     def interrupt_server(self, server: str, reason: str, now: float) -> int:
         """Mark the episodes ``server`` left running as interrupted; how many there were."""

@@ -152,7 +152,7 @@ class Runtime:
     async def close(self) -> None:
         await self.sessions.close()
         if self.store is not None:
-            self.store.close()
+            await self.store.aclose()
         await self._close_pools()
         if self.forkserver is not None:
             await self.forkserver.close()

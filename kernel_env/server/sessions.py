@@ -169,7 +169,7 @@ class Session:
         store, record = self._manager.store, self.env.record
         if store is None or record is None or record is previous:
             return
-        await store.end(self.kept, previous, "another episode began in its session")
+        store.end(self.kept, previous, "another episode began in its session")
         self.kept = await store.begin(record, session_id=self.id, tenant=self.owner.name)
 
     async def step(
@@ -194,7 +194,7 @@ class Session:
             calls = record.steps[-1].llm_calls if record is not None and record.steps else []
             self.feed.step_ended(observation, calls)
             if self._manager.store is not None and record is not None:
-                await self._manager.store.save(self.kept, record)  # durable before the answer
+                self._manager.store.save(self.kept, record)  # in its journal before the answer
             return observation
 
         return await self._run(run)
@@ -645,7 +645,7 @@ class SessionManager:
         if kernel is not None and session.env.kernel is None:
             session.done_kernels.add(_kernel_counters(kernel))
         if self.store is not None:
-            await self.store.end(session.kept, session.env.record, str(session.closed))
+            self.store.end(session.kept, session.env.record, str(session.closed))
         self.closed_counters.add(session.counters())
         self._shutting.discard(session)
 

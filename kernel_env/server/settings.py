@@ -194,8 +194,8 @@ class ServerSettings:
     # ServerSettings built in code keeps none unless told.
     episodes: str | None = _flag(
         None,
-        "a directory that keeps every episode (its notebook after each step, an index to list "
-        "them); none: keep none",
+        "a directory that keeps every episode (each step as it completes, its notebook, an "
+        "index to list them); none: keep none",
         metavar="DIR",
         shown="$XDG_STATE_HOME/kernel_env/episodes, or ~/.local/state/kernel_env/episodes",
     )

@@ -1,9 +1,9 @@
 """The episode store's routes, as a table; their handlers are thin: each asks the server's
-store (in a worker thread: SQLite and files are never read on the event loop)."""
+store (in its worker thread, after the writes asked before: SQLite and files are never read
+on the event loop, and an answer sent after a step's reads that step)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request, Response
@@ -66,7 +66,7 @@ async def list_episodes(
         since=since,
         until=until,
     )
-    page = await asyncio.to_thread(store.page, filters, cursor=cursor, limit=limit)
+    page = await store.call(lambda: store.page(filters, cursor=cursor, limit=limit))
     return {
         "episodes": [_public(row) for row in page.episodes],
         "next_cursor": page.next_cursor,
@@ -76,7 +76,8 @@ async def list_episodes(
 
 async def get_episode(request: Request, episode_id: str) -> dict[str, Any]:
     store = _store(request)
-    found = await asyncio.to_thread(store.episode, episode_id, _visible_to(request))
+    tenant = _visible_to(request)
+    found = await store.call(lambda: store.episode(episode_id, tenant))
     if found is None:
         raise UnknownEpisode(_UNKNOWN)
     return {
@@ -89,13 +90,15 @@ async def get_episode(request: Request, episode_id: str) -> dict[str, Any]:
 async def get_notebook(request: Request, episode_id: str) -> Response:
     store = _store(request)
 
+    tenant = _visible_to(request)
+
     def read() -> tuple[str, bytes]:
-        row = store.index.find(episode_id, _visible_to(request))
+        row = store.index.find(episode_id, tenant)
         if row is None:
             raise UnknownEpisode(_UNKNOWN)
         return store.notebook(row)
 
-    name, body = await asyncio.to_thread(read)
+    name, body = await store.call(read)
     headers = {"Content-Disposition": f'attachment; filename="{name}"'}
     return Response(body, media_type=_NOTEBOOK_TYPE, headers=headers)
 
