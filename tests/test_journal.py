@@ -5,6 +5,7 @@ raised."""
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -113,6 +114,27 @@ def test_a_torn_last_line_and_a_corrupt_one_are_skipped_and_counted(tmp_path: Pa
     path.write_bytes(b"")
     with pytest.raises(StoredEpisodeError, match="has no episode"):
         read_journal(path)
+
+
+def test_an_append_after_a_failed_one_starts_a_line_of_its_own(tmp_path: Path) -> None:
+    """A write that failed part way (a full disk) leaves half a line: the next append begins
+    on a new line, so only the failed one is lost, and is counted."""
+    record = _record()
+    path = journal_path(tmp_path / "ep-1.ipynb")
+    first = EpisodeRecord(**{**vars(record), "steps": record.steps[:1]})
+    journal = Journal(path, header_line(first) + step_line(record.steps[0], first))
+    os.close(journal._fd)
+    journal._fd = os.open(path, os.O_RDONLY)  # every write now fails, as on a full disk
+    with pytest.raises(OSError):
+        journal.append(step_line(record.steps[1], record))
+    os.close(journal._fd)
+    journal._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    with open(path, "ab") as f:
+        f.write(step_line(record.steps[1], record)[:25])  # what the failed write got out
+    journal.append(step_line(record.steps[1], record))
+    journal.close()
+    replayed = read_journal(path)
+    assert (replayed.record, replayed.unreadable) == (record, 1)
 
 
 @pytest.mark.integration

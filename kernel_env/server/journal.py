@@ -135,12 +135,17 @@ class Journal:
         self.path = path
         flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
         self._fd = os.open(path, flags, 0o600)
+        self._torn = False  # the last append failed: part of it may be in the file
         self.append(first)
 
     def append(self, data: bytes) -> None:
-        view = memoryview(data)
+        """``data``, whole lines; after a failed append, on a line of their own (the part of
+        the failed one stays behind, a line that is skipped when read)."""
+        view = memoryview(b"\n" + data if self._torn else data)
+        self._torn = True
         while view:  # a regular file writes it whole but for a full disk or a signal
             view = view[os.write(self._fd, view) :]
+        self._torn = False
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -168,6 +173,8 @@ def read_journal(path: Path) -> Replayed:
         raise StoredEpisodeError(f"the journal {path.name} has no episode: {exc}") from None
     unreadable = 0
     for line in lines[1:]:
+        if not line:
+            continue  # an append after a failed one begins with a newline
         try:
             entry = json.loads(line)
             step = _decode_step(entry["step"]) if "step" in entry else None
