@@ -7,12 +7,14 @@ its own; bad files and rows are skipped, never fatal."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,8 @@ from fake_openai import FakeOpenAI
 from serverkit import ServeProcess, serve_process, terminate
 
 from kernel_env import KernelEnv
-from kernel_env.notebook import recorded_steps
+from kernel_env.archive import extract_export
+from kernel_env.notebook import notebook_name, recorded_steps
 from kernel_env.server.index import Filters
 from kernel_env.server.retention import Keep, Stored, parse_keep, to_remove
 from kernel_env.server.settings import ServerSettings, default_episodes
@@ -142,16 +145,26 @@ def test_twenty_episodes_of_a_client_that_never_exports_are_all_kept(tmp_path: P
     ]
 
 
-def _cli(*args: str, cwd: Path | None = None) -> str:
-    done = subprocess.run(
+def _cli(*args: str, cwd: Path | None = None, token: str | None = None) -> str:
+    done = _cli_run(*args, cwd=cwd, token=token)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _cli_run(
+    *args: str, cwd: Path | None = None, token: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KERNEL_ENV_TOKEN"}
+    if token is not None:
+        env["KERNEL_ENV_TOKEN"] = token
+    return subprocess.run(
         [sys.executable, "-m", "kernel_env", *args],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=cwd,
+        env=env,
     )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 # -- a server killed mid-episode --------------------------------------------------------------
@@ -306,7 +319,7 @@ def test_a_tenant_sees_only_its_own_episodes(tenants_server: ServeProcess) -> No
     assert [r["episode_id"] for r in _listing(url, "bob")["episodes"]] == [bobs]
     assert {r["episode_id"] for r in _listing(url, "ops")["episodes"]} == {alices, bobs}
     assert _listing(url, "bob", task="alice")["episodes"] == []
-    for route in ("/episodes/{}", "/episodes/{}/notebook"):
+    for route in ("/episodes/{}", "/episodes/{}/notebook", "/episodes/{}/export.zip"):
         theirs = httpx.get(url + route.format(alices), headers=_as("bob"), timeout=10)
         nobodys = httpx.get(url + route.format("no-such-episode"), headers=_as("bob"), timeout=10)
         assert theirs.status_code == nobodys.status_code == 404
@@ -318,6 +331,75 @@ def test_a_tenant_sees_only_its_own_episodes(tenants_server: ServeProcess) -> No
     assert httpx.get(f"{url}/episodes", timeout=10).status_code == 401
     foreign = {**_as("alice"), "Origin": "https://evil.example"}
     assert httpx.get(f"{url}/episodes", headers=foreign, timeout=10).status_code == 403
+
+
+@pytest.mark.integration
+def test_the_cli_reads_a_servers_episodes_with_a_tenants_token(
+    tenants_server: ServeProcess, tmp_path: Path
+) -> None:
+    """``kernel-env episodes ls / show / export --url``, the token in KERNEL_ENV_TOKEN: the
+    tenant's own episodes; another's id fails as an unknown one; no token is refused."""
+    url, alice = tenants_server.url, TOKENS["alice"]
+    codes = ["print('a')", "FINAL('a')"]
+    _, alices = _episode(url, codes, tenant="alice", task_prompt="alice's task")
+    _, bobs = _episode(url, ["FINAL('b')"], tenant="bob", task_prompt="bob's task")
+    listed = json.loads(_cli("episodes", "ls", "--url", url, "--json", token=alice))
+    assert [r["episode_id"] for r in listed["episodes"]] == [alices]
+    table = _cli("episodes", "ls", "--url", url, token=alice)
+    assert alices in table and "alice's task" in table and "1 episode(s)" in table
+    shown = json.loads(_cli("episodes", "show", alices, "--url", url, "--json", token=alice))
+    assert (shown["episode"]["state"], shown["episode"]["steps"]) == ("done", 2)
+    assert shown["forks"] == shown["children"] == [] and "path" not in shown["episode"]
+    plain = _cli("episodes", "show", alices, "--url", url, token=alice)
+    assert f"episode_id: {alices}" in plain and "state: done" in plain and "reward: " in plain
+    theirs = _cli_run("episodes", "show", bobs, "--url", url, token=alice)
+    assert theirs.returncode == 2 and "no stored episode has this id" in theirs.stderr
+    target = tmp_path / "alice.ipynb"
+    assert _cli("episodes", "export", alices, "--url", url, "-o", str(target), token=alice)
+    nb = nbformat.read(target, as_version=4)
+    nbformat.validate(nb)
+    assert [c.source for c in recorded_steps(nb)] == codes
+    again = _cli_run("episodes", "export", alices, "--url", url, "-o", str(target), token=alice)
+    assert again.returncode == 2 and "add --overwrite" in again.stderr
+    refused = _cli_run("episodes", "ls", "--url", url)
+    assert refused.returncode == 2 and "401" in refused.stderr
+    every = _cli("episodes", "show", bobs, "--episodes", str(tmp_path / "store"))
+    assert f"episode_id: {bobs}" in every and "tenant: bob" in every
+
+
+@pytest.mark.integration
+def test_a_stored_episodes_export_zip_holds_its_files(tmp_path: Path) -> None:
+    """GET /episodes/{id}/export.zip: its notebook (a running one's, from its journal) and
+    its context file, never the journal; the client's own unpacker takes the archive."""
+    context = "word " * 4000  # past INLINE_CONTEXT_CHARS: the context goes beside the notebook
+    with _serve(tmp_path / "store") as server:
+        sid, episode_id = _episode(
+            server.url, ["print(len(context))"], context=context, task_prompt="zipped"
+        )
+        stem = Path(notebook_name(episode_id)).stem
+
+        def archive() -> bytes:
+            reply = httpx.get(f"{server.url}/episodes/{episode_id}/export.zip", timeout=30)
+            assert reply.status_code == 200 and reply.headers["content-type"] == "application/zip"
+            return reply.content
+
+        running = zipfile.ZipFile(io.BytesIO(archive()))
+        assert sorted(running.namelist()) == [f"{stem}.context.txt", f"{stem}.ipynb"]
+        assert running.read(f"{stem}.context.txt").decode() == context
+        nb = nbformat.reads(running.read(f"{stem}.ipynb").decode(), as_version=4)
+        assert [c.outputs[0]["text"] for c in recorded_steps(nb)] == [f"{len(context)}\n"]
+        step = httpx.post(
+            f"{server.url}/step",
+            json={"action": {"code": "FINAL('z')"}},
+            headers={"X-Session-Id": sid},
+            timeout=60,
+        )
+        assert step.json()["done"] is True
+        written = extract_export(archive(), tmp_path / "out", stem=stem)
+    assert sorted(p.name for p in written) == [f"{stem}.context.txt", f"{stem}.ipynb"]
+    nb = nbformat.read(tmp_path / "out" / f"{stem}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata["kernel_env"]["final_answer"] == "z"
 
 
 # -- forks -------------------------------------------------------------------------------------
@@ -369,6 +451,9 @@ def test_an_rlm_query_child_is_stored_with_its_parent_link(tmp_path: Path) -> No
             nbformat.validate(nbformat.reads(reply.text, as_version=4))
             nb = httpx.get(f"{server.url}/episodes/{parent}/notebook", timeout=10).text
             assert f"{parent}.child-1-1.ipynb" in nb
+            zipped = httpx.get(f"{server.url}/episodes/{parent}/export.zip", timeout=10)
+            names = zipfile.ZipFile(io.BytesIO(zipped.content)).namelist()
+            assert sorted(names) == [f"{parent}.child-1-1.ipynb", f"{parent}.ipynb"]
 
 
 # -- bad input ---------------------------------------------------------------------------------

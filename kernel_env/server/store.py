@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import io
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ import shutil
 import sqlite3
 import threading
 import time
+import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -168,6 +170,28 @@ class StoreReader:
                 "unreadable"
             ) from None
         return path.name, data
+
+    def export_zip(self, row: dict[str, Any]) -> tuple[str, bytes]:
+        """A stored episode's files, as an export archive is (``GET /sessions/{id}/
+        export.zip``): its notebook, its context file, its rlm_query children's notebooks,
+        at the archive's top level; the archive's file name."""
+        name, notebook = self.notebook(row)
+        folder, stem = (self.directory / row["path"]).parent, Path(name).stem
+        # Not its journal, nor a file being written (".name.tmp"); a child has no files beside.
+        beside = [
+            file
+            for file in ([] if row["relation"] == "child" else sorted(folder.iterdir()))
+            if file.name.startswith(f"{stem}.")
+            and file.suffix in (".ipynb", ".txt")
+            and file.name != name
+            and file.is_file()
+        ]
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+            archive.writestr(name, notebook)
+            for file in beside:
+                archive.write(file, file.name)
+        return f"{stem}.zip", buffer.getvalue()
 
 
 @dataclass

@@ -103,6 +103,21 @@ async def get_notebook(request: Request, episode_id: str) -> Response:
     return Response(body, media_type=_NOTEBOOK_TYPE, headers=headers)
 
 
+async def get_export(request: Request, episode_id: str) -> Response:
+    store = _store(request)
+    tenant = _visible_to(request)
+
+    def read() -> tuple[str, bytes]:
+        row = store.index.find(episode_id, tenant)
+        if row is None:
+            raise UnknownEpisode(_UNKNOWN)
+        return store.export_zip(row)
+
+    name, body = await store.call(read)
+    headers = {"Content-Disposition": f'attachment; filename="{name}"'}
+    return Response(body, media_type="application/zip", headers=headers)
+
+
 ROUTES = [
     APIRoute(
         "/episodes",
@@ -127,6 +142,16 @@ ROUTES = [
         summary="A stored episode's notebook (.ipynb), as it was after its last step",
         response_class=Response,
         responses={200: {"content": {_NOTEBOOK_TYPE: {}}}},
+    ),
+    APIRoute(
+        "/episodes/{episode_id}/export.zip",
+        get_export,
+        methods=["GET"],
+        tags=["Episodes"],
+        summary="A stored episode's notebook with its context file and rlm_query children's "
+        "notebooks, zipped (as GET /sessions/{id}/export.zip)",
+        response_class=Response,
+        responses={200: {"content": {"application/zip": {}}}},
     ),
 ]
 
