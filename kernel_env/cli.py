@@ -5,6 +5,7 @@
     kernel-env export    a served episode as .ipynb (or a notebook as HTML)
     kernel-env replay    a notebook's code cells re-run as a fresh episode, compared cell by cell
     kernel-env ps        the episodes a server is running
+    kernel-env episodes  the episodes a server kept: ls, show, export
 
 Every ``serve`` flag also reads a ``KERNEL_ENV_<NAME>`` variable (e.g. ``KERNEL_ENV_POOL_SIZE``);
 a flag given on the command line wins. The bearer token is read from ``KERNEL_ENV_TOKEN`` only:
@@ -100,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_replay(commands)
     _add_ps(commands)
     _add_capacity(commands)
+    _add_episodes(commands)
     for command in commands.choices.values():
         command.set_defaults(command_parser=command)
     return parser
@@ -200,7 +202,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             type=_FLAG_TYPES.get(kind, str),
             choices=f.metadata["choices"],
             metavar=f.metadata["metavar"],
-            help=f"{f.metadata['help']} (default: {_shown(f.default)})",
+            help=f"{f.metadata['help']} (default: {f.metadata.get('shown') or _shown(f.default)})",
             # A list flag given twice: both lists (comma-separated items in each).
             action="extend" if f.metadata.get("repeat") else "store",
         )
@@ -286,6 +288,7 @@ def _status_line(settings: ServerSettings) -> str:
         )
         + f"\nkernel-env:   {_descriptors(settings)}"
         + f"\nkernel-env:   {_capacity(settings)}"
+        + f"\nkernel-env: {_episodes_kept(settings)}"
     )
 
 
@@ -294,6 +297,12 @@ def _capacity(settings: ServerSettings) -> str:
 
     local = settings.gateway_url is None
     return describe(machine_capacity(local=local, forked=settings.forkserver))
+
+
+def _episodes_kept(settings: ServerSettings) -> str:
+    if settings.episodes is None:
+        return "episodes: not kept (--episodes none)"
+    return f"episodes: kept in {settings.episodes} ({settings.episodes_keep})"
 
 
 def _descriptors(settings: ServerSettings) -> str:
@@ -545,6 +554,162 @@ def _every_session(client: Any, url: str) -> list[dict[str, Any]]:
         sessions += body["sessions"]
         after = body.get("next")
     return sessions
+
+
+# -- episodes ----------------------------------------------------------------------------
+
+
+def _add_episodes(commands: argparse._SubParsersAction) -> None:
+    episodes = commands.add_parser(
+        "episodes",
+        help="list, show and export the episodes a server kept",
+        description="The episodes a kernel-env server kept (GET /episodes of --url, with the "
+        "token in KERNEL_ENV_TOKEN), or those of a store directory (--episodes DIR, read "
+        "directly: every tenant's).",
+    )
+    actions = episodes.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ls = actions.add_parser("ls", help="a line per stored episode, newest first")
+    show = actions.add_parser("show", help="one episode, with its forks and children")
+    export = actions.add_parser("export", help="one episode's notebook, as a file")
+    for action in (ls, show, export):
+        action.add_argument(
+            "--url",
+            default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
+            help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})",
+        )
+        action.add_argument("--episodes", metavar="DIR", help="a store directory instead")
+    ls.add_argument("--task", help="text in the task")
+    ls.add_argument("--reward-min", type=float, metavar="R")
+    ls.add_argument("--reward-max", type=float, metavar="R")
+    ls.add_argument("--state", choices=("running", "done", "interrupted"))
+    ls.add_argument("--kernel", metavar="NAME")
+    ls.add_argument("--limit", type=_at_least_one, default=100, help=_d("lines at most", 100))
+    for action in (ls, show):
+        action.add_argument("--json", action="store_true", help="print the JSON as it is")
+    for action in (show, export):
+        action.add_argument("episode_id", metavar="EPISODE", help="the episode's id")
+    export.add_argument("-o", "--output", metavar="PATH", help="default: EPISODE.ipynb")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    episodes.set_defaults(run=_episodes)
+
+
+def _episodes(args: argparse.Namespace) -> int:
+    from kernel_env.remote import unreachable
+
+    try:
+        source = _StoredEpisodes(args.url, args.episodes)
+        try:
+            return int(getattr(_Episodes, args.action)(args, source))
+        finally:
+            source.close()
+    except ConnectionError as exc:
+        return _fail("episodes", str(exc) or unreachable(args.url, exc))
+    except (OSError, ValueError, KernelEnvError) as exc:
+        return _fail("episodes", exc)
+
+
+class _StoredEpisodes:
+    """A server's stored episodes (``url``), or a store directory's (``directory``)."""
+
+    def __init__(self, url: str, directory: str | None) -> None:
+        from kernel_env.client import TOKEN_VARIABLE
+        from kernel_env.server.store import StoreReader
+
+        self.url, self.token = url, os.environ.get(TOKEN_VARIABLE) or None
+        self.reader = None if directory is None else StoreReader.read(directory)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+    def list(self, filters: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+        from kernel_env.remote import list_episodes
+        from kernel_env.server.index import Filters
+
+        if self.reader is None:
+            found = list_episodes(self.url, token=self.token, filters=filters, limit=limit)
+            return asyncio.run(found)
+        return self.reader.page(Filters(**filters), cursor=None, limit=limit).episodes
+
+    def show(self, episode_id: str) -> dict[str, Any]:
+        if self.reader is None:
+            return dict(json.loads(self._get(f"/episodes/{_quoted(episode_id)}")))
+        found = self.reader.episode(episode_id, None)
+        if found is None:
+            raise ValueError(f"no stored episode has the id {episode_id!r}")
+        return found
+
+    def notebook(self, episode_id: str) -> tuple[str, bytes]:
+        from kernel_env.notebook import notebook_name
+
+        if self.reader is None:
+            data = self._get(f"/episodes/{_quoted(episode_id)}/notebook")
+            return notebook_name(episode_id), data
+        return self.reader.notebook(self.show(episode_id)["episode"])
+
+    def _get(self, path: str) -> bytes:
+        from kernel_env.remote import http_get
+
+        return asyncio.run(http_get(self.url, path, token=self.token, cli=True))
+
+
+def _quoted(text: str) -> str:
+    from urllib.parse import quote
+
+    return quote(text, safe="")
+
+
+class _Episodes:
+    """``kernel-env episodes ACTION``, one static method an action."""
+
+    @staticmethod
+    def ls(args: argparse.Namespace, source: _StoredEpisodes) -> int:
+        filters = {
+            "task": args.task,
+            "reward_min": args.reward_min,
+            "reward_max": args.reward_max,
+            "state": args.state,
+            "kernel": args.kernel,
+        }
+        rows = source.list(filters, args.limit)
+        if args.json:
+            print(json.dumps({"episodes": rows}))
+            return 0
+        print(f"{'EPISODE':<36}  {'STATE':<11} {'STEPS':>5} {'REWARD':>7}  {'STARTED':<19}  TASK")
+        for row in rows:
+            reward = "-" if row["reward"] is None else f"{row['reward']:g}"
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["started"]))
+            print(
+                f"{shorten(row['episode_id'], 36, one_line=True):<36}  {row['state']:<11} "
+                f"{row['steps']:>5} {reward:>7}  {started:<19}  "
+                f"{shorten(row['task'], 60, one_line=True)}"
+            )
+        print(f"{len(rows)} episode(s)")
+        return 0
+
+    @staticmethod
+    def show(args: argparse.Namespace, source: _StoredEpisodes) -> int:
+        found = source.show(args.episode_id)
+        if args.json:
+            print(json.dumps(found))
+            return 0
+        for name, value in found["episode"].items():
+            if name not in ("key", "path"):
+                print(f"{name}: {value}")
+        for kind in ("forks", "children"):
+            for row in found[kind]:
+                print(f"{kind[:-1] if kind == 'forks' else 'child'}: {row['episode_id']}")
+        return 0
+
+    @staticmethod
+    def export(args: argparse.Namespace, source: _StoredEpisodes) -> int:
+        name, data = source.notebook(args.episode_id)
+        target = Path(args.output or name)
+        if target.exists() and not args.overwrite:
+            return _fail("episodes", f"{target} exists; add --overwrite to replace it")
+        target.write_bytes(data)
+        print(target)
+        return 0
 
 
 # -- replay ------------------------------------------------------------------------------

@@ -446,6 +446,41 @@ class AsyncKernelEnv:
             extract_export, data, target.parent, stem=target.stem, overwrite=overwrite
         )
 
+    async def episodes(
+        self,
+        *,
+        task: str | None = None,
+        reward_min: float | None = None,
+        reward_max: float | None = None,
+        done: bool | None = None,
+        state: str | None = None,
+        kernel: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """The episodes the server kept (``GET /episodes``: this token's own, every one for an
+        operator's), newest first: ``episode_id``, ``session_id``, ``task``, ``steps``,
+        ``reward``, ``done``, ``state`` (``running``, ``done``, ``interrupted``), ``started``
+        and ``ended`` (seconds since 1970), ``parent``... ``task``: text in the task;
+        ``since`` / ``until``: started in that span; ``limit``: that many at most."""
+        from kernel_env.remote import list_episodes
+
+        if self.environment is not None:
+            raise InvalidInput("episodes() lists a server's stored episodes: pass base_url")
+        filters = {
+            "task": task,
+            "reward_min": reward_min,
+            "reward_max": reward_max,
+            "done": done,
+            "state": state,
+            "kernel": kernel,
+            "since": since,
+            "until": until,
+        }
+        base_url, _, _, token = self._remote
+        return await list_episodes(base_url, token=token, filters=filters, limit=limit)
+
     async def close(self) -> None:
         """End the episode and release its kernel (or connection); idempotent.
 
@@ -761,6 +796,10 @@ class KernelEnv:
     def export_notebook(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write the current (or last) episode as a notebook; see AsyncKernelEnv."""
         return self._run(self._async.export_notebook(path, overwrite=overwrite))
+
+    def episodes(self, **filters: Any) -> list[dict[str, Any]]:
+        """The episodes the server kept, newest first; see AsyncKernelEnv.episodes."""
+        return self._run(self._async.episodes(**filters))
 
     def close(self) -> None:
         """Release the kernel (or connection) and the loop thread; idempotent. A call in

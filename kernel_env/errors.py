@@ -27,6 +27,8 @@ Errors in the *agent's* code are not exceptions: they are data in the observatio
     │   ├── SessionExpired       idle past the server's TTL, and reaped
     │   └── SessionClosed        closed by its owner, or by the server's shutdown
     ├── UnknownSession           no server session has this id
+    ├── UnknownEpisode           no stored episode has this id (that the caller may see)
+    ├── StoredEpisodeError       a stored episode's notebook is missing or unreadable
     ├── CapacityReached          the server's ``max_sessions`` sessions are open
     ├── KernelCallError          an operation run in a session's kernel, outside its episode,
     │                            was refused (``code``: a Connect status name)
@@ -79,6 +81,8 @@ __all__ = [
     "SessionClosed",
     "SessionError",
     "SessionExpired",
+    "StoredEpisodeError",
+    "UnknownEpisode",
     "UnknownSession",
 ]
 
@@ -233,6 +237,15 @@ class SessionClosed(SessionError):
 
 class UnknownSession(KernelEnvError):
     """No session has this id (it never existed, or was forgotten long ago)."""
+
+
+class UnknownEpisode(KernelEnvError):
+    """No stored episode has this id, among those the caller may see (another tenant's is
+    one that does not exist)."""
+
+
+class StoredEpisodeError(KernelEnvError):
+    """A stored episode's notebook is missing or unreadable (its index row is kept)."""
 
 
 class CapacityReached(KernelEnvError):

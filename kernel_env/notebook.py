@@ -9,6 +9,7 @@ timing, a readable summary of the step's LLM calls, and a closing cell with the 
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import platform
@@ -22,7 +23,6 @@ from typing import Any
 import nbformat
 from nbformat import NotebookNode
 from nbformat.corpus.words import generate_corpus_id
-from nbformat.v4 import new_notebook
 
 from kernel_env.errors import ExportPathError
 from kernel_env.inkernel.contract import EXTENSION_MODULE, RECORDED_MAGIC
@@ -90,14 +90,19 @@ def safe_path(root: str | os.PathLike[str], name: str) -> Path:
     return target
 
 
-def _versions() -> dict[str, str]:
+@functools.cache  # reading package metadata took most of a short episode's export
+def _installed_versions() -> tuple[tuple[str, str], ...]:
     out = {"python": platform.python_version()}
     for package in ("kernel-env", "ipykernel", "jupyter_client", "nbformat"):
         try:
             out[package] = version(package)
         except PackageNotFoundError:
             continue
-    return out
+    return tuple(out.items())
+
+
+def _versions() -> dict[str, str]:
+    return dict(_installed_versions())
 
 
 def _timestamp(value: Any) -> str:
@@ -329,7 +334,14 @@ def episode_to_notebook(
         if summary is not None:
             cells.append(summary)
     cells.append(_closing_cell(record))
-    nb = new_notebook(cells=cells)
+    # Not new_notebook(cells=...), which validates the whole notebook: the export validates
+    # it once, when it is complete.
+    nb = NotebookNode(
+        nbformat=nbformat.v4.nbformat,
+        nbformat_minor=nbformat.v4.nbformat_minor,
+        metadata=NotebookNode(),
+        cells=cells,
+    )
     nb.metadata["title"] = notebook_title(record)  # nbconvert's HTML <title>
     nb.metadata["kernelspec"], nb.metadata["language_info"] = _kernel_metadata(record)
     nb.metadata["kernel_env"] = {
@@ -384,13 +396,16 @@ def write_notebook(record: EpisodeRecord, directory: str | os.PathLike[str], nam
     return path
 
 
-def notebook_text(record: EpisodeRecord, name: str) -> str:
+def notebook_text(record: EpisodeRecord, name: str, *, validate: bool = True) -> str:
     """The validated text of the notebook :func:`write_notebook` writes as ``name`` (it refers
-    to the context sidecar and child notebooks by their names beside it)."""
+    to the context sidecar and child notebooks by their names beside it). ``validate=False``:
+    the same notebook, not checked against the schema again (the episode store renders one
+    each time a running episode's notebook is read; the check was most of that time)."""
     stem = Path(name).stem
     context_file = _sidecar_name(stem) if _uses_sidecar(record) else None
     nb = episode_to_notebook(record, context_file=context_file, stem=stem)
-    nbformat.validate(nb)
+    if validate:
+        nbformat.validate(nb)
     # nbformat.writes would validate the whole notebook a second time.
     return str(nbformat.v4.writes(nb))
 

@@ -41,7 +41,9 @@ __all__ = [
     "RemoteSession",
     "auth_refused",
     "fetch_export",
+    "http_get",
     "http_url",
+    "list_episodes",
     "unreachable",
     "ws_url",
 ]
@@ -116,12 +118,36 @@ async def fetch_export(
     episode's): the zip's bytes. Errors raise what a local client raises where there is one
     (``UnknownSession``, ``SessionExpired``, ...; each also a RemoteError ``EXPORT_FAILED``),
     ``ConnectionError`` when nobody answers; ``cli``: words for the command line."""
+    path = f"/sessions/{quote(session_id, safe='')}/export.zip"
+    return await http_get(
+        base_url,
+        path,
+        token=token,
+        params={"name": name},
+        timeout=timeout,
+        cli=cli,
+        failed=("notebook export", "EXPORT_FAILED"),
+    )
+
+
+async def http_get(
+    base_url: str,
+    path: str,
+    *,
+    token: str | None,
+    params: Mapping[str, Any] | None = None,
+    timeout: float = 60.0,
+    cli: bool = False,
+    failed: tuple[str, str] = ("request", "REQUEST_FAILED"),
+) -> bytes:
+    """``GET path`` of the server: the body's bytes. A refusal raises the class the server
+    names (``UnknownEpisode``, ...; also a RemoteError with ``failed``'s code), a server nobody
+    answers ``ConnectionError``; ``failed``: what the request was, in words, and its code."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     root = http_url(base_url)
-    url = f"{root}/sessions/{quote(session_id, safe='')}/export.zip"
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
         try:
-            response = await http.get(url, params={"name": name}, headers=headers)
+            response = await http.get(f"{root}{path}", params=params, headers=headers)
         except httpx.TransportError as exc:
             raise ConnectionError(unreachable(root, exc)) from None
     status = response.status_code
@@ -139,8 +165,34 @@ async def fetch_export(
         detail, data = detail.get("message", ""), {**detail, "status": status}
     else:
         data = {"status": status}
-    message = f"notebook export failed (HTTP {status}): {str(detail)[:300]}"
-    raise remote_error(kind, message, code="EXPORT_FAILED", data=data)
+    message = f"{failed[0]} failed (HTTP {status}): {str(detail)[:300]}"
+    raise remote_error(kind, message, code=failed[1], data=data)
+
+
+_EPISODES_PAGE = 1000  # the server's largest page of GET /episodes
+
+
+async def list_episodes(
+    base_url: str, *, token: str | None, filters: Mapping[str, Any], limit: int | None
+) -> list[dict[str, Any]]:
+    """The stored episodes ``GET /episodes`` lists with ``filters`` (the route's query
+    parameters; None values left out), newest first, page after page, ``limit`` at most."""
+    params = {k: str(v).lower() if isinstance(v, bool) else v for k, v in filters.items()}
+    params = {k: v for k, v in params.items() if v is not None}
+    found: list[dict[str, Any]] = []
+    cursor: int | None = None
+    while limit is None or len(found) < limit:
+        page_size = _EPISODES_PAGE if limit is None else min(_EPISODES_PAGE, limit - len(found))
+        query = {**params, "limit": page_size, **({"cursor": cursor} if cursor else {})}
+        body = await http_get(
+            base_url, "/episodes", token=token, params=query, failed=("listing", "LIST_FAILED")
+        )
+        page = json.loads(body)
+        found += page["episodes"]
+        cursor = page.get("next_cursor")
+        if cursor is None:
+            break
+    return found
 
 
 def _reason(exc: BaseException) -> str:

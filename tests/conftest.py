@@ -8,6 +8,7 @@ And no process a test started may outlive the run (tests/leaks.py).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,10 @@ from leaks import (  # noqa: F401  (the run fails if a process a test started ou
 )
 
 from kernel_env import KernelEnv
+
+# `kernel-env serve` keeps every episode under the user's state dir unless told otherwise; the
+# servers the tests start keep none (tests/test_episode_store.py names a directory of its own).
+os.environ.setdefault("KERNEL_ENV_EPISODES", "none")
 
 STEP_TIMEOUT = 5.0  # "T" of the fault tests in docs/acceptance.md
 

@@ -272,3 +272,31 @@ def test_the_list_shows_a_page_of_sessions_and_turns_to_the_next(browser: Any) -
             browser,
             lambda d: len(rows(d)) == 100 and rows(d)[0].get_attribute("data-session") == first,
         )
+
+
+def test_an_ended_episode_is_listed_and_opens_read_only(tmp_path: Path, browser: Any) -> None:
+    """With an episode store, an episode whose session closed is listed under "Ended
+    episodes" and opens from its stored notebook, outputs included; its download is the
+    stored notebook."""
+    settings = small_settings(token=TOKEN, sandbox="none", episodes=str(tmp_path))
+    with thread_server(settings) as url:
+        session = _reset(url, "ended: kept by the store")
+        _step(url, session, "print('kept output')")
+        _step(url, session, "FINAL('done')")
+        closed = httpx.delete(f"{url}/sessions/{session}", headers=AUTH, timeout=30)
+        assert closed.status_code == 204
+        [kept] = httpx.get(f"{url}/episodes", headers=AUTH, timeout=10).json()["episodes"]
+        _open(browser, url)
+        row = _until(
+            browser,
+            lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-episode="{kept["episode_id"]}"]'),
+        )
+        assert "ended: kept by the store" in row.text and "done" in row.text
+        row.click()
+        _until(browser, lambda d: "kept output" in d.find_element(By.ID, "cells").text)
+        assert browser.find_element(By.ID, "title").text == "ended: kept by the store"
+        assert not browser.find_element(By.ID, "download-html").is_displayed()
+        link = browser.find_element(By.ID, "session-link").get_attribute("href")
+        assert link == f"{url}/web#episode={kept['episode_id']}"
+        browser.get(f"{url}/web#session={session}")  # the closed session's own link
+        _until(browser, lambda d: "has ended" in d.find_element(By.ID, "cells").text)

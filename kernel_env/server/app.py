@@ -3,10 +3,10 @@
 It builds what the running server owns (:class:`~kernel_env.server.runtime.Runtime`, in the
 app's lifespan), puts the middleware around it (browser guard, CORS, the token, body limits),
 and mounts each front door: OpenEnv's HTTP routes and ``/ws`` (:mod:`.openenv`), E2B's
-sandbox protocol (:mod:`.e2b`), Jupyter's kernel API (:mod:`.jupyter`), and beside them the
-operator's routes (:mod:`.operator`) and the live web view (:mod:`.web`). Every door speaks
-to the sessions (:mod:`.sessions`) alone; docs/architecture.md ("Doors") says how one is
-added.
+sandbox protocol (:mod:`.e2b`), Jupyter's kernel API (:mod:`.jupyter`), the stored episodes
+(:mod:`.episodes`), and beside them the operator's routes (:mod:`.operator`) and the live web
+view (:mod:`.web`). Every door speaks to the sessions (:mod:`.sessions`) alone;
+docs/architecture.md ("Doors") says how one is added.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kernel_env.kernel.factory import kernel_source_from
 from kernel_env.kernel.fork.server import ForkServer
 from kernel_env.server.auth import AuthGate, Tenants, load_tenants, redact_client_secrets_in_logs
 from kernel_env.server.e2b import add_e2b
+from kernel_env.server.episodes.routes import add_episodes
 from kernel_env.server.guard import BrowserGuard, HostPolicy
 from kernel_env.server.jupyter.routes import PREFIXES as JUPYTER_PREFIXES
 from kernel_env.server.jupyter.routes import add_jupyter
@@ -89,6 +90,7 @@ def create_app(
     add_openenv(app)
     add_jupyter(app)
     add_operator_routes(app)
+    add_episodes(app)
     add_web_routes(app)
     return app
 

@@ -22,6 +22,7 @@ from kernel_env.recursion import BackendForToken
 from kernel_env.server.auth import DEFAULT_TENANT, Tenant
 from kernel_env.server.sessions import SessionManager
 from kernel_env.server.settings import ServerSettings
+from kernel_env.server.store import EpisodeStore
 from kernel_env.server.tenant_pools import TenantPools
 
 __all__ = ["Runtime", "describe_kernels", "llm_backend_from"]
@@ -111,6 +112,7 @@ class Runtime:
             max_sessions_per_tenant=settings.max_sessions_per_tenant,
         )
         self.started = time.monotonic()
+        self.store: EpisodeStore | None = None  # opened at start, when settings.episodes
 
     def new_environment(
         self, llm_backend: LLMBackend | None = None, *, tenant: str | None = None
@@ -134,6 +136,9 @@ class Runtime:
         return self.new_environment(tenant=owner.name)
 
     async def start(self) -> None:
+        if self.settings.episodes is not None:
+            self.store = await EpisodeStore.open(self.settings.episodes, self.settings.keep)
+            self.sessions.store = self.store
         await self.pool.start()
         for pool in self.language_pools:
             await pool.start()
@@ -146,6 +151,8 @@ class Runtime:
 
     async def close(self) -> None:
         await self.sessions.close()
+        if self.store is not None:
+            await self.store.aclose()
         await self._close_pools()
         if self.forkserver is not None:
             await self.forkserver.close()

@@ -64,6 +64,7 @@ from kernel_env.models import REPLAction, REPLObservation, REPLState
 from kernel_env.record import AGENT, EpisodeRecord
 from kernel_env.server.auth import Tenant
 from kernel_env.server.feed import EpisodeFeed
+from kernel_env.server.store import EpisodeStore
 from kernel_env.text import shorten
 
 __all__ = [
@@ -146,11 +147,19 @@ class Session:
         self.attached = kind != "http"  # a WebSocket (/ws, Jupyter's) owns it: no /ws may take it
         self.seq = 0  # the how-manieth session its manager opened: GET /sessions pages by it
         self._ended = asyncio.Event()  # set once it is closed (by its owner, the reaper, a drain)
+        self.kept: int | None = None  # its current episode's key in the episode store
 
     async def reset(self, kwargs: dict[str, Any]) -> REPLObservation:
         old = self.env.kernel
+
+        async def run() -> REPLObservation:
+            previous = self.env.record
+            observation = await self.env.reset(**kwargs)
+            await self._keep_new(previous)
+            return observation
+
         try:
-            observation = await self._run(lambda: self.env.reset(**kwargs))
+            observation = await self._run(run)
         finally:
             if old is not None and self.env.kernel is not old:
                 self.done_kernels.add(_kernel_counters(old))
@@ -168,6 +177,14 @@ class Session:
             return str(uuid.UUID(hex=self.id))
         except ValueError:  # not 32 hex digits (a session id of another making): as it is
             return self.id
+
+    async def _keep_new(self, previous: EpisodeRecord | None) -> None:
+        """The episode store: the episode a reset ended, and the one it began."""
+        store, record = self._manager.store, self.env.record
+        if store is None or record is None or record is previous:
+            return
+        store.end(self.kept, previous, "another episode began in its session")
+        self.kept = await store.begin(record, session_id=self.id, tenant=self.owner.name)
 
     async def step(
         self,
@@ -196,6 +213,8 @@ class Session:
             record = self.env.record
             calls = record.steps[-1].llm_calls if record is not None and record.steps else []
             self.feed.step_ended(observation, calls)
+            if self._manager.store is not None and record is not None:
+                self._manager.store.save(self.kept, record)  # in its journal before the answer
             return observation
 
         return await self._run(run)
@@ -386,6 +405,7 @@ class SessionManager:
         self._closing: set[asyncio.Task[None]] = set()
         self._stuck: set[asyncio.Future[None]] = set()  # shutdowns that outlived the timeout
         self.draining = False
+        self.store: EpisodeStore | None = None  # keeps every episode, when the server has one
         self.opened_total = 0
         self.reaped_total = 0
         self.closed_counters = Counters()
@@ -456,16 +476,27 @@ class SessionManager:
         try:
             for env in envs:
                 child = self.open("http", session.owner, env, claimed=True)
+                children.append(child)
                 record = env.record
                 if record is not None:
                     child.feed.episode_started(
                         record.episode_id, record.task_prompt, record.max_iterations
                     )
-                children.append(child)
+                    await self._keep_fork(session, child, record)
         except BaseException:
             await asyncio.gather(*(e.close() for e in envs[len(children) :]))
             raise
         return children
+
+    async def _keep_fork(self, parent: Session, child: Session, record: EpisodeRecord) -> None:
+        if self.store is not None:
+            child.kept = await self.store.begin(
+                record,
+                session_id=child.id,
+                tenant=child.owner.name,
+                parent=parent.kept,
+                relation="fork",
+            )
 
     def _make_room(self, owner: Tenant, n: int) -> None:
         """Room for ``n`` more sessions of ``owner``: unclaimed sessions are closed to make
@@ -646,6 +677,8 @@ class SessionManager:
             log.error("closing session %s failed: %r", session.id[:8], exc)
         if kernel is not None and session.env.kernel is None:
             session.done_kernels.add(_kernel_counters(kernel))
+        if self.store is not None:
+            self.store.end(session.kept, session.env.record, str(session.closed))
         self.closed_counters.add(session.counters())
         self._shutting.discard(session)
 

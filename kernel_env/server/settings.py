@@ -12,8 +12,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kernel_env.kernel.modes import DEFAULT_KERNEL_USERNAME, SANDBOX_MODES
+from kernel_env.server.retention import DEFAULT_KEEP, Keep, parse_keep
 
-__all__ = ["ENV_PREFIX", "LOG_LEVELS", "ServerSettings"]
+__all__ = ["ENV_PREFIX", "LOG_LEVELS", "ServerSettings", "default_episodes"]
 
 ENV_PREFIX = "KERNEL_ENV_"
 
@@ -33,6 +34,7 @@ def _flag(
     choices: tuple[str, ...] | None = None,
     secret: bool = False,
     repeat: bool = False,
+    shown: str | None = None,
 ) -> Any:
     """A setting that is also a ``kernel-env serve`` flag (``--name-with-dashes``): the CLI
     builds its flags from these fields, and its help names the default. ``repeat``: a list
@@ -40,7 +42,13 @@ def _flag(
     return field(
         default=default,
         repr=not secret,
-        metadata={"help": help, "metavar": metavar, "choices": choices, "repeat": repeat},
+        metadata={
+            "help": help,
+            "metavar": metavar,
+            "choices": choices,
+            "repeat": repeat,
+            "shown": shown,  # the default in --help, when the field's is not the CLI's
+        },
     )
 
 
@@ -187,6 +195,22 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = _flag(
         (), "web origins allowed to call the server (CORS)", metavar="O1,O2"
     )
+    # Every episode's notebook and index row, kept as it runs (kernel_env.server.store). The
+    # default of `kernel-env serve` (from_env) is a directory under the user's state dir; a
+    # ServerSettings built in code keeps none unless told.
+    episodes: str | None = _flag(
+        None,
+        "a directory that keeps every episode (each step as it completes, its notebook, an "
+        "index to list them); none: keep none",
+        metavar="DIR",
+        shown="$XDG_STATE_HOME/kernel_env/episodes, or ~/.local/state/kernel_env/episodes",
+    )
+    episodes_keep: str = _flag(
+        DEFAULT_KEEP,
+        "how many stored episodes to keep, by count, age and total size (any of them); the "
+        "oldest go first, a running one never",
+        metavar="count=N,age=30d,size=20GiB",
+    )
 
     def __post_init__(self) -> None:
         if self.max_sessions is None:
@@ -242,6 +266,9 @@ class ServerSettings:
         for name in ("llm_max_calls", "llm_max_tokens"):
             if (value := getattr(self, name)) is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.episodes is not None and self.episodes.strip().lower() in ("", "none"):
+            object.__setattr__(self, "episodes", None)
+        parse_keep(self.episodes_keep)  # a ValueError saying what is wrong
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> ServerSettings:
@@ -259,6 +286,8 @@ class ServerSettings:
                 values[name] = explicit[name]
             elif (raw := environ.get(ENV_PREFIX + name.upper())) is not None:
                 values[name] = _parse(name, str(f.type), raw)
+        if "episodes" not in values:  # unset: a served episode is kept, in the state dir
+            values["episodes"] = default_episodes(environ)
         return cls(**values)
 
     def _sessions_the_machine_holds(self) -> int:
@@ -269,6 +298,11 @@ class ServerSettings:
         if self.max_kernels is not None:
             kernels = min(kernels, self.max_kernels)
         return max(1, kernels - self.pool_size)
+
+    @property
+    def keep(self) -> Keep:
+        """``episodes_keep``, parsed."""
+        return parse_keep(self.episodes_keep)
 
     @property
     def kernel_limit(self) -> int:
@@ -322,6 +356,14 @@ def _secrets_from_files(environ: Mapping[str, str]) -> dict[str, str]:
         if not values[variable]:
             raise ValueError(f"{variable}_FILE: {path} is empty")
     return values
+
+
+def default_episodes(environ: Mapping[str, str]) -> str:
+    """Where ``kernel-env serve`` keeps episodes unless told: ``$XDG_STATE_HOME/kernel_env/
+    episodes``, or ``~/.local/state/kernel_env/episodes``."""
+    home = environ.get("HOME") or os.path.expanduser("~")
+    state = environ.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state")
+    return os.path.join(state, "kernel_env", "episodes")
 
 
 def gateway_env_problem(entries: tuple[str, ...]) -> None:

@@ -3,11 +3,14 @@
 // data: URLs, and HTML or SVG only inside <iframe sandbox="allow-same-origin">: no scripts run
 // there, so nothing a cell produces runs in this page or can read its token; the same origin
 // only lets this page measure the frame, to fit its height to the output.
-// /web#session=ID opens one session (the link beside its title).
+// /web#session=ID opens one session (the link beside its title). Ended episodes, which the
+// server's episode store kept (GET /episodes), are listed below, and open read-only from
+// their stored notebook (/web#episode=ID).
 "use strict";
 
 const TOKEN_KEY = "kernel_env_token";
 let selected = null;   // the session id shown
+let stored = null;     // or the id of the ended episode shown
 let watch = 0;         // bumped to stop an old session's event loop
 
 const $ = (id) => document.getElementById(id);
@@ -30,7 +33,11 @@ async function api(path) {
     $("login").hidden = false;
     throw new Error("this server needs its token");
   }
-  if (!response.ok) throw new Error(path + ": HTTP " + response.status);
+  if (!response.ok) {
+    const error = new Error(path + ": HTTP " + response.status);
+    error.status = response.status;
+    throw error;
+  }
   return response;
 }
 
@@ -85,6 +92,8 @@ function sessionRow(s) {
 
 function show(sessionId) {
   selected = sessionId;
+  stored = null;
+  $("download-html").hidden = false;
   const mine = ++watch;
   $("episode").hidden = false;
   $("cells").replaceChildren();
@@ -113,6 +122,11 @@ async function follow(sessionId, mine) {
       after = body.last;
       if (body.closed) return;
     } catch (error) {
+      if (error.status === 404) {  // the session is gone: its episode is among the ended ones
+        const note = "This session has ended: its episode, if the server kept it, is listed under Ended episodes.";
+        $("cells").append(el("div", { class: "note" }, note));
+        return;
+      }
       $("status").textContent = error.message;
       await new Promise((resolve) => setTimeout(resolve, 2000));
     }
@@ -182,9 +196,76 @@ function fitHeight(frame) {
   if (page) frame.style.height = Math.min(Math.ceil(page.getBoundingClientRect().height) + 2, MAX_FRAME_PX) + "px";
 }
 
-function sessionInLink() {
-  const match = /^#session=(.+)$/.exec(location.hash);
+function sessionInLink(kind = "session") {
+  const match = new RegExp("^#" + kind + "=(.+)$").exec(location.hash);
   return match ? decodeURIComponent(match[1]) : null;
+}
+
+// -- ended episodes (the server's episode store) -------------------------------------------
+
+async function refreshKept() {
+  try {
+    const body = await (await api("/episodes?limit=" + PAGE)).json();
+    const ended = body.episodes.filter((e) => e.state !== "running");
+    $("kept").replaceChildren(...ended.map(keptRow));
+    $("kept-list").hidden = false;
+  } catch (error) {
+    $("kept-list").hidden = true;  // a server that keeps no episodes (404), or no token yet
+  }
+}
+
+function keptRow(e) {
+  const row = el("tr", { "data-episode": e.episode_id });
+  const ended = e.ended ? new Date(e.ended * 1000).toLocaleString() : "";
+  const cells = [e.episode_id.slice(0, 8), e.task, String(e.steps), e.reward === null ? "" : String(e.reward), e.state, ended];
+  for (const text of cells) row.append(el("td", {}, text));
+  if (e.episode_id === stored) row.classList.add("selected");
+  row.addEventListener("click", () => showStored(e.episode_id));
+  return row;
+}
+
+const joined = (text) => [].concat(text ?? "").join("");
+
+async function showStored(episodeId) {
+  ++watch;  // stop following a live session
+  selected = null;
+  stored = episodeId;
+  $("episode").hidden = false;
+  $("download-html").hidden = true;
+  $("cells").replaceChildren();
+  $("episode-id").textContent = episodeId;
+  const link = "#episode=" + encodeURIComponent(episodeId);
+  $("session-link").href = link;
+  if (location.hash !== link) history.replaceState(null, "", link);
+  for (const row of $("kept").children) row.classList.toggle("selected", row.dataset.episode === episodeId);
+  try {
+    const nb = await (await api("/episodes/" + encodeURIComponent(episodeId) + "/notebook")).json();
+    renderStored(nb);
+  } catch (error) {
+    $("status").textContent = error.message;
+  }
+}
+
+function renderStored(nb) {
+  $("title").textContent = nb.metadata.title || "(no task)";
+  document.title = "kernel_env: " + (nb.metadata.title || stored);
+  for (const c of nb.cells) {
+    if ((c.metadata.tags || []).includes("kernel-env-setup")) continue;
+    if (c.cell_type === "markdown") {
+      $("cells").append(el("div", { class: "note" }, joined(c.source)));
+      continue;
+    }
+    const node = el("div", { class: "cell" });
+    node.append(el("div", { class: "prompt" }, "In [" + (c.execution_count ?? " ") + "]:"));
+    node.append(el("pre", { class: "code" }, joined(c.source)));
+    const box = el("div", { class: "outputs" });
+    for (const out of c.outputs || []) {
+      const data = Object.fromEntries(Object.entries(out.data || {}).map(([k, v]) => [k, k.startsWith("image/") && k !== "image/svg+xml" ? v : joined(v)]));
+      addOutput(box, { ...out, text: joined(out.text), data });
+    }
+    node.append(box);
+    $("cells").append(node);
+  }
 }
 
 function endStep(node, event) {
@@ -210,11 +291,13 @@ function stripAnsi(text) {
 }
 
 async function download(kind) {
-  if (!selected) return;
-  const path = "/sessions/" + encodeURIComponent(selected) + (kind === "html" ? "/notebook.html" : "/notebook");
+  if (!selected && !stored) return;
+  const path = stored
+    ? "/episodes/" + encodeURIComponent(stored) + "/notebook"
+    : "/sessions/" + encodeURIComponent(selected) + (kind === "html" ? "/notebook.html" : "/notebook");
   try {
     const blob = await (await api(path)).blob();
-    const link = el("a", { href: URL.createObjectURL(blob), download: selected + (kind === "html" ? ".html" : ".ipynb") });
+    const link = el("a", { href: URL.createObjectURL(blob), download: (stored || selected) + (kind === "html" ? ".html" : ".ipynb") });
     link.click();
     URL.revokeObjectURL(link.href);
   } catch (error) {
@@ -228,6 +311,7 @@ document.addEventListener("DOMContentLoaded", () => {
     sessionStorage.setItem(TOKEN_KEY, $("token").value);
     $("login").hidden = true;
     refreshSessions();
+    refreshKept();
   });
   $("previous-page").addEventListener("click", () => turnPage(false));
   $("next-page").addEventListener("click", () => turnPage(true));
@@ -236,9 +320,15 @@ document.addEventListener("DOMContentLoaded", () => {
   window.addEventListener("hashchange", () => {
     const linked = sessionInLink();
     if (linked && linked !== selected) show(linked);
+    const episode = sessionInLink("episode");
+    if (episode && episode !== stored) showStored(episode);
   });
   const linked = sessionInLink();
   if (linked) show(linked);
+  const episode = sessionInLink("episode");
+  if (episode) showStored(episode);
   refreshSessions();
+  refreshKept();
   setInterval(refreshSessions, 2000);
+  setInterval(refreshKept, 5000);
 });

@@ -1,0 +1,509 @@
+"""The episode store (``kernel-env serve --episodes DIR``): every episode a server runs is
+kept as it runs, from any door, and read back with ``GET /episodes``, the client's
+``episodes()`` and ``kernel-env episodes``; a server's death loses no completed step;
+retention keeps the store bounded and never removes a running episode; a tenant sees only
+its own; bad files and rows are skipped, never fatal."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nbformat
+import pytest
+from fake_openai import FakeOpenAI
+from serverkit import ServeProcess, serve_process, terminate
+
+from kernel_env import KernelEnv
+from kernel_env.archive import extract_export
+from kernel_env.notebook import notebook_name, recorded_steps
+from kernel_env.server.index import Filters
+from kernel_env.server.retention import Keep, Stored, parse_keep, to_remove
+from kernel_env.server.settings import ServerSettings, default_episodes
+from kernel_env.server.store import INDEX_NAME, EpisodeStore, StoreReader
+
+TOKENS = {
+    "alice": "alice-token-Ep4xv9LkP3w",
+    "bob": "bob-token-Ep5nZ8cYh1J",
+    "ops": "ops-token-Ep6sK6gBq0",
+}
+
+
+def _serve(directory: Path | None, *args: str, env: dict[str, str] | None = None) -> Any:
+    store = ["--episodes", str(directory)] if directory is not None else []
+    return serve_process("--sandbox", "none", "--pool-size", "2", *store, *args, env=env)
+
+
+def _as(name: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKENS[name]}"} if name else {}
+
+
+def _episode(
+    url: str,
+    steps: list[str],
+    *,
+    tenant: str | None = None,
+    **reset: Any,
+) -> tuple[str, str]:
+    """An episode over stateless HTTP (``POST /reset``, ``POST /step``), never exported nor
+    closed: its session id and episode id."""
+    headers = _as(tenant)
+    reply = httpx.post(f"{url}/reset", json=reset, headers=headers, timeout=60)
+    reply.raise_for_status()
+    headers["X-Session-Id"] = reply.headers["X-Session-Id"]
+    for code in steps:
+        step = httpx.post(
+            f"{url}/step", json={"action": {"code": code}}, headers=headers, timeout=60
+        )
+        step.raise_for_status()
+    state = httpx.get(f"{url}/state", headers=headers, timeout=30).json()
+    return headers["X-Session-Id"], state["episode_id"]
+
+
+def _listing(url: str, tenant: str | None = None, **params: Any) -> dict[str, Any]:
+    reply = httpx.get(f"{url}/episodes", params=params, headers=_as(tenant), timeout=30)
+    assert reply.status_code == 200, reply.text
+    body: dict[str, Any] = reply.json()
+    return body
+
+
+def _every(url: str, **params: Any) -> list[dict[str, Any]]:
+    rows, cursor = [], None
+    while True:
+        page = _listing(url, **params, **({"cursor": cursor} if cursor else {}))
+        rows += page["episodes"]
+        if (cursor := page["next_cursor"]) is None:
+            return rows
+
+
+# -- 20 episodes of an OpenEnv client that never exports --------------------------------------
+
+
+async def _openenv_episodes(url: str, n: int) -> None:
+    """``n`` episodes through OpenEnv's own client (``/ws``): half answered right."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    for i in range(n):
+        async with GenericEnvClient(base_url=url) as env:
+            await env.reset(context=f"ctx {i}", task_prompt=f"task number {i}", expected_answer="7")
+            await env.step({"code": f"x = {i}\nprint('step one of', x)"})
+            answer = "7" if i % 2 == 0 else "wrong"
+            final = await env.step({"code": f"print('FINAL({answer})')"})
+            assert final.done is True
+
+
+@pytest.mark.integration
+def test_twenty_episodes_of_a_client_that_never_exports_are_all_kept(tmp_path: Path) -> None:
+    """The store is on by default (in the state dir): 20 episodes of OpenEnv's client, which
+    never calls an export, are all listed with their rewards, each notebook valid, and the
+    filters, pages, the client's episodes() and the CLI see the same."""
+    pytest.importorskip("openenv")
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    env.pop("KERNEL_ENV_EPISODES")
+    default = Path(default_episodes(env))
+    with _serve(None, env=env) as server:
+        assert f"episodes: kept in {default}" in server.log.read_text()
+        asyncio.run(_openenv_episodes(server.url, 20))
+        rows = _every(server.url, limit=7)
+        assert len(rows) == 20 and len({r["episode_id"] for r in rows}) == 20
+        assert [r["task"] for r in rows] == [f"task number {i}" for i in reversed(range(20))]
+        assert all(r["state"] == "done" and r["done"] and r["steps"] == 2 for r in rows)
+        rewards = {int(r["task"].split()[-1]): r["reward"] for r in rows}
+        assert rewards == {i: 1.0 if i % 2 == 0 else 0.0 for i in range(20)}
+        for row in rows:
+            reply = httpx.get(f"{server.url}/episodes/{row['episode_id']}/notebook", timeout=30)
+            assert reply.status_code == 200
+            nb = nbformat.reads(reply.text, as_version=4)
+            nbformat.validate(nb)
+            i = int(row["task"].split()[-1])
+            assert [c.source for c in recorded_steps(nb)] == [
+                f"x = {i}\nprint('step one of', x)",
+                f"print('FINAL({'7' if i % 2 == 0 else 'wrong'})')",
+            ]
+            assert nb.metadata["kernel_env"]["reward"] == row["reward"]
+        assert len(_listing(server.url, reward_min=1)["episodes"]) == 10
+        assert [r["task"] for r in _listing(server.url, task="NUMBER 1")["episodes"]] == [
+            f"task number {i}" for i in (19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 1)
+        ]
+        with KernelEnv(base_url=server.url) as client:
+            assert [r["episode_id"] for r in client.episodes()] == [r["episode_id"] for r in rows]
+            assert len(client.episodes(reward_max=0.5, limit=4)) == 4
+    listed = _cli("episodes", "ls", "--episodes", str(default), "--json")
+    assert [r["episode_id"] for r in json.loads(listed)["episodes"]] == [
+        r["episode_id"] for r in rows
+    ]
+
+
+def _cli(*args: str, cwd: Path | None = None, token: str | None = None) -> str:
+    done = _cli_run(*args, cwd=cwd, token=token)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _cli_run(
+    *args: str, cwd: Path | None = None, token: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KERNEL_ENV_TOKEN"}
+    if token is not None:
+        env["KERNEL_ENV_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "kernel_env", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env=env,
+    )
+
+
+# -- a server killed mid-episode --------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_server_killed_after_step_3_leaves_the_episode_interrupted_with_3_steps(
+    tmp_path: Path,
+) -> None:
+    """kill -9 after step 3 of 5: a new server on the same directory lists the episode as
+    interrupted, its notebook holding the 3 completed steps."""
+    with _serve(tmp_path) as first:
+        codes = [f"print('step', {n})" for n in range(1, 4)]
+        _, episode_id = _episode(first.url, codes, task_prompt="five steps", max_iterations=5)
+        row = _listing(first.url)["episodes"][0]
+        assert (row["episode_id"], row["state"], row["steps"]) == (episode_id, "running", 3)
+        terminate(first.process, signal.SIGKILL)
+        first.process.wait(10)
+    with _serve(tmp_path) as second:
+        [row] = _listing(second.url)["episodes"]
+        assert (row["episode_id"], row["state"], row["steps"]) == (episode_id, "interrupted", 3)
+        assert "stopped before the episode ended" in row["reason"]
+        reply = httpx.get(f"{second.url}/episodes/{episode_id}/notebook", timeout=30)
+        nb = nbformat.reads(reply.text, as_version=4)
+        nbformat.validate(nb)
+        assert [cell.source for cell in recorded_steps(nb)] == codes
+        assert [c.outputs[0]["text"] for c in recorded_steps(nb)] == [
+            "step 1\n",
+            "step 2\n",
+            "step 3\n",
+        ]
+
+
+@pytest.mark.integration
+def test_a_torn_last_journal_line_is_skipped_and_reported(tmp_path: Path) -> None:
+    """kill -9, and half a line at the end of the episode's journal (a kill in the middle of
+    its write): the new server keeps the 2 whole steps, says it skipped the torn line, in its
+    log and the episode's reason, and serves on."""
+    codes = ["print('one')", "print('two')"]
+    with _serve(tmp_path) as first:
+        _, episode_id = _episode(first.url, codes, task_prompt="torn")
+        terminate(first.process, signal.SIGKILL)
+        first.process.wait(10)
+    [journal] = (tmp_path / "episodes").glob("*/*.journal.jsonl")
+    assert len(journal.read_bytes().splitlines()) == 1 + len(codes)
+    with open(journal, "ab") as f:
+        f.write(b'{"step":{"index":3,"code":"print(\'thr')
+    with _serve(tmp_path) as second:
+        [row] = _listing(second.url)["episodes"]
+        assert (row["episode_id"], row["state"], row["steps"]) == (episode_id, "interrupted", 2)
+        assert "1 unreadable journal line(s) skipped" in row["reason"]
+        assert "1 unreadable line(s)" in second.log.read_text()
+        reply = httpx.get(f"{second.url}/episodes/{episode_id}/notebook", timeout=30)
+        nb = nbformat.reads(reply.text, as_version=4)
+        nbformat.validate(nb)
+        assert [cell.source for cell in recorded_steps(nb)] == codes
+        assert not journal.exists()  # its notebook is written: the journal is done with
+        _, new = _episode(second.url, ["FINAL('b')"])
+        assert _listing(second.url)["episodes"][0]["episode_id"] == new
+
+
+# -- retention -----------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_retention_by_count_keeps_the_newest_and_never_a_running_episode(tmp_path: Path) -> None:
+    """count=3: as episodes end, the oldest go; the oldest of all, still running, stays."""
+    with _serve(tmp_path, "--episodes-keep", "count=3") as server:
+        _, running = _episode(server.url, ["x = 1"], task_prompt="still running")
+        ended = [_episode(server.url, ["FINAL('a')"], task_prompt=f"done {i}")[1] for i in range(5)]
+        rows = _every(server.url)
+        assert [r["episode_id"] for r in rows] == [*reversed(ended[-2:]), running]
+        assert rows[-1]["state"] == "running"
+        assert len(list((tmp_path / "episodes").iterdir())) == 3
+        gone = httpx.get(f"{server.url}/episodes/{ended[0]}", timeout=10)
+        assert gone.status_code == 404
+
+
+@pytest.mark.integration
+def test_retention_by_size_bounds_the_stored_bytes(tmp_path: Path) -> None:
+    """size=60KB with episodes of ~20 KB each: what is left stays under it, the newest kept,
+    and a running episode stays though it is the oldest."""
+    big = "print('y' * 20000)"
+    with _serve(tmp_path, "--episodes-keep", "size=60KB") as server:
+        _, running = _episode(server.url, [big], task_prompt="running")
+        ended = [_episode(server.url, [big, "FINAL('a')"])[1] for _ in range(5)]
+        rows = _every(server.url)
+        assert rows[-1]["episode_id"] == running and rows[-1]["state"] == "running"
+        assert [r["episode_id"] for r in rows[:-1]] == list(reversed(ended))[: len(rows) - 1]
+        assert 1 <= len(rows) - 1 < 5
+        assert sum(r["size"] for r in rows) <= 60_000
+        on_disk = sum(f.stat().st_size for f in (tmp_path / "episodes").rglob("*") if f.is_file())
+        assert on_disk == sum(r["size"] for r in rows)
+
+
+def test_the_keep_flag_is_parsed_with_clear_errors() -> None:
+    """Any subset, in any order, with units; a bad part names itself."""
+    assert parse_keep("count=10000,age=30d,size=20GiB") == Keep(10000, 30 * 86400, 20 << 30)
+    assert parse_keep("size=500MB") == Keep(size=500_000_000)
+    assert parse_keep(" age=12h , count=5 ") == Keep(count=5, age=43200)
+    for bad, said in [
+        ("count=1.5", "count='1.5' is not a valid count"),
+        ("age=3 fortnights", "age='3 fortnights'"),
+        ("size=-1GB", "size='-1GB'"),
+        ("count=0", "count must be greater than 0"),
+        ("count=1,count=2", "count is given twice"),
+        ("keep=5", "expected count=N, age=DURATION or size=BYTES, got 'keep=5'"),
+    ]:
+        with pytest.raises(ValueError, match=said.replace("(", r"\(")):
+            parse_keep(bad)
+    with pytest.raises(ValueError, match="episodes_keep"):
+        ServerSettings(episodes_keep="size=lots")
+    assert ServerSettings(episodes="none").episodes is None
+    assert ServerSettings.from_env({"HOME": "/h"}).episodes == "/h/.local/state/kernel_env/episodes"
+    assert ServerSettings.from_env({"KERNEL_ENV_EPISODES": "none"}).episodes is None
+
+
+def test_retention_removes_the_oldest_first_and_skips_running_ones() -> None:
+    """The pure choice: oldest first until within every limit; a running one is passed over."""
+    stored = [Stored(k, started=float(k), size=10, running=k == 1) for k in range(1, 7)]
+    assert to_remove(stored, Keep(count=3), now=10) == [2, 3, 4]
+    assert to_remove(stored, Keep(size=25), now=10) == [2, 3, 4, 5]
+    assert to_remove(stored, Keep(age=6.5), now=10) == [2, 3]
+    assert to_remove(stored, Keep(count=6, size=60), now=10) == []
+
+
+# -- tenants ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tenants_server(tmp_path: Path) -> Iterator[ServeProcess]:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(
+        "".join(
+            f"{name} {'operator' if name == 'ops' else 'client'} {t}\n"
+            for name, t in TOKENS.items()
+        )
+    )
+    tokens.chmod(0o600)
+    with _serve(tmp_path / "store", "--tokens-file", str(tokens)) as server:
+        yield server
+
+
+@pytest.mark.integration
+def test_a_tenant_sees_only_its_own_episodes(tenants_server: ServeProcess) -> None:
+    """Another tenant's episode id is answered exactly as an id no episode has, on every
+    route; the operator sees every one; no token, or a foreign Origin, is refused."""
+    url = tenants_server.url
+    _, alices = _episode(url, ["FINAL('a')"], tenant="alice", task_prompt="alice's")
+    _, bobs = _episode(url, ["FINAL('b')"], tenant="bob", task_prompt="bob's")
+    assert [r["episode_id"] for r in _listing(url, "alice")["episodes"]] == [alices]
+    assert [r["episode_id"] for r in _listing(url, "bob")["episodes"]] == [bobs]
+    assert {r["episode_id"] for r in _listing(url, "ops")["episodes"]} == {alices, bobs}
+    assert _listing(url, "bob", task="alice")["episodes"] == []
+    for route in ("/episodes/{}", "/episodes/{}/notebook", "/episodes/{}/export.zip"):
+        theirs = httpx.get(url + route.format(alices), headers=_as("bob"), timeout=10)
+        nobodys = httpx.get(url + route.format("no-such-episode"), headers=_as("bob"), timeout=10)
+        assert theirs.status_code == nobodys.status_code == 404
+        assert theirs.json() == nobodys.json()
+        assert theirs.json()["exception"] == "UnknownEpisode"
+        mine = httpx.get(url + route.format(alices), headers=_as("alice"), timeout=10)
+        assert mine.status_code == 200
+        assert httpx.get(url + route.format(alices), headers=_as("ops"), timeout=10).is_success
+    assert httpx.get(f"{url}/episodes", timeout=10).status_code == 401
+    foreign = {**_as("alice"), "Origin": "https://evil.example"}
+    assert httpx.get(f"{url}/episodes", headers=foreign, timeout=10).status_code == 403
+
+
+@pytest.mark.integration
+def test_the_cli_reads_a_servers_episodes_with_a_tenants_token(
+    tenants_server: ServeProcess, tmp_path: Path
+) -> None:
+    """``kernel-env episodes ls / show / export --url``, the token in KERNEL_ENV_TOKEN: the
+    tenant's own episodes; another's id fails as an unknown one; no token is refused."""
+    url, alice = tenants_server.url, TOKENS["alice"]
+    codes = ["print('a')", "FINAL('a')"]
+    _, alices = _episode(url, codes, tenant="alice", task_prompt="alice's task")
+    _, bobs = _episode(url, ["FINAL('b')"], tenant="bob", task_prompt="bob's task")
+    listed = json.loads(_cli("episodes", "ls", "--url", url, "--json", token=alice))
+    assert [r["episode_id"] for r in listed["episodes"]] == [alices]
+    table = _cli("episodes", "ls", "--url", url, token=alice)
+    assert alices in table and "alice's task" in table and "1 episode(s)" in table
+    shown = json.loads(_cli("episodes", "show", alices, "--url", url, "--json", token=alice))
+    assert (shown["episode"]["state"], shown["episode"]["steps"]) == ("done", 2)
+    assert shown["forks"] == shown["children"] == [] and "path" not in shown["episode"]
+    plain = _cli("episodes", "show", alices, "--url", url, token=alice)
+    assert f"episode_id: {alices}" in plain and "state: done" in plain and "reward: " in plain
+    theirs = _cli_run("episodes", "show", bobs, "--url", url, token=alice)
+    assert theirs.returncode == 2 and "no stored episode has this id" in theirs.stderr
+    target = tmp_path / "alice.ipynb"
+    assert _cli("episodes", "export", alices, "--url", url, "-o", str(target), token=alice)
+    nb = nbformat.read(target, as_version=4)
+    nbformat.validate(nb)
+    assert [c.source for c in recorded_steps(nb)] == codes
+    again = _cli_run("episodes", "export", alices, "--url", url, "-o", str(target), token=alice)
+    assert again.returncode == 2 and "add --overwrite" in again.stderr
+    refused = _cli_run("episodes", "ls", "--url", url)
+    assert refused.returncode == 2 and "401" in refused.stderr
+    every = _cli("episodes", "show", bobs, "--episodes", str(tmp_path / "store"))
+    assert f"episode_id: {bobs}" in every and "tenant: bob" in every
+
+
+@pytest.mark.integration
+def test_a_stored_episodes_export_zip_holds_its_files(tmp_path: Path) -> None:
+    """GET /episodes/{id}/export.zip: its notebook (a running one's, from its journal) and
+    its context file, never the journal; the client's own unpacker takes the archive."""
+    context = "word " * 4000  # past INLINE_CONTEXT_CHARS: the context goes beside the notebook
+    with _serve(tmp_path / "store") as server:
+        sid, episode_id = _episode(
+            server.url, ["print(len(context))"], context=context, task_prompt="zipped"
+        )
+        stem = Path(notebook_name(episode_id)).stem
+
+        def archive() -> bytes:
+            reply = httpx.get(f"{server.url}/episodes/{episode_id}/export.zip", timeout=30)
+            assert reply.status_code == 200 and reply.headers["content-type"] == "application/zip"
+            return reply.content
+
+        running = zipfile.ZipFile(io.BytesIO(archive()))
+        assert sorted(running.namelist()) == [f"{stem}.context.txt", f"{stem}.ipynb"]
+        assert running.read(f"{stem}.context.txt").decode() == context
+        nb = nbformat.reads(running.read(f"{stem}.ipynb").decode(), as_version=4)
+        assert [c.outputs[0]["text"] for c in recorded_steps(nb)] == [f"{len(context)}\n"]
+        step = httpx.post(
+            f"{server.url}/step",
+            json={"action": {"code": "FINAL('z')"}},
+            headers={"X-Session-Id": sid},
+            timeout=60,
+        )
+        assert step.json()["done"] is True
+        written = extract_export(archive(), tmp_path / "out", stem=stem)
+    assert sorted(p.name for p in written) == [f"{stem}.context.txt", f"{stem}.ipynb"]
+    nb = nbformat.read(tmp_path / "out" / f"{stem}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata["kernel_env"]["final_answer"] == "z"
+
+
+# -- forks -------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_fork_is_stored_with_its_parent_link(tmp_path: Path) -> None:
+    """A fork's copy is an episode of its own, whose parent is the forked one."""
+    with _serve(tmp_path) as server:
+        sid, parent = _episode(server.url, ["x = 41"], task_prompt="forked")
+        reply = httpx.post(f"{server.url}/sessions/{sid}/fork", json={"n": 1}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        [fork] = reply.json()["sessions"]
+        step = httpx.post(
+            f"{server.url}/step",
+            json={"action": {"code": "FINAL(x + 1)"}},
+            headers={"X-Session-Id": fork["session_id"]},
+            timeout=60,
+        )
+        assert step.json()["done"] is True
+        found = httpx.get(f"{server.url}/episodes/{parent}", timeout=10).json()
+        assert [f["episode_id"] for f in found["forks"]] == [fork["episode_id"]]
+        assert found["children"] == []
+        copy = httpx.get(f"{server.url}/episodes/{fork['episode_id']}", timeout=10).json()
+        assert copy["episode"]["parent"] == parent
+        assert copy["episode"]["relation"] == "fork"
+        assert (copy["episode"]["state"], copy["episode"]["steps"]) == ("done", 2)
+
+
+def _child_model(body: dict[str, Any]) -> str:
+    """The model behind rlm_query's child: it answers with code that gives the answer."""
+    return "```repl\nFINAL(6 * 7)\n```"
+
+
+@pytest.mark.integration
+def test_an_rlm_query_child_is_stored_with_its_parent_link(tmp_path: Path) -> None:
+    """rlm_query's child episode gets a row of its own, linked to its parent, and its
+    notebook, valid, beside the parent's."""
+    with FakeOpenAI(_child_model) as model:
+        model_flags = ("--llm-base-url", model.url, "--llm-model", "fake-model")
+        with _serve(tmp_path, *model_flags) as server:
+            code = "print(rlm_query('what is six times seven?'))"
+            _, parent = _episode(server.url, [code], task_prompt="ask", rlm_max_depth=2)
+            found = httpx.get(f"{server.url}/episodes/{parent}", timeout=10).json()
+            [child] = found["children"]
+            assert (child["parent"], child["relation"], child["state"]) == (parent, "child", "done")
+            assert child["final_answer"] == "42" and child["tenant"] == found["episode"]["tenant"]
+            reply = httpx.get(f"{server.url}/episodes/{child['episode_id']}/notebook", timeout=10)
+            nbformat.validate(nbformat.reads(reply.text, as_version=4))
+            nb = httpx.get(f"{server.url}/episodes/{parent}/notebook", timeout=10).text
+            assert f"{parent}.child-1-1.ipynb" in nb
+            zipped = httpx.get(f"{server.url}/episodes/{parent}/export.zip", timeout=10)
+            names = zipfile.ZipFile(io.BytesIO(zipped.content)).namelist()
+            assert sorted(names) == [f"{parent}.child-1-1.ipynb", f"{parent}.ipynb"]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_corrupt_notebook_or_row_is_reported_and_skipped(tmp_path: Path) -> None:
+    """A notebook file overwritten with garbage answers 500 (the row is still listed); a row
+    with values of the wrong type is left out of the listing (``skipped``); the server goes
+    on serving both the others and new episodes; the CLI reads what is left."""
+    with _serve(tmp_path) as server:
+        ids = [_episode(server.url, ["FINAL('a')"], task_prompt=f"t{i}")[1] for i in range(3)]
+        broken_file, broken_row, fine = ids
+        index = sqlite3.connect(tmp_path / INDEX_NAME)
+        with index:
+            path = index.execute(
+                "SELECT path FROM episodes WHERE episode_id = ?", [broken_file]
+            ).fetchone()[0]
+            index.execute(
+                "UPDATE episodes SET reward = 'lots', started = 'yesterday' WHERE episode_id = ?",
+                [broken_row],
+            )
+        index.close()
+        (tmp_path / path).write_bytes(b"\x00not json{")
+        page = _listing(server.url)
+        assert [r["episode_id"] for r in page["episodes"]] == [fine, broken_file]
+        assert page["skipped"] == 1
+        reply = httpx.get(f"{server.url}/episodes/{broken_file}/notebook", timeout=10)
+        assert reply.status_code == 500 and reply.json()["exception"] == "StoredEpisodeError"
+        assert httpx.get(f"{server.url}/episodes/{broken_row}", timeout=10).status_code == 404
+        assert httpx.get(f"{server.url}/episodes/{fine}/notebook", timeout=10).is_success
+        _, new = _episode(server.url, ["FINAL('b')"])
+        assert _listing(server.url)["episodes"][0]["episode_id"] == new
+    out = _cli("episodes", "ls", "--episodes", str(tmp_path))
+    assert fine in out and broken_file in out and broken_row not in out
+    _cli("episodes", "export", fine, "--episodes", str(tmp_path), "-o", str(tmp_path / "x.ipynb"))
+    nbformat.validate(nbformat.read(tmp_path / "x.ipynb", as_version=4))
+
+
+def test_an_unreadable_index_is_moved_aside_for_a_new_one(tmp_path: Path) -> None:
+    """An index SQLite cannot open is kept beside the store under another name, and the
+    store starts over; a reader of a directory with no store says so."""
+    tmp_path.joinpath(INDEX_NAME).write_bytes(b"this is not a database" * 100)
+    store = EpisodeStore.open_sync(tmp_path, Keep())
+    try:
+        assert store.page(Filters(), cursor=None, limit=10).episodes == []
+    finally:
+        store.close()
+    assert [p.name.split("-")[0] for p in tmp_path.glob(f"{INDEX_NAME}.unreadable-*")] == [
+        f"{INDEX_NAME}.unreadable"
+    ]
+    with pytest.raises(FileNotFoundError, match="no episode store"):
+        StoreReader.read(tmp_path / "elsewhere")
