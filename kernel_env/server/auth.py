@@ -135,11 +135,15 @@ class AuthGate:
         tenants: Tenants,
         public: Iterable[str],
         public_prefixes: Iterable[str] = (),
+        probes: dict[str, ASGIApp] | None = None,
     ) -> None:
         self.app = app
         self.tenants = tenants
         self.public = frozenset(public)
         self.public_prefixes = tuple(public_prefixes)  # static files, e.g. /docs' assets
+        # Paths whose requests without a token a door answers itself, instead of the 401
+        # (MCP's /mcp answers `openenv validate`'s empty probe as JSON-RPC).
+        self.probes = dict(probes or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -157,6 +161,8 @@ class AuthGate:
         if tenant is not None:
             scope.setdefault("state", {})[_STATE_KEY] = tenant
             await self.app(scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in self.probes:
+            await self.probes[scope["path"]](scope, receive, send)
         elif scope["type"] == "websocket":
             await send(
                 {
