@@ -612,9 +612,9 @@ def long_functions(path: Path, shown: str, limit: int = MAX_SERVER_FUNCTION_LINE
 
 
 def test_the_doors_are_found() -> None:
-    """OpenEnv's, E2B's, Jupyter's and the episode store's packages are doors, and nothing but
-    packages is (the check below cannot pass by finding none)."""
-    assert [p.name for p in doors()] == ["e2b", "episodes", "jupyter", "openenv"]
+    """OpenEnv's, E2B's, Jupyter's, MCP's and the episode store's packages are doors, and
+    nothing but packages is (the check below cannot pass by finding none)."""
+    assert [p.name for p in doors()] == ["e2b", "episodes", "jupyter", "mcp", "openenv"]
 
 
 def test_no_door_reaches_into_a_kernel() -> None:

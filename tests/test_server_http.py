@@ -79,31 +79,35 @@ def test_openapi_declares_version_1x_and_documents_sessions(client: TestClient) 
     step = spec["paths"]["/step"]["post"]
     assert "X-Session-Id" in step["description"]
     assert any(p["name"] == "X-Session-Id" for p in step["parameters"])
-    assert {"/reset", "/step", "/state", "/mcp", "/metrics"} <= set(spec["paths"])
+    assert {"/reset", "/step", "/state", "/metrics"} <= set(spec["paths"])
 
 
 @pytest.mark.parametrize(
-    ("body", "code"),
+    ("body", "code", "status"),
     [
-        ({}, -32600),
-        ({"jsonrpc": "2.0", "method": "tools/list", "id": 1}, -32603),
-        ({"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "x"}, "id": "a"}, -32603),
-        ({"jsonrpc": "2.0", "method": "initialize", "id": 2}, -32601),
+        ({}, -32600, 200),
+        ({"jsonrpc": "2.0", "method": "tools/list", "id": 1}, -32600, 400),
+        (
+            {"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "x"}, "id": "a"},
+            -32600,
+            400,
+        ),
+        ([{"jsonrpc": "2.0", "method": "ping", "id": 2}], -32600, 400),
     ],
 )
-def test_mcp_answers_json_rpc_errors(client: TestClient, body: dict[str, Any], code: int) -> None:
-    """POST /mcp always answers HTTP 200 with a JSON-RPC 2.0 error (no tools)."""
+def test_mcp_answers_json_rpc_errors(client: TestClient, body: Any, code: int, status: int) -> None:
+    """POST /mcp answers JSON-RPC 2.0 errors: a call before initialize (no Mcp-Session-Id) is
+    400, a batch too; the empty probe `openenv validate` sends is HTTP 200."""
     response = client.post("/mcp", json=body)
-    assert response.status_code == 200
+    assert response.status_code == status
     data = response.json()
     assert data["jsonrpc"] == "2.0" and data["error"]["code"] == code
-    assert data["id"] == body.get("id")
 
 
 def test_mcp_parse_error_is_json_rpc(client: TestClient) -> None:
-    """POST /mcp with invalid JSON answers a JSON-RPC parse error, HTTP 200."""
+    """POST /mcp with invalid JSON answers a JSON-RPC parse error (HTTP 400)."""
     response = client.post("/mcp", content=b"{nope")
-    assert response.status_code == 200 and response.json()["error"]["code"] == -32700
+    assert response.status_code == 400 and response.json()["error"]["code"] == -32700
 
 
 # -- sessions -------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from kernel_env.errors import (
+    KernelCallError,
     KernelDied,
     KernelError,
     KernelStartError,
@@ -39,6 +40,7 @@ from kernel_env.errors import (
     MessageTooLarge,
 )
 from kernel_env.inkernel.contract import PROBE_REPLY
+from kernel_env.kernel.commands import CommandRun
 from kernel_env.outputs import OutputCollector
 from kernel_env.streaming import event_from_message
 
@@ -198,6 +200,16 @@ class Kernel(ABC):
     @abstractmethod
     async def stage_file(self, name: str, data: bytes) -> str:
         """Make ``data`` readable by the kernel; return the path the kernel should open."""
+
+    async def run_command(self, command: str, *, timeout: float, max_output: int) -> CommandRun:
+        """Run the shell ``command`` as a process of its own beside the kernel: in its
+        sandbox, as its uid, in its workspace, with its minimal environment, but not a child
+        of the kernel, so a cell cannot change what it runs or reports
+        (:mod:`kernel_env.kernel.commands`). A backend that cannot raises
+        :class:`KernelCallError` (``unimplemented``)."""
+        raise KernelCallError(
+            "unimplemented", f"{type(self).__name__} kernels cannot run commands beside them"
+        )
 
     async def live_fork(self, n: int, *, reseed: bool = True) -> list[Kernel]:
         """``n`` started copies of this kernel's process, holding its state (copy-on-write),

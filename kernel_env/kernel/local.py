@@ -36,6 +36,7 @@ from kernel_env.kernel import versions
 from kernel_env.kernel.base import STDIN_PROBE_CODE as _STDIN_PROBE_CODE
 from kernel_env.kernel.base import Kernel, probe_request
 from kernel_env.kernel.channels import HostChannels, host_context
+from kernel_env.kernel.commands import CommandRun, run_argv
 from kernel_env.kernel.fork.server import ForkServer, ForkServerError
 from kernel_env.kernel.isolation import privilege
 from kernel_env.kernel.isolation.cgroups import SWEPT_PATIENCE, KernelCgroup
@@ -54,6 +55,9 @@ from kernel_env.kernel.messages import HostSession
 __all__ = ["LocalKernel", "describe_isolation"]
 
 log = logging.getLogger(__name__)
+
+# A command beside the kernel starts in its workspace ($HOME), then runs through a shell.
+_IN_HOME = 'cd "$HOME" && exec /bin/sh -c "$1"'
 
 
 class LocalKernel(Kernel):
@@ -171,6 +175,18 @@ class LocalKernel(Kernel):
     def _drop(self) -> list[str]:
         lease = self._lease
         return privilege.drop_command(lease.uid, lease.gid) if lease is not None else []
+
+    async def run_command(self, command: str, *, timeout: float, max_output: int) -> CommandRun:
+        if self._dir is None or self._km is None:
+            raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        argv = [*self._beside(), "/bin/sh", "-c", _IN_HOME, "kernel-env-command", command]
+        return await run_argv(
+            argv, env=self._environ(), cwd=None, timeout=timeout, max_output=max_output
+        )
+
+    def _beside(self) -> list[str]:
+        """The prefix that puts a command beside the kernel: its cgroups and its uid."""
+        return [*launch_guard(self._cgroup_joins()), *self._drop()]
 
     def _cgroup_joins(self) -> list[Path]:
         return self._cgroup.join_files if self._cgroup is not None else []

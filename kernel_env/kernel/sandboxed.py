@@ -36,6 +36,8 @@ from kernel_env.kernel.manager import KernelManager
 
 __all__ = ["SandboxedKernel"]
 
+_NOBODY = "65534"  # the uid and gid the sandbox maps the kernel's own to
+
 
 class _SandboxManager(KernelManager):
     """The kernel binds its sockets in its own ``/tmp``; the host reaches them through
@@ -130,6 +132,28 @@ class SandboxedKernel(LocalKernel):
         bwrap = self._bwrap(binds, staged, filtered=program is not None)
         inside = self._prlimit(namespace_limit_values(self.limits), inside=True)
         return [*guard, *self._drop(), *self._prlimit(), *bwrap, *inside, *kernel]
+
+    def _beside(self) -> list[str]:
+        """A command beside the kernel enters its sandbox: into the namespaces of the
+        sandbox's init (its root, workspace, processes, network), then becomes the sandbox's
+        "nobody" (the kernel's uid) before it runs anything, under the kernel's rlimits and
+        seccomp filter, in its cgroups. ``nsenter`` enters with the server's credentials:
+        the sandbox's namespaces hang below two user namespaces (bubblewrap's
+        ``--disable-userns`` nests one), which only a root server can enter in one go."""
+        init = getattr(self._km, "sandbox_init", None)
+        if init is None:
+            raise KernelStartError("the kernel's sandbox is not running", kernel_id=self.kernel_id)
+        nsenter = shutil.which("nsenter") or "nsenter"
+        enter = [
+            nsenter, f"--target={init}", "--user", "--mount", "--pid", "--net", "--ipc",
+            "--uts", "--root", f"--setuid={_NOBODY}", f"--setgid={_NOBODY}", "--",
+        ]  # fmt: skip
+        program = seccomp.program_path()
+        loader = [self._python, "-I", "-S", seccomp.__file__]
+        filtered = [] if program is None else [*loader, str(program)]
+        inside = self._prlimit(namespace_limit_values(self.limits), inside=True)
+        guard = launch_guard(self._cgroup_joins())
+        return [*guard, *self._prlimit(), *enter, *inside, *filtered]
 
     def _binds(self) -> list[tuple[str, str]]:
         """Read-only binds ``(host path, path inside)``: what the kernel needs from hidden or

@@ -3,10 +3,10 @@
 It builds what the running server owns (:class:`~kernel_env.server.runtime.Runtime`, in the
 app's lifespan), puts the middleware around it (browser guard, CORS, the token, body limits),
 and mounts each front door: OpenEnv's HTTP routes and ``/ws`` (:mod:`.openenv`), E2B's
-sandbox protocol (:mod:`.e2b`), Jupyter's kernel API (:mod:`.jupyter`), the stored episodes
-(:mod:`.episodes`), and beside them the operator's routes (:mod:`.operator`) and the live web
-view (:mod:`.web`). Every door speaks to the sessions (:mod:`.sessions`) alone;
-docs/architecture.md ("Doors") says how one is added.
+sandbox protocol (:mod:`.e2b`), Jupyter's kernel API (:mod:`.jupyter`), MCP's tools
+(:mod:`.mcp`), the stored episodes (:mod:`.episodes`), and beside them the operator's routes
+(:mod:`.operator`) and the live web view (:mod:`.web`). Every door speaks to the sessions
+(:mod:`.sessions`) alone; docs/architecture.md ("Doors") says how one is added.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from kernel_env.server.guard import BrowserGuard, HostPolicy
 from kernel_env.server.jupyter.routes import PREFIXES as JUPYTER_PREFIXES
 from kernel_env.server.jupyter.routes import add_jupyter
 from kernel_env.server.limits import BodyLimit
+from kernel_env.server.mcp.routes import PATH as MCP_PATH
+from kernel_env.server.mcp.routes import add_mcp
+from kernel_env.server.mcp.routes import probe as mcp_probe
 from kernel_env.server.openenv.info import SESSIONS_DOC
 from kernel_env.server.openenv.protocol import SESSION_HEADER
 from kernel_env.server.openenv.routes import PUBLIC as OPENENV_PUBLIC
@@ -89,6 +92,7 @@ def create_app(
     _add_middleware(app, settings)
     add_openenv(app)
     add_jupyter(app)
+    add_mcp(app)
     add_operator_routes(app)
     add_episodes(app)
     add_web_routes(app)
@@ -137,7 +141,11 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_message_bytes,
-        per_path={"/reset": settings.max_message_bytes, "/step": settings.step_body_bytes},
+        per_path={
+            "/reset": settings.max_message_bytes,
+            "/step": settings.step_body_bytes,
+            MCP_PATH: settings.step_body_bytes,  # a tool call carries a cell's code
+        },
         default_bytes=min(settings.max_message_bytes, _SMALL_BODY),
     )
     app.add_middleware(
@@ -146,6 +154,7 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
         public=PUBLIC_PATHS,
         public_prefixes=(DOCS_ASSETS,),
         query_token_prefixes=JUPYTER_PREFIXES,
+        probes={MCP_PATH: mcp_probe},
     )
     if settings.allowed_origins:
         app.add_middleware(

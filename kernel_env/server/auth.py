@@ -140,6 +140,7 @@ class AuthGate:
         public: Iterable[str],
         public_prefixes: Iterable[str] = (),
         query_token_prefixes: Iterable[str] = (),
+        probes: dict[str, ASGIApp] | None = None,
     ) -> None:
         self.app = app
         self.tenants = tenants
@@ -148,6 +149,9 @@ class AuthGate:
         # Paths whose clients may send the token as ?token= (a browser's WebSocket cannot
         # set a header): Jupyter's API.
         self.query_token_prefixes = tuple(query_token_prefixes)
+        # Paths whose requests without a token a door answers itself, instead of the 401
+        # (MCP's /mcp answers `openenv validate`'s empty probe as JSON-RPC).
+        self.probes = dict(probes or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -167,6 +171,8 @@ class AuthGate:
         if tenant is not None:
             scope.setdefault("state", {})[_STATE_KEY] = tenant
             await self.app(scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in self.probes:
+            await self.probes[scope["path"]](scope, receive, send)
         elif scope["type"] == "websocket":
             await send(
                 {

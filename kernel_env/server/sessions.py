@@ -60,6 +60,7 @@ from kernel_env.errors import (
     UnknownSession,
 )
 from kernel_env.kernel import Kernel
+from kernel_env.kernel.commands import CommandRun
 from kernel_env.models import REPLAction, REPLObservation, REPLState
 from kernel_env.record import AGENT, EpisodeRecord
 from kernel_env.server.auth import Tenant
@@ -68,8 +69,10 @@ from kernel_env.server.store import EpisodeStore
 from kernel_env.text import shorten
 
 __all__ = [
+    "COMMAND_OUTPUT",
     "MAX_STREAMS",
     "CapacityReached",
+    "CommandRun",
     "Session",
     "SessionClosed",
     "SessionError",
@@ -89,6 +92,7 @@ _REMEMBER_GONE = 10_000  # ids of closed sessions kept, to answer "expired" rath
 _CLOSE_TIMEOUT = 5.0  # far longer than a kernel's shutdown takes
 _UNCLAIMED = "session expired: it was never claimed (no request carried its id) and was "
 MAX_STREAMS = 16  # streams one session follows at once (E2B's command streams)
+COMMAND_OUTPUT = 1 << 20  # bytes of a command's output kept, per stream (run_command)
 
 
 class TenantAtCapacity(CapacityReached):
@@ -243,6 +247,32 @@ class Session:
             return dict(execution.user_expressions.get("r") or {})
 
         return await self._run(run, touch=activity)
+
+    async def run_command(
+        self, command: str, *, timeout: float, max_output: int = COMMAND_OUTPUT
+    ) -> CommandRun:
+        """Run the shell ``command`` beside the session's kernel, between its cells (under the
+        session's lock), outside its episode: a process of its own in the kernel's sandbox, as
+        its uid, in its workspace, that no cell can reach into (:meth:`Kernel.run_command`)."""
+
+        async def run() -> CommandRun:
+            kernel = self.env.kernel
+            if kernel is None:
+                raise KernelCallError("unavailable", "the session has no kernel")
+            return await kernel.run_command(command, timeout=timeout, max_output=max_output)
+
+        return await self._run(run)
+
+    async def finish(self, answer: str, reward: float | None = None) -> REPLObservation:
+        """End the episode with ``answer`` (a final-answer step); ``reward``, when given, is
+        the episode's instead of its rubric's (a door that scores the episode itself)."""
+        observation = await self.step(REPLAction(is_final=True, final_answer=answer))
+        record = self.env.record
+        if reward is not None and record is not None:
+            observation.reward = record.reward = reward
+            if record.steps:
+                record.steps[-1].reward = reward
+        return observation
 
     async def interrupt(self) -> None:
         """Interrupt the step's cell the session's kernel runs, if any (its client went away,

@@ -418,3 +418,19 @@ def _longs(*values: int) -> list[ctypes.c_ulong]:
 def _raise(what: str) -> None:
     error = ctypes.get_errno()
     raise OSError(error, f"{what}: {os.strerror(error)}")
+
+
+def main(argv: list[str]) -> None:
+    """``python -I -S seccomp.py PROGRAM COMMAND...``: install ``PROGRAM`` on this process,
+    then exec ``COMMAND`` under it (a command the host starts in a sandbox it entered
+    itself, which bubblewrap's ``--seccomp`` does not reach: :mod:`kernel_env.kernel.commands`)."""
+    if len(argv) < 3:
+        raise SystemExit("usage: seccomp.py PROGRAM COMMAND...")
+    apply(load(argv[1]))
+    os.execv(argv[2], argv[2:])
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv)

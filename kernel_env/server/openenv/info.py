@@ -1,19 +1,18 @@
 """OpenEnv's info routes, public (providers and ``openenv validate`` poll them): ``/health``,
-``/metadata``, ``/schema``, and ``/mcp`` (JSON-RPC, with no tools)."""
+``/metadata``, ``/schema``. (``/mcp`` is MCP's door, :mod:`kernel_env.server.mcp`.)"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from kernel_env import __version__
 from kernel_env.models import REPLAction, REPLObservation, REPLState
-from kernel_env.server.openenv.protocol import SESSION_HEADER, mcp_response
+from kernel_env.server.openenv.protocol import SESSION_HEADER
 from kernel_env.server.runtime import describe_kernels
 
-__all__ = ["SESSIONS_DOC", "health", "mcp", "metadata", "schema"]
+__all__ = ["SESSIONS_DOC", "health", "metadata", "schema"]
 
 SESSIONS_DOC = f"""
 **Sessions over HTTP.** Unlike OpenEnv's stateless HTTP routes, kernel_env keeps a session
@@ -51,7 +50,3 @@ async def schema() -> dict[str, Any]:
         "observation": REPLObservation.model_json_schema(),
         "state": REPLState.model_json_schema(),
     }
-
-
-async def mcp(request: Request) -> JSONResponse:
-    return JSONResponse(mcp_response(await request.body()))

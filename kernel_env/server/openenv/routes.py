@@ -20,7 +20,7 @@ from kernel_env.server.openenv.websocket import websocket_endpoint
 __all__ = ["PUBLIC", "ROUTES", "add_openenv"]
 
 # Reachable without a token: providers and `openenv validate` poll them.
-PUBLIC = ("/health", "/metadata", "/schema", "/mcp")
+PUBLIC = ("/health", "/metadata", "/schema")
 
 _FORK_DOC = (
     "Each copy is a new HTTP session (an `X-Session-Id`, or `/ws?session=`) whose episode "
@@ -53,13 +53,6 @@ ROUTES = [
         methods=["GET"],
         tags=["Schema"],
         summary="JSON schemas of action, observation, state",
-    ),
-    APIRoute(
-        "/mcp",
-        info.mcp,
-        methods=["POST"],
-        tags=["MCP"],
-        summary="JSON-RPC 2.0 (no tools: every call is an error)",
     ),
     APIRoute(
         "/reset",

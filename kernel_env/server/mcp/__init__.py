@@ -1,0 +1,12 @@
+"""MCP on ``kernel-env serve``: OpenEnv ``jupyter_env``'s five tools over streamable HTTP at
+``/mcp``, one episode per MCP session, over the session core
+(:mod:`kernel_env.server.sessions`). The modules, by concept:
+
+- :mod:`.routes`: ``POST``/``GET``/``DELETE /mcp`` as a route table, ``add_mcp(app)``, and
+  the answer to a request without a token;
+- :mod:`.tools`: the tools, their arguments and their result text, over a session;
+- :mod:`.protocol`: MCP's JSON-RPC messages as plain data (no I/O);
+- :mod:`.failures`: exceptions -> JSON-RPC errors and ``isError`` results, in one place.
+
+docs/mcp.md is the user's guide.
+"""

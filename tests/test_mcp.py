@@ -1,0 +1,265 @@
+"""MCP's door (``/mcp``, streamable HTTP) against a real ``kernel-env serve``, driven by the
+official ``mcp`` SDK's client: OpenEnv ``jupyter_env``'s five tools, one episode per MCP
+session, setup and verify commands and their reward, tenants, and bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serverkit import ServeProcess, metrics, serve_process, wait_until
+
+httpx2 = pytest.importorskip("httpx2")
+mcp_client = pytest.importorskip("mcp.client.session")
+mcp_http = pytest.importorskip("mcp.client.streamable_http")
+
+pytestmark = pytest.mark.integration  # a server and its kernels
+
+TOKENS = {"alice": "alice-token-7Qm2xv9LkP3w", "bob": "bob-token-Rt5nZ8cYh1Ju"}
+OPS = "ops-token-Wd4sK6gBq0Ee"
+EPISODE = "io.github.kernel-env/episode"
+FIVE = {
+    "add_and_execute_code_cell",
+    "edit_and_execute_current_cell",
+    "execute_shell_command",
+    "get_notebook_state",
+    "final_answer",
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    tokens = tmp_path_factory.mktemp("mcp") / "tokens"
+    lines = [f"{name} client {token}" for name, token in TOKENS.items()]
+    tokens.write_text("\n".join([*lines, f"ops operator {OPS}"]) + "\n")
+    tokens.chmod(0o600)
+    with serve_process("--pool-size", "1", "--tokens-file", str(tokens)) as process:
+        yield process
+
+
+def _bearer(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKENS[name]}"}
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    url: str, episode: dict[str, Any] | None = None, who: str = "alice"
+) -> AsyncIterator[Any]:
+    """An initialized SDK client session; the episode's reset options as its extension."""
+    async with (
+        httpx2.AsyncClient(headers=_bearer(who), timeout=60) as http,
+        mcp_http.streamable_http_client(f"{url}/mcp", http_client=http) as (read, write),
+        mcp_client.ClientSession(
+            read, write, extensions={EPISODE: episode} if episode is not None else None
+        ) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
+async def call(session: Any, name: str, **arguments: Any) -> tuple[str, bool]:
+    result = await session.call_tool(name, arguments)
+    return "\n".join(c.text for c in result.content), bool(result.is_error)
+
+
+def kernels(server: ServeProcess) -> int:
+    return int(metrics(server.url, OPS)["kernels_in_sessions"])  # type: ignore[call-overload]
+
+
+async def test_the_tools_keep_state_edit_the_last_cell_and_run_shell(server: ServeProcess) -> None:
+    """initialize, the five tools listed, a cell's value, state kept, the last cell replaced,
+    a shell command in the sandbox's workspace, and the notebook's summary."""
+    async with connect(server.url) as session:
+        listed = await session.list_tools()
+        assert {tool.name for tool in listed.tools} == FIVE
+        assert await call(session, "add_and_execute_code_cell", code="x = 21 * 2\nx") == (
+            "42",
+            False,
+        )
+        text, failed = await call(session, "add_and_execute_code_cell", code="y = x +\n")
+        assert not failed and text.startswith("ERROR:\nSyntaxError")
+        assert await call(session, "edit_and_execute_current_cell", code="y = x + 1\ny") == (
+            "43",
+            False,
+        )
+        assert await call(session, "execute_shell_command", command="pwd") == ("/home/user", False)
+        text, _ = await call(
+            session, "execute_shell_command", command="echo out; echo err >&2; exit 3"
+        )
+        assert text == "out\nerr\nERROR:\nexit status 3"
+        state, _ = await call(session, "get_notebook_state")
+        assert state.splitlines() == [
+            "[Cell 1] x = 21 * 2 ↵ x",
+            "  → 42",
+            "[Cell 2] y = x + 1 ↵ y",
+            "  → 43",
+            "[Cell 3] $ pwd",
+            "  → /home/user",
+            "[Cell 4] $ echo out; echo err >&2; exit 3",
+            "  → out",
+            "err",
+            "ERROR:",
+            "exit status 3",
+        ]
+
+
+async def test_setup_and_verify_give_the_pass_rate_and_a_written_reward(
+    server: ServeProcess,
+) -> None:
+    """Setup runs after the kernel starts; final_answer runs the verify commands and reports
+    their pass rate, or the number a verify command wrote to reward.txt; the episode ends."""
+    episode = {
+        "setup": ["mkdir -p work && printf seed > work/input.txt"],
+        "verify": ["test -f work/answer.txt", "grep -q seed work/input.txt", "false"],
+    }
+    async with connect(server.url, episode) as session:
+        text, _ = await call(
+            session, "add_and_execute_code_cell", code="open('work/answer.txt', 'w').write('4')"
+        )
+        assert text == "1"
+        assert await call(session, "final_answer", answer="4") == (
+            "Answer submitted: 4\nVerification: 2/3 passed; reward=0.6666666666666666",
+            False,
+        )
+        text, failed = await call(session, "add_and_execute_code_cell", code="1")
+        assert failed and "episode is over" in text
+    written = {"verify": ["true", "echo 0.25 > /home/user/logs/verifier/reward.txt"]}
+    async with connect(server.url, written) as session:
+        text, _ = await call(session, "final_answer", answer="x")
+        assert text.endswith("Verification: 2/2 passed; reward=0.25")
+
+
+async def test_a_failing_setup_command_fails_initialize_and_leaves_no_kernel(
+    server: ServeProcess,
+) -> None:
+    """A setup command that fails is initialize's error, naming it; its session is gone."""
+    before = kernels(server)
+    body = _initialize_body({"extensions": {EPISODE: {"setup": ["echo no; exit 7"]}}})
+    answer = _post(server.url, body, _bearer("alice"))
+    assert "Mcp-Session-Id" not in answer.headers
+    assert answer.json()["error"]["message"] == (
+        "setup command failed: echo no; exit 7\nno\nERROR:\nexit status 7"
+    )
+    assert wait_until(lambda: kernels(server) == before, 10)
+
+
+async def test_verify_cannot_be_subverted_from_a_cell(server: ServeProcess) -> None:
+    """A cell that rebinds subprocess, edits os.environ (PATH to its own `false`), and writes
+    reward.txt before final_answer changes nothing: the verify commands are processes of
+    their own, in a clean environment, and the reward file is cleared before they run."""
+    attack = "\n".join(
+        [
+            "import os, subprocess",
+            "subprocess.run = lambda *a, **k: subprocess.CompletedProcess(a, 0, '', '')",
+            "subprocess.Popen = None",
+            "os.makedirs('/tmp/evil', exist_ok=True)",
+            "open('/tmp/evil/false', 'w').write('#!/bin/sh\\nexit 0\\n')",
+            "os.chmod('/tmp/evil/false', 0o755)",
+            "os.environ['PATH'] = '/tmp/evil:' + os.environ['PATH']",
+            "os.environ['PWNED'] = '1'",
+            "os.makedirs('/home/user/logs/verifier', exist_ok=True)",
+            "open('/home/user/logs/verifier/reward.txt', 'w').write('1.0')",
+        ]
+    )
+    verify = ["false", 'test "$PWNED" = 1', "test -f answer.txt"]
+    async with connect(server.url, {"verify": verify}) as session:
+        assert await call(session, "add_and_execute_code_cell", code=attack) == ("3", False)
+        text, _ = await call(session, "final_answer", answer="anything")
+        assert text.endswith("Verification: 0/3 passed; reward=0.0")
+
+
+async def test_two_sessions_are_isolated_and_a_closed_one_frees_its_kernel(
+    server: ServeProcess,
+) -> None:
+    """Two MCP sessions are two episodes (state and workspace apart); the SDK's DELETE on
+    leaving frees the kernel."""
+    before = kernels(server)
+    async with connect(server.url) as one, connect(server.url) as two:
+        await call(one, "add_and_execute_code_cell", code="secret = 1")
+        await call(one, "execute_shell_command", command="touch mine.txt")
+        text, _ = await call(two, "add_and_execute_code_cell", code="secret")
+        assert "NameError" in text
+        assert await call(two, "execute_shell_command", command="ls") == ("(no output)", False)
+        assert kernels(server) == before + 2
+    assert wait_until(lambda: kernels(server) == before, 10)
+
+
+async def test_bad_input_gets_clear_errors_and_the_session_stays_usable(
+    server: ServeProcess,
+) -> None:
+    """An unknown tool, a missing or non-string argument: JSON-RPC errors that say so; the
+    session then answers as before."""
+    async with connect(server.url) as session:
+        for name, arguments, said in [
+            ("no_such_tool", {}, "Unknown tool: no_such_tool"),
+            ("add_and_execute_code_cell", {}, "missing required argument 'code'"),
+            ("add_and_execute_code_cell", {"code": 42}, "'code' must be a string, not int"),
+            ("execute_shell_command", {"command": ["ls"]}, "must be a string, not list"),
+        ]:
+            with pytest.raises(Exception, match=said):
+                await call(session, name, **arguments)
+        assert await call(session, "add_and_execute_code_cell", code="6 * 7") == ("42", False)
+
+
+def _post(url: str, body: Any, headers: dict[str, str]) -> httpx.Response:
+    wanted = {"Accept": "application/json, text/event-stream", **headers}
+    return httpx.post(f"{url}/mcp", content=json.dumps(body), headers=wanted, timeout=60)
+
+
+def _initialize_body(capabilities: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": capabilities or {},
+                       "clientInfo": {"name": "t", "version": "0"}}}  # fmt: skip
+
+
+def _initialize(url: str, who: str) -> str:
+    response = _post(url, _initialize_body(), _bearer(who))
+    assert response.status_code == 200 and response.json()["result"]["protocolVersion"]
+    return response.headers["Mcp-Session-Id"]
+
+
+def test_the_wire_tokens_tenants_and_limits(server: ServeProcess) -> None:
+    """No token: 401 (but openenv validate's empty probe is JSON-RPC); another tenant's
+    session id is answered as one that never existed; a call before initialize, and a body
+    over the limit, are refused; GET is 405; DELETE ends the session."""
+    url = server.url
+    listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+    assert _post(url, listing, {}).status_code == 401
+    probe = _post(url, {}, {})
+    assert probe.status_code == 200 and probe.json()["error"]["code"] == -32600
+    sid = _initialize(url, "alice")
+    mine = _post(url, listing, {**_bearer("alice"), "Mcp-Session-Id": sid})
+    assert {t["name"] for t in mine.json()["result"]["tools"]} == FIVE
+    theirs = _post(url, listing, {**_bearer("bob"), "Mcp-Session-Id": sid})
+    nobody = _post(url, listing, {**_bearer("bob"), "Mcp-Session-Id": "0" * 32})
+    assert theirs.status_code == nobody.status_code == 404
+    assert theirs.json()["error"] == nobody.json()["error"]
+    before = _post(url, listing, _bearer("alice"))
+    assert before.status_code == 400 and "initialize first" in before.json()["error"]["message"]
+    huge = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+            "params": {"name": "add_and_execute_code_cell",
+                       "arguments": {"code": "x" * (64 << 20)}}}  # fmt: skip
+    assert _post(url, huge, {**_bearer("alice"), "Mcp-Session-Id": sid}).status_code == 413
+    assert httpx.get(f"{url}/mcp", headers=_bearer("alice")).status_code == 405
+    bye = httpx.delete(f"{url}/mcp", headers={**_bearer("alice"), "Mcp-Session-Id": sid})
+    assert bye.status_code == 204
+    gone = _post(url, listing, {**_bearer("alice"), "Mcp-Session-Id": sid})
+    assert gone.status_code == 404
+
+
+def test_an_idle_session_is_culled(tmp_path: Path) -> None:
+    """--idle-ttl reaps an MCP session like any other: its id then answers 404."""
+    env = {**os.environ, "KERNEL_ENV_TOKEN": OPS}
+    with serve_process("--pool-size", "0", "--idle-ttl", "1", env=env) as served:
+        headers = {"Authorization": f"Bearer {OPS}"}
+        sid = _post(served.url, _initialize_body(), headers).headers["Mcp-Session-Id"]
+        listing = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+        wanted = {**headers, "Mcp-Session-Id": sid}
+        assert wait_until(lambda: _post(served.url, listing, wanted).status_code == 404, 30, 3)
+        assert metrics(served.url, OPS)["kernels_in_sessions"] == 0
