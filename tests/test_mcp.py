@@ -21,12 +21,6 @@ mcp_http = pytest.importorskip("mcp.client.streamable_http")
 
 pytestmark = pytest.mark.integration  # a server and its kernels
 
-# Shell, setup and verify commands enter the kernel's sandbox with nsenter, which only a root
-# server can do (docs/mcp.md, "Limits"); a non-root server answers them with nsenter's error.
-commands_beside_the_kernel = pytest.mark.skipif(
-    os.geteuid() != 0, reason="commands beside a sandboxed kernel need a root server"
-)
-
 TOKENS = {"alice": "alice-token-7Qm2xv9LkP3w", "bob": "bob-token-Rt5nZ8cYh1Ju"}
 OPS = "ops-token-Wd4sK6gBq0Ee"
 EPISODE = "io.github.kernel-env/episode"
@@ -78,7 +72,6 @@ def kernels(server: ServeProcess) -> int:
     return int(metrics(server.url, OPS)["kernels_in_sessions"])  # type: ignore[call-overload]
 
 
-@commands_beside_the_kernel
 async def test_the_tools_keep_state_edit_the_last_cell_and_run_shell(server: ServeProcess) -> None:
     """initialize, the five tools listed, a cell's value, state kept, the last cell replaced,
     a shell command in the sandbox's workspace, and the notebook's summary."""
@@ -116,7 +109,18 @@ async def test_the_tools_keep_state_edit_the_last_cell_and_run_shell(server: Ser
         ]
 
 
-@commands_beside_the_kernel
+async def test_a_command_runs_as_the_kernels_uid_with_no_capability(
+    server: ServeProcess,
+) -> None:
+    """A shell command beside the kernel runs in its sandbox as the uid its cells see, with
+    no capability left (a root server's and any other's alike)."""
+    async with connect(server.url) as session:
+        uid, _ = await call(session, "add_and_execute_code_cell", code="import os; os.getuid()")
+        assert await call(session, "execute_shell_command", command="id -u") == (uid, False)
+        caps, _ = await call(session, "execute_shell_command", command="grep Cap /proc/self/status")
+        assert [line.split()[1] for line in caps.splitlines()[:3]] == ["0" * 16] * 3, caps
+
+
 async def test_setup_and_verify_give_the_pass_rate_and_a_written_reward(
     server: ServeProcess,
 ) -> None:
@@ -143,7 +147,6 @@ async def test_setup_and_verify_give_the_pass_rate_and_a_written_reward(
         assert text.endswith("Verification: 2/2 passed; reward=0.25")
 
 
-@commands_beside_the_kernel
 async def test_a_failing_setup_command_fails_initialize_and_leaves_no_kernel(
     server: ServeProcess,
 ) -> None:
@@ -158,7 +161,6 @@ async def test_a_failing_setup_command_fails_initialize_and_leaves_no_kernel(
     assert wait_until(lambda: kernels(server) == before, 10)
 
 
-@commands_beside_the_kernel
 async def test_verify_cannot_be_subverted_from_a_cell(server: ServeProcess) -> None:
     """A cell that rebinds subprocess, edits os.environ (PATH to its own `false`), and writes
     reward.txt before final_answer changes nothing: the verify commands are processes of

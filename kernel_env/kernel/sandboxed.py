@@ -16,7 +16,7 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpec
 
 from kernel_env.errors import KernelStartError
-from kernel_env.kernel.isolation import privilege, seccomp
+from kernel_env.kernel.isolation import privilege, seccomp, userns
 from kernel_env.kernel.isolation.cgroups import KernelCgroup
 from kernel_env.kernel.isolation.runtime import runtime_parent
 from kernel_env.kernel.isolation.sandbox import (
@@ -139,7 +139,8 @@ class SandboxedKernel(LocalKernel):
         "nobody" (the kernel's uid) before it runs anything, under the kernel's rlimits and
         seccomp filter, in its cgroups. ``nsenter`` enters with the server's credentials:
         the sandbox's namespaces hang below two user namespaces (bubblewrap's
-        ``--disable-userns`` nests one), which only a root server can enter in one go."""
+        ``--disable-userns`` nests one), which a root server enters in one go; any other
+        enters the outer one first (``isolation/userns.py``)."""
         init = getattr(self._km, "sandbox_init", None)
         if init is None:
             raise KernelStartError("the kernel's sandbox is not running", kernel_id=self.kernel_id)
@@ -148,6 +149,12 @@ class SandboxedKernel(LocalKernel):
             nsenter, f"--target={init}", "--user", "--mount", "--pid", "--net", "--ipc",
             "--uts", "--root", f"--setuid={_NOBODY}", f"--setgid={_NOBODY}", "--",
         ]  # fmt: skip
+        if not privilege.privileged():
+            # The server's own uid is the kernel's: nsenter keeps it (setgroups is denied in
+            # the sandbox), and it holds no capability there once it runs the command.
+            kept = [arg for arg in enter if not arg.startswith(("--setuid=", "--setgid="))]
+            kept.insert(-1, "--preserve-credentials")
+            enter = [self._python, "-I", "-S", userns.__file__, str(init), "--", *kept]
         program = seccomp.program_path()
         loader = [self._python, "-I", "-S", seccomp.__file__]
         filtered = [] if program is None else [*loader, str(program)]
