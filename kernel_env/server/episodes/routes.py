@@ -4,6 +4,7 @@ on the event loop, and an answer sent after a step's reads that step)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request, Response
@@ -88,22 +89,18 @@ async def get_episode(request: Request, episode_id: str) -> dict[str, Any]:
 
 
 async def get_notebook(request: Request, episode_id: str) -> Response:
-    store = _store(request)
-
-    tenant = _visible_to(request)
-
-    def read() -> tuple[str, bytes]:
-        row = store.index.find(episode_id, tenant)
-        if row is None:
-            raise UnknownEpisode(_UNKNOWN)
-        return store.notebook(row)
-
-    name, body = await store.call(read)
-    headers = {"Content-Disposition": f'attachment; filename="{name}"'}
-    return Response(body, media_type=_NOTEBOOK_TYPE, headers=headers)
+    return await _download(request, episode_id, StoreReader.notebook, _NOTEBOOK_TYPE)
 
 
 async def get_export(request: Request, episode_id: str) -> Response:
+    return await _download(request, episode_id, StoreReader.export_zip, "application/zip")
+
+
+async def _download(
+    request: Request, episode_id: str, render: Callable[..., tuple[str, bytes]], media_type: str
+) -> Response:
+    """One of the episode's files, as the store's ``render`` makes it from its row, or the
+    unknown-episode answer for an id this caller cannot see."""
     store = _store(request)
     tenant = _visible_to(request)
 
@@ -111,11 +108,11 @@ async def get_export(request: Request, episode_id: str) -> Response:
         row = store.index.find(episode_id, tenant)
         if row is None:
             raise UnknownEpisode(_UNKNOWN)
-        return store.export_zip(row)
+        return render(store, row)
 
     name, body = await store.call(read)
     headers = {"Content-Disposition": f'attachment; filename="{name}"'}
-    return Response(body, media_type="application/zip", headers=headers)
+    return Response(body, media_type=media_type, headers=headers)
 
 
 ROUTES = [
