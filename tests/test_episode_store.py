@@ -23,7 +23,7 @@ import httpx
 import nbformat
 import pytest
 from fake_openai import FakeOpenAI
-from serverkit import ServeProcess, serve_process, terminate
+from serverkit import ServeProcess, serve_process, terminate, wait_until
 
 from kernel_env import KernelEnv
 from kernel_env.archive import extract_export
@@ -507,3 +507,39 @@ def test_an_unreadable_index_is_moved_aside_for_a_new_one(tmp_path: Path) -> Non
     ]
     with pytest.raises(FileNotFoundError, match="no episode store"):
         StoreReader.read(tmp_path / "elsewhere")
+
+
+@pytest.mark.integration
+def test_no_secret_reaches_the_store(tmp_path: Path) -> None:
+    """A reset's hf_token and the server's token appear in no file of the store: not the
+    journal of the running episode, not its notebook once ended, not the index."""
+    hf_token, server_token = "hf_StoreSecret9xQ2", "server-StoreSecret7kW"
+    env = {**os.environ, "KERNEL_ENV_TOKEN": server_token}
+    directory = tmp_path / "eps"
+    with _serve(directory, env=env) as server:
+        headers = {"Authorization": f"Bearer {server_token}"}
+        reply = httpx.post(
+            f"{server.url}/reset", json={"hf_token": hf_token, "context": "c"},
+            headers=headers, timeout=60,
+        )  # fmt: skip
+        reply.raise_for_status()
+        headers["X-Session-Id"] = reply.headers["X-Session-Id"]
+        step = httpx.post(
+            f"{server.url}/step", json={"action": {"code": "x = 1"}}, headers=headers, timeout=60
+        )
+        step.raise_for_status()
+        running = b"".join(p.read_bytes() for p in directory.rglob("*") if p.is_file())
+        assert running and hf_token.encode() not in running
+        assert server_token.encode() not in running
+        closed = httpx.delete(f"{server.url}/sessions/{headers['X-Session-Id']}", headers=headers)
+        assert closed.status_code == 204, closed.text
+
+        def ended() -> bool:
+            rows = httpx.get(f"{server.url}/episodes", headers=headers, timeout=30).json()
+            return bool(rows["episodes"]) and rows["episodes"][0]["state"] != "running"
+
+        assert wait_until(ended, 30)
+    kept = {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+    assert any(p.suffix == ".ipynb" for p in kept), sorted(kept)
+    for path, data in kept.items():
+        assert hf_token.encode() not in data and server_token.encode() not in data, path
