@@ -1,7 +1,8 @@
 """MCP's answers to failures, in one place: an exception raised while a message is answered
-becomes a JSON-RPC error (with its HTTP status) or, for a tool call that ran into the
-episode, a tool result with ``isError`` the model reads. Nothing here is a 500: a failure of
-the server's own is a JSON-RPC internal error, logged.
+becomes a JSON-RPC error (with its HTTP status), unless it is a tool call that ran into the
+episode, which is a tool result with ``isError`` the model reads
+(:func:`kernel_env.server.tools.failure_text`). Nothing here is a 500: a failure of the
+server's own is a JSON-RPC internal error, logged.
 
 - a session that is gone (closed, expired, another tenant's, never there): HTTP 404, which
   tells an MCP client to start a new session;
@@ -18,33 +19,18 @@ from pydantic import ValidationError
 
 from kernel_env.errors import (
     CapacityReached,
-    EpisodeError,
     InvalidInput,
-    KernelCallError,
     KernelError,
     SessionError,
     UnknownSession,
 )
 from kernel_env.server.mcp.protocol import INTERNAL_ERROR, INVALID_PARAMS, RpcError
 
-__all__ = ["GONE", "rpc_error_for", "tool_error_for"]
+__all__ = ["GONE", "rpc_error_for"]
 
 log = logging.getLogger(__name__)
 
 GONE = "Session not found: it ended, expired, or never existed; initialize a new one"
-
-
-def tool_error_for(exc: BaseException) -> str | None:
-    """The ``isError`` text for a failure the model should read, or None."""
-    if isinstance(exc, EpisodeError):
-        return f"Error: {exc}"
-    if isinstance(exc, KernelCallError):
-        return f"Error: {exc}"
-    if isinstance(exc, KernelError):
-        return f"Error: kernel unavailable: {exc}"
-    if isinstance(exc, InvalidInput):
-        return f"Error: {exc}"
-    return None
 
 
 def rpc_error_for(exc: BaseException) -> RpcError:

@@ -25,9 +25,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kernel_env.models import ResetOptions
+from kernel_env.server import tools
 from kernel_env.server.auth import tenant_of
-from kernel_env.server.mcp import protocol, tools
-from kernel_env.server.mcp.failures import GONE, rpc_error_for, tool_error_for
+from kernel_env.server.mcp import protocol
+from kernel_env.server.mcp.failures import GONE, rpc_error_for
 from kernel_env.server.mcp.protocol import RpcError
 from kernel_env.server.runtime import Runtime
 from kernel_env.server.sessions import Session
@@ -125,7 +126,7 @@ async def _answer_in(
     try:
         text, failed = await tools.call_tool(session, notebook, name, arguments, timeout)
     except Exception as exc:
-        said = tool_error_for(exc)
+        said = tools.failure_text(exc)
         if said is None:
             raise
         text, failed = said, True

@@ -18,13 +18,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kernel_env.errors import InvalidInput
 from kernel_env.models import REPLAction, REPLObservation, ResetOptions
+from kernel_env.server import tools
 from kernel_env.server.auth import tenant_of
-from kernel_env.server.openenv.protocol import SESSION_HEADER, fork_payload, observation_payload
+from kernel_env.server.openenv.protocol import (
+    SESSION_HEADER,
+    StepAction,
+    fork_payload,
+    observation_payload,
+)
+from kernel_env.server.openenv.tool_steps import ToolSteps
 from kernel_env.server.runtime import Runtime
 from kernel_env.server.sessions import Session, SessionError
 
 __all__ = [
     "ForkRequest",
+    "ResetBody",
     "SessionHeader",
     "StepRequest",
     "StepResponse",
@@ -41,7 +49,11 @@ class StepRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    action: REPLAction
+    action: StepAction = Field(
+        description="Code (`code`, `is_final`, `final_answer`), or OpenEnv's tool-calling "
+        'actions: `{"type": "list_tools"}`, `{"type": "call_tool", "tool_name": ..., '
+        '"arguments": {...}}`.'
+    )
     timeout_s: float | None = Field(
         default=None,
         gt=0,
@@ -49,6 +61,19 @@ class StepRequest(BaseModel):
         "applies (it is kept below OpenEnv clients' 60 s wait).",
     )
     request_id: str | None = Field(default=None, max_length=255)
+
+
+Commands = str | list[str] | None
+
+
+class ResetBody(ResetOptions):
+    """The body of ``POST /reset``: the reset's options, and the shell commands of the tool
+    steps: ``setup`` run after the reset, ``verify`` run by ``final_answer`` to score it."""
+
+    setup: Commands = None
+    setup_scripts: Commands = None
+    verify: Commands = None
+    verify_scripts: Commands = None
 
 
 class ForkRequest(BaseModel):
@@ -79,16 +104,17 @@ SessionHeader = Annotated[
 
 async def reset(
     request: Request,
-    options: Annotated[ResetOptions | None, Body()] = None,
+    options: Annotated[ResetBody | None, Body()] = None,
     session_id: SessionHeader = None,
 ) -> Response:
     runtime = runtime_of(request)
     # Every field the caller set, hf_token included (ResetOptions never dumps it).
-    kwargs = (
+    given = (
         {name: getattr(options, name) for name in options.model_fields_set}
         if options is not None
         else {}
     )
+    kwargs, setup, verify = tools.split_reset(given)
     _require_text(kwargs)
     tenant = tenant_of(request)
     session = runtime.sessions.get(session_id, tenant) if session_id else None
@@ -97,6 +123,8 @@ async def reset(
     try:
         async with runtime.sessions.request(session):
             obs = await session.reset(kwargs)
+            timeout = runtime.settings.step_timeout
+            await _tool_steps(request).reset(session, tuple(setup), tuple(verify), timeout)
         # Built here, inside the try: a reply that cannot be built is a failed reset too.
         return _observation_response(obs, session)
     except BaseException:
@@ -107,8 +135,17 @@ async def reset(
 
 async def step(request: Request, body: StepRequest, session_id: SessionHeader = None) -> Response:
     session = _require_session(request, session_id)
-    async with runtime_of(request).sessions.request(session):
-        obs = await session.step(body.action)
+    runtime = runtime_of(request)
+    async with runtime.sessions.request(session):
+        if isinstance(body.action, REPLAction):
+            obs = await session.step(body.action)
+        else:
+            timeout = runtime.settings.step_timeout
+            payload = await _tool_steps(request).step(
+                session, body.action, timeout, session_id=session.id
+            )
+            del payload["metadata"]  # as for code: OpenEnv's three keys
+            return JSONResponse(payload, headers={SESSION_HEADER: session.id})
     return _observation_response(obs, session)
 
 
@@ -143,6 +180,11 @@ async def fork(
 def runtime_of(request: Request) -> Runtime:
     runtime: Runtime = request.app.state.runtime
     return runtime
+
+
+def _tool_steps(request: Request) -> ToolSteps:
+    steps: ToolSteps = request.app.state.openenv_tools
+    return steps
 
 
 def _require_text(kwargs: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from kernel_env import errors
 from kernel_env.errors import (
     NOT_INITIALIZED,
     CapacityReached,
+    EpisodeError,
     EpisodeFinished,
     ForkRefused,
     InvalidInput,
@@ -141,6 +142,7 @@ HANDLERS: dict[type[Exception], Handler] = {
     ResetNeeded: _conflict,
     EpisodeFinished: _conflict,
     ForkRefused: _conflict,
+    EpisodeError: _conflict,  # any other: a reset's setup command failed, ...
     KernelError: _kernel,
 }
 

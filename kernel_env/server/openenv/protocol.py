@@ -11,19 +11,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
+from kernel_env.errors import InvalidInput
 from kernel_env.models import REPLAction, REPLObservation, REPLState, ResetOptions
+from kernel_env.server import tools
 from kernel_env.server.sessions import Session
 from kernel_env.text import shorten
 
 __all__ = [
     "SESSION_HEADER",
+    "CallToolAction",
     "ErrorCode",
     "Frame",
+    "ListToolsAction",
     "Request",
+    "StepAction",
     "error_frame",
     "fork_payload",
     "invalid_frame",
@@ -33,6 +38,7 @@ __all__ = [
     "parse_frame",
     "problem",
     "state_frame",
+    "tool_payload",
     "validation_errors",
 ]
 
@@ -105,6 +111,42 @@ _FRAMES: dict[str, type[_Frame]] = {
 }
 
 
+class ListToolsAction(BaseModel):
+    """OpenEnv's ``list_tools`` step action: the tools, with their input schemas."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["list_tools"] = "list_tools"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class CallToolAction(BaseModel):
+    """OpenEnv's ``call_tool`` step action: one of the tools (:mod:`kernel_env.server.tools`)
+    on the session's episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["call_tool"] = "call_tool"
+    tool_name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+def _action_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("list_tools", "call_tool") else "code"
+
+
+# A step's action: code (REPLAction, which has no "type"), or a tool-calling action.
+StepAction = Annotated[
+    Annotated[REPLAction, Tag("code")]
+    | Annotated[ListToolsAction, Tag("list_tools")]
+    | Annotated[CallToolAction, Tag("call_tool")],
+    Discriminator(_action_kind),
+]
+_STEP_ACTION: TypeAdapter[REPLAction | ListToolsAction | CallToolAction] = TypeAdapter(StepAction)
+
+
 @dataclass(frozen=True)
 class Request:
     """One parsed request. ``reset`` keeps its raw keywords (validated already) because
@@ -112,10 +154,12 @@ class Request:
 
     kind: Literal["reset", "step", "state", "close", "mcp", "fork"]
     reset: dict[str, Any] | None = None
-    action: REPLAction | None = None
+    action: REPLAction | ListToolsAction | CallToolAction | None = None
     rpc: dict[str, Any] | None = None
     stream: bool | None = None  # asked for output frames (reset: for the session's steps)
     fork: ForkOptions | None = None
+    setup: tuple[str, ...] = ()  # a reset's shell commands, run after it (the tools')
+    verify: tuple[str, ...] = ()  # ... and those final_answer runs to score the episode
 
 
 def parse_frame(raw: str | bytes) -> Request | Frame:
@@ -137,10 +181,9 @@ def parse_frame(raw: str | bytes) -> Request | Frame:
     try:
         frame = model.model_validate(message)
         if isinstance(frame, _ResetFrame):
-            ResetOptions.model_validate(frame.data)
-            return Request("reset", reset=frame.data, stream=frame.stream)
+            return _reset_request(frame)
         if isinstance(frame, _StepFrame):
-            action = REPLAction.model_validate(frame.data)
+            action = _STEP_ACTION.validate_python(frame.data)
             return Request("step", action=action, stream=frame.stream)
         if isinstance(frame, _McpFrame):
             return Request("mcp", rpc=frame.data)
@@ -149,6 +192,18 @@ def parse_frame(raw: str | bytes) -> Request | Frame:
     except ValidationError as exc:
         return invalid_frame(validation_errors(exc))
     return Request("close" if isinstance(frame, _CloseFrame) else "state")
+
+
+def _reset_request(frame: _ResetFrame) -> Request | Frame:
+    """A reset, its setup and verify commands apart (a wrong one: its error frame)."""
+    try:
+        options, setup, verify = tools.split_reset(frame.data)
+    except InvalidInput as exc:
+        return invalid_frame([problem("value_error", ("data",), str(exc))])
+    ResetOptions.model_validate(options)
+    return Request(
+        "reset", reset=options, stream=frame.stream, setup=tuple(setup), verify=tuple(verify)
+    )
 
 
 # -- server -> client --------------------------------------------------------------------
@@ -195,6 +250,16 @@ def observation_payload(obs: REPLObservation, **metadata: Any) -> dict[str, Any]
     body = obs.model_dump(mode="json", exclude={"reward", "done", "metadata"})
     body["metadata"] = meta
     return {"observation": body, "reward": obs.reward, "done": obs.done, "metadata": meta}
+
+
+def tool_payload(
+    observation: dict[str, Any], reward: float | None, done: bool, **metadata: Any
+) -> dict[str, Any]:
+    """A tool step's answer, shaped as :func:`observation_payload`: OpenEnv's
+    ``ListToolsObservation`` (``tools``) or ``CallToolObservation`` (``tool_name``,
+    ``result``, ``error``) as ``observation``, ``reward`` and ``done`` at the top."""
+    body = {**observation, "metadata": dict(metadata)}
+    return {"observation": body, "reward": reward, "done": done, "metadata": dict(metadata)}
 
 
 def observation_frame(obs: REPLObservation, **metadata: Any) -> Frame:

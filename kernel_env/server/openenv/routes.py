@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute, APIWebSocketRoute
 from kernel_env.models import REPLState
 from kernel_env.server.openenv import episodes, exports, info
 from kernel_env.server.openenv.failures import HANDLERS
+from kernel_env.server.openenv.tool_steps import ToolSteps
 from kernel_env.server.openenv.websocket import websocket_endpoint
 
 __all__ = ["PUBLIC", "ROUTES", "add_openenv"]
@@ -124,6 +125,7 @@ ROUTES = [
 def add_openenv(app: FastAPI) -> None:
     """OpenEnv's routes on ``app``, and their answers to failures (the app's exception
     handlers, which the operator's routes share)."""
+    app.state.openenv_tools = ToolSteps()
     for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
     app.include_router(APIRouter(routes=list(ROUTES)))

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kernel_env.errors import KernelEnvError
+from kernel_env.models import REPLAction
 from kernel_env.outputs import output_size
 from kernel_env.server.auth import tenant_of
 from kernel_env.server.openenv.failures import connect_refusal, error_for
@@ -33,6 +34,7 @@ from kernel_env.server.openenv.protocol import (
     parse_frame,
     state_frame,
 )
+from kernel_env.server.openenv.tool_steps import ToolSteps
 from kernel_env.server.sessions import CapacityReached, Session, SessionError, UnknownSession
 from kernel_env.streaming import OutputStream
 
@@ -101,13 +103,14 @@ async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> No
         if parsed.kind == "reset" and parsed.stream is not None:
             streaming = parsed.stream
         stream = parsed.stream if parsed.stream is not None else streaming
+        steps = _Steps(websocket.app.state.openenv_tools, runtime.settings.step_timeout)
         async with runtime.sessions.request(session):
             if parsed.kind == "fork":
                 reply = await _fork(parsed, session, runtime)
             elif parsed.kind == "step" and stream:
-                reply = await _streamed_step(websocket, parsed, session)
+                reply = await _streamed_step(websocket, parsed, session, steps)
             else:
-                reply = await _answer(parsed, session)
+                reply = await _answer(parsed, session, steps)
             if not await _send(websocket, reply):
                 return
 
@@ -123,14 +126,23 @@ async def _fork(request: Request, session: Session, runtime: Runtime) -> Frame:
     return {"type": "fork", "data": fork_payload(children)}
 
 
-async def _streamed_step(websocket: WebSocket, request: Request, session: Session) -> Frame:
+class _Steps:
+    """What a tool step or a reset's commands need: the door's tool steps, the timeout."""
+
+    def __init__(self, tools: ToolSteps, timeout: float) -> None:
+        self.tools, self.timeout = tools, timeout
+
+
+async def _streamed_step(
+    websocket: WebSocket, request: Request, session: Session, steps: _Steps
+) -> Frame:
     """A step whose output goes out as "output" frames while it runs, then its observation.
     A client that does not read holds up only its own frames: the kernel writes into a bounded
     buffer (:class:`OutputStream`) that merges text and drops, with a marker, what won't fit."""
     stream = OutputStream()
     sender = asyncio.create_task(_send_outputs(websocket, stream))
     try:
-        reply = await _answer(request, session, on_output=stream.push)
+        reply = await _answer(request, session, steps, on_output=stream.push)
     except BaseException:  # cancelled (a drain): don't wait on a client that may not read
         stream.close()
         sender.cancel()
@@ -149,16 +161,23 @@ async def _send_outputs(websocket: WebSocket, stream: OutputStream) -> None:
 async def _answer(
     request: Request,
     session: Session,
+    steps: _Steps,
     on_output: Callable[[dict[str, Any]], None] | None = None,
 ) -> Frame:
     """The reply frame for one request; errors become error frames, never exceptions."""
     try:
         if request.kind == "reset":
             obs = await session.reset(request.reset or {})
+            await steps.tools.reset(session, request.setup, request.verify, steps.timeout)
             return observation_frame(obs, session_id=session.id)
-        if request.kind == "step" and request.action is not None:
+        if request.kind == "step" and isinstance(request.action, REPLAction):
             obs = await session.step(request.action, on_output)
             return observation_frame(obs, session_id=session.id)
+        if request.kind == "step" and request.action is not None:
+            data = await steps.tools.step(
+                session, request.action, steps.timeout, session_id=session.id
+            )
+            return {"type": "observation", "data": data}
         if request.kind == "state":
             return state_frame(session.state())
         return {"type": "mcp", "data": mcp_response(request.rpc)}

@@ -1,4 +1,5 @@
-"""The five tools of OpenEnv's ``jupyter_env``, over one session's episode.
+"""The five tools of OpenEnv's ``jupyter_env``, over one session's episode: what MCP's
+``tools/call`` (:mod:`.mcp`) and OpenEnv's ``call_tool`` steps (:mod:`.openenv`) both run.
 
 The same names, arguments and result text as ``jupyter_env``'s: a code cell answers its
 stdout, its results' text, a note of its images and ``ERROR:`` with the traceback, or
@@ -20,11 +21,20 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernel_env.errors import InvalidInput
+from kernel_env.errors import EpisodeError, InvalidInput, KernelCallError, KernelError
 from kernel_env.models import REPLAction, REPLObservation
 from kernel_env.server.sessions import CommandRun, Session
 
-__all__ = ["REWARD_FILE", "TOOLS", "Notebook", "call_tool", "prepare", "split_reset"]
+__all__ = [
+    "REWARD_FILE",
+    "TOOLS",
+    "Notebook",
+    "call_tool",
+    "check_arguments",
+    "failure_text",
+    "prepare",
+    "split_reset",
+]
 
 REWARD_FILE = "/home/user/logs/verifier/reward.txt"
 _SHOWN_CELLS = 10  # cells get_notebook_state shows (and all the door keeps of them)
@@ -83,7 +93,7 @@ class Cell:
 
 @dataclass
 class Notebook:
-    """What the door keeps of one MCP session's episode: its verify commands and its last
+    """What a door keeps of one session's episode: its verify commands and its last
     cells (for ``get_notebook_state``)."""
 
     verify: list[str] = field(default_factory=list)
@@ -188,6 +198,16 @@ async def _final_answer(session: Session, notebook: Notebook, answer: str, timeo
     reward = passed / total if reward is None else reward
     await session.finish(answer, reward)
     return f"Answer submitted: {answer}\nVerification: {passed}/{total} passed; reward={reward}"
+
+
+def failure_text(exc: BaseException) -> str | None:
+    """The text a model reads for a tool call that ran into the episode (over, not reset,
+    the kernel unreachable, a command refused, input over a limit), or None: the door's."""
+    if isinstance(exc, (EpisodeError, KernelCallError, InvalidInput)):
+        return f"Error: {exc}"
+    if isinstance(exc, KernelError):
+        return f"Error: kernel unavailable: {exc}"
+    return None
 
 
 def _number(text: str) -> float | None:
