@@ -136,7 +136,7 @@ def test_http_step_takes_the_tool_actions(server: ServeProcess) -> None:
 
         assert _text(tool("add_and_execute_code_cell", code="x = 21 * 2\nx")) == "42"
         assert _text(tool("edit_and_execute_current_cell", code="x = 20 * 2\nx")) == "40"
-        assert step({"code": "x + 2"}).json()["observation"]["result"]["stdout"] == "42"
+        assert step({"code": "x + 2"}).json()["observation"]["result"]["stdout"].strip() == "42"
         assert _text(tool("execute_shell_command", command="touch marker")) == "(no output)"
         unknown = tool("nope")
         assert unknown["observation"]["error"]["error_type"] == "tool_not_found"

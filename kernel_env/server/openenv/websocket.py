@@ -25,7 +25,9 @@ from kernel_env.server.openenv.failures import connect_refusal, error_for
 from kernel_env.server.openenv.protocol import (
     CLOSE_NORMAL,
     CLOSE_TOO_BIG,
+    CallToolAction,
     Frame,
+    ListToolsAction,
     Request,
     fork_payload,
     mcp_response,
@@ -173,7 +175,7 @@ async def _answer(
         if request.kind == "step" and isinstance(request.action, REPLAction):
             obs = await session.step(request.action, on_output)
             return observation_frame(obs, session_id=session.id)
-        if request.kind == "step" and request.action is not None:
+        if request.kind == "step" and isinstance(request.action, (ListToolsAction, CallToolAction)):
             data = await steps.tools.step(
                 session, request.action, steps.timeout, session_id=session.id
             )
