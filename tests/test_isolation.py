@@ -495,7 +495,7 @@ def test_5_serve_drops_its_secrets_and_becomes_undumpable() -> None:
         "      [k for k in os.environ if k.startswith('KERNEL_ENV_')])\n"
     )
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("KERNEL_ENV_")},
         "KERNEL_ENV_TOKEN": "t-123456789",
         "KERNEL_ENV_LLM_API_KEY": "k-1234567",
         "KERNEL_ENV_GATEWAY_TOKEN": "g-12345678",
