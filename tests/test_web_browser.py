@@ -85,10 +85,12 @@ def _open(browser: Any, server: str) -> None:
 
 
 def _select(browser: Any, session: str) -> None:
-    row = _until(
-        browser, lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-session="{session}"]')
+    """Click the session's row; the list re-renders as sessions change, so a row found may
+    be replaced before the click lands: found and clicked again until the click takes."""
+    _until(
+        browser,
+        lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-session="{session}"]').click() or True,
     )
-    row.click()
 
 
 def _shot(browser: Any, name: str) -> None:
@@ -100,11 +102,13 @@ def _shot(browser: Any, name: str) -> None:
 def test_web_lists_live_sessions_and_streams_a_running_cell(server: str, browser: Any) -> None:
     first, second = _reset(server, "alpha: count the words"), _reset(server, "beta: find it")
     _open(browser, server)
-    rows = _until(
+    listed = _until(
         browser,
-        lambda d: (r := d.find_elements(By.CSS_SELECTOR, "#sessions tr")) and len(r) >= 2 and r,
+        lambda d: (
+            len(r := d.find_elements(By.CSS_SELECTOR, "#sessions tr")) >= 2
+            and " ".join(row.text for row in r)
+        ),
     )
-    listed = " ".join(r.text for r in rows)
     assert "alpha: count the words" in listed and "beta: find it" in listed
     _select(browser, first)
     running = threading.Thread(
