@@ -37,7 +37,7 @@ from jupyter_client.manager import KernelManager
 from websockets.asyncio.client import ClientConnection, connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from procs import descendants
+from procs import descendants, pss_bytes
 from serverkit import ServeProcess, serve_process
 
 MiB = 1 << 20
@@ -46,19 +46,8 @@ STEP_SAMPLES = 64
 RESET_SAMPLES = 16
 
 
-def pss(pid: int) -> int:
-    """Proportional set size, bytes (0 for a process gone or unreadable)."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def tree_pss(root: int) -> int:
-    return sum(pss(pid) for pid in {root, *descendants(root)})
+    return sum(pss_bytes(pid) for pid in {root, *descendants(root)})
 
 
 def private(pid: int) -> int:
@@ -111,7 +100,7 @@ def by_hand(n: int) -> dict[str, float]:
             client.execute_interactive(f"mine = {i}; blob = bytearray({MiB})", timeout=60)
             client.stop_channels()
         pids = [km.provisioner.pid for km in managers]  # type: ignore[union-attr]
-        total = sum(pss(pid) + sum(pss(c) for c in descendants(pid)) for pid in pids)
+        total = sum(pss_bytes(pid) + sum(pss_bytes(c) for c in descendants(pid)) for pid in pids)
         return {"kernels": n, "pss_per_kernel_mib": total / n / MiB}
     finally:
         for km in managers:

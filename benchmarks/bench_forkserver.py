@@ -21,11 +21,15 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench_server import RawKernel, Server, descendants, ms, pct, ws_request
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from procs import pss_bytes
 from websockets.asyncio.client import connect
 
 from kernel_env.kernel.fork.server import ForkServer
@@ -50,17 +54,6 @@ def machine_busy_seconds() -> float:
     """CPU time the whole machine spent busy so far (every process and the kernel)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # not idle, iowait
-
-
-def _pss(pid: int) -> int:
-    """Proportional set size, bytes: shared pages counted by the share each process has."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _kernel_pid(kernel: SandboxedKernel) -> int:
@@ -109,7 +102,7 @@ async def memory(server: ForkServer, n: int) -> dict[str, float]:
             await kernel.start()
             kernels.append(kernel)
         await asyncio.sleep(1)
-        sums[kind] = float(sum(_pss(pid) for k in kernels for pid in _processes(k)))
+        sums[kind] = float(sum(pss_bytes(pid) for k in kernels for pid in _processes(k)))
         await asyncio.gather(*(k.shutdown() for k in kernels))
     return sums
 

@@ -110,6 +110,18 @@ def _status_kib(pid: int, field: str) -> int:
     return int(match.group(1))
 
 
+def pss_bytes(pid: int) -> int:
+    """Proportional set size, bytes: shared pages counted by the share each process has
+    (0 for a process gone, or one whose smaps this user may not read)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def rss_kib(pid: int) -> int:
     """The process's resident memory now, in KiB."""
     return _status_kib(pid, "VmRSS")
