@@ -119,6 +119,9 @@ async def test_a_command_runs_as_the_kernels_uid_with_no_capability(
         assert await call(session, "execute_shell_command", command="id -u") == (uid, False)
         caps, _ = await call(session, "execute_shell_command", command="grep Cap /proc/self/status")
         assert [line.split()[1] for line in caps.splitlines()[:3]] == ["0" * 16] * 3, caps
+        # No descriptor of the server's reaches it: its shell's 0-2, and ls's own directory.
+        fds, _ = await call(session, "execute_shell_command", command="ls /proc/self/fd")
+        assert set(fds.split()) <= {"0", "1", "2", "3"}, fds
 
 
 async def test_setup_and_verify_give_the_pass_rate_and_a_written_reward(
