@@ -646,13 +646,6 @@ with KernelEnv(sys.argv[1] or None) as env:
 """.replace("LOOP", repr(LOOP))
 
 
-# Passes alone, in its file, under xdist and with SIGINT ignored by the parent, as root and
-# as an unprivileged user; failed in each of three whole-suite runs (the cell's KeyboardInterrupt
-# came, the step never returned). Quarantined, not passed over: it still runs, and an XPASS
-# shows once the cause (something an earlier test leaves in the worker) is found.
-@pytest.mark.xfail(
-    reason="after Ctrl-C the step does not return when run inside the whole suite", strict=False
-)
 def test_ctrl_c_interrupts_the_episodes_cell(base_url: str | None, tmp_path: Path) -> None:
     """Ctrl-C (SIGINT) in a script inside ``env.execute()`` interrupts the episode's cell
     rather than abandoning it: the KeyboardInterrupt comes within 2 s, and the next step runs
@@ -661,8 +654,11 @@ def test_ctrl_c_interrupts_the_episodes_cell(base_url: str | None, tmp_path: Pat
     script.write_text(_CTRL_C_CLIENT)
     env = {**_env(), "KERNEL_ENV_TOKEN": TOKENS["alice"]} if base_url else _env()
     command = [sys.executable, str(script), base_url or ""]
+    # As in a terminal: a job started in the background (CI's) inherits SIGINT ignored.
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=env) as client:  # fmt: skip
+                          text=True, env=env,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                          ) as client:  # fmt: skip
         try:
             lines = _lines_until(client, "running", 90)
             sent = time.monotonic()
