@@ -79,7 +79,9 @@ system-deps:
 	  fi; }
 
 # The browser tests (the web view, /docs) drive Debian's chromium with its chromedriver; the
-# seccomp generator's check runs the system python3 with libseccomp's bindings (python3-seccomp).
+# seccomp generator's check runs the system python3 with libseccomp's bindings (python3-seccomp);
+# the Jupyter door's test drives @jupyterlab/services under node (npm ci into tests/node).
+NODE_CLIENTS := tests/node
 test-deps: system-deps
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -97,6 +99,18 @@ test-deps: system-deps
 	  else \
 	    echo "note: the seccomp generator's check needs python3-seccomp (apt-get install it)"; \
 	  fi; }
+	@command -v npm >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing nodejs and npm for the JupyterLab client library's test"; \
+	    apt-get update -qq >/dev/null && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
+	  else \
+	    echo "note: the JupyterLab client library's test needs nodejs and npm (apt-get install them)"; \
+	  fi; }
+	@if command -v npm >/dev/null 2>&1 && [ ! -f $(NODE_CLIENTS)/node_modules/.installed ]; then \
+	  echo "== installing the JavaScript clients of $(NODE_CLIENTS) (npm ci, pinned by its lock)"; \
+	  npm ci --prefix $(NODE_CLIENTS) --no-audit --no-fund --loglevel=error && \
+	    touch $(NODE_CLIENTS)/node_modules/.installed; fi
 
 # Episodes in other languages (kernel_name): IRkernel from Debian (as root, through apt-get;
 # otherwise it says what to install), bash_kernel and Deno from PyPI into the venv, and their

@@ -28,7 +28,9 @@ def _text_files() -> list[Path]:
         files += sorted(
             p
             for p in (ROOT / folder).rglob("*")
-            if p.suffix in (".py", ".md", ".sh", ".yaml") and p.is_file()
+            if p.suffix in (".py", ".md", ".sh", ".yaml")
+            and p.is_file()
+            and "node_modules" not in p.parts  # npm's packages (tests/node), not ours
         )
     return [p for p in files if p != Path(__file__).resolve()]  # this file's examples
 

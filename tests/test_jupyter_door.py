@@ -5,7 +5,8 @@ kernel_env's kernelspecs, starts a kernel through its own REST API, runs cells o
 channels (proxied to the door), interrupts, restarts and shuts down. Then the door's attacks,
 driven directly over HTTP and WebSocket: no token, another tenant's token (exactly the
 unknown-id answer), a foreign Origin, oversized frames and bodies, a flood of executes, and
-the bounds on kernels per tenant and on idle kernels.
+the bounds on kernels per tenant and on idle kernels. JupyterLab's client library
+(``@jupyterlab/services``, under node) drives a kernel too.
 """
 
 from __future__ import annotations
@@ -260,6 +261,41 @@ def _interrupts(ws: ClientConnection, interrupt: Any) -> None:
     assert result["reply"]["status"] == "error"
     assert result["reply"]["ename"] == "KeyboardInterrupt"
     assert text_result(execute(ws, "x")) == "42"  # state kept
+
+
+NODE_CLIENTS = Path(__file__).parent / "node"
+
+
+@pytest.mark.skipif(
+    not (NODE_CLIENTS / "node_modules" / "@jupyterlab" / "services").is_dir(),
+    reason="needs nodejs and tests/node's packages (make test-deps installs them)",
+)
+def test_jupyterlab_services_drives_a_kernel_env_kernel(
+    server: ServeProcess, llm: FakeOpenAI
+) -> None:
+    """``@jupyterlab/services``, the client library of JupyterLab and VS Code, under node:
+    it lists the kernelspecs, starts a kernel (the token in the channels' URL, as a browser
+    sends it), runs a cell and ``llm_query`` over the channels, sees the kernel running, and
+    shuts it down."""
+    cells = ["x = 6 * 7\nx", "print(llm_query('hi'))"]
+    script = NODE_CLIENTS / "jupyterlab_services.mjs"
+    ran = subprocess.run(
+        ["node", str(script), server.url, TOKENS["bob"], *cells],
+        capture_output=True, text=True, timeout=110, cwd=NODE_CLIENTS, env=_env(),
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    said = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
+    stages = {line["stage"]: line for line in said if line["stage"] != "executed"}
+    assert stages["specs"]["default"] == "python3" and "python3" in stages["specs"]["names"]
+    kernel_id = stages["started"]["id"]
+    executed = [line for line in said if line["stage"] == "executed"]
+    assert [line["status"] for line in executed] == ["ok", "ok"], executed
+    assert executed[0]["outputs"] == ["42"]
+    assert LLM_ANSWER in "".join(executed[1]["outputs"])
+    assert kernel_id in stages["running"]["ids"]
+    assert kernel_id not in stages["shutdown"]["ids"]
+    gone = httpx.get(f"{server.url}/api/kernels/{kernel_id}", headers=auth("bob"), timeout=30)
+    assert gone.status_code == 404
 
 
 # -- the door's routes, directly -------------------------------------------------------------
