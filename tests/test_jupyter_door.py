@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 from fake_openai import FakeOpenAI
+from jupyterkit import gateway_client
 from serverkit import ServeProcess, serve_process, wait_until
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
@@ -138,46 +138,9 @@ def text_result(result: dict[str, Any]) -> str:
 # -- Jupyter Server as the client ----------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def jupyter_server(gateway: str, token: str, tmp: Path) -> Iterator[str]:
+def jupyter_server(gateway: str, token: str, tmp: Path) -> contextlib.AbstractContextManager[str]:
     """``jupyter server --gateway-url`` at the door, with Jupyter dirs of its own."""
-    port = _free_port()
-    env = {**_env(), "JUPYTER_CONFIG_DIR": str(tmp / "config"), "JUPYTER_DATA_DIR":
-           str(tmp / "data"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
-           "KERNEL_PROBE_VALUE": "from-the-jupyter-server"}  # fmt: skip
-    command = [sys.executable, "-m", "jupyter_server", "--no-browser", f"--port={port}",
-               "--ip=127.0.0.1", f"--IdentityProvider.token={JUPYTER_TOKEN}", "--allow-root",
-               f"--ServerApp.root_dir={tmp}", f"--gateway-url={gateway}",
-               f"--GatewayClient.auth_token={token}",
-               "--GatewayClient.request_timeout=60"]  # fmt: skip
-    log = tmp / "jupyter-server.log"
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=sink, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        up = wait_until(lambda: process.poll() is not None or _answers(f"{url}/api/status"), 60)
-        up = up and process.poll() is None
-        assert up, f"jupyter server did not start:\n{log.read_text(errors='replace')}"
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-
-
-def _answers(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url, params={"token": JUPYTER_TOKEN}, timeout=2).status_code == 200
-    return False
+    return gateway_client("jupyter_server", gateway, token, tmp, own_token=JUPYTER_TOKEN)
 
 
 def test_jupyter_server_drives_a_sandboxed_kernel_env_kernel(

@@ -6,6 +6,7 @@ the real server on loopback, with every other host unresolvable (no network).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -16,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 from browser import chromium, png
+from fake_openai import FakeOpenAI
+from jupyterkit import gateway_client
 from serverkit import small_settings, thread_server
 
 from kernel_env.languages.catalog import installed_kernels
@@ -304,3 +307,92 @@ def test_an_ended_episode_is_listed_and_opens_read_only(tmp_path: Path, browser:
         assert link == f"{url}/web#episode={kept['episode_id']}"
         browser.get(f"{url}/web#session={session}")  # the closed session's own link
         _until(browser, lambda d: "has ended" in d.find_element(By.ID, "cells").text)
+
+
+# -- JupyterLab 4 on the Jupyter door ------------------------------------------------------
+
+LAB_TOKEN = "jupyterlab-token-5hQz"
+LLM_ANSWER = "hello from the fake model"
+NOTEBOOK = {
+    "cells": [
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+         "source": "x = 6 * 7\nprint('x is', x)"},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+         "source": "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+         "source": "print(llm_query('hi'))"},
+    ],
+    "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                "language": "python"}},
+    "nbformat": 4, "nbformat_minor": 5,
+}  # fmt: skip
+# The notebook's kernel, as JupyterLab's own application object sees it (exposed by
+# --LabApp.expose_app_in_browser): its status, or what is not there yet.
+KERNEL_STATUS = """
+const app = window.jupyterapp;
+const widget = app && app.shell.currentWidget;
+const kernel = widget && widget.sessionContext && widget.sessionContext.session
+  && widget.sessionContext.session.kernel;
+return kernel ? [kernel.status, kernel.id] : [null, null];
+"""
+
+
+def test_jupyterlab_runs_a_notebook_in_a_kernel_env_kernel(tmp_path: Path, browser: Any) -> None:
+    """JupyterLab 4 with ``--gateway-url`` at the server opens a notebook in a kernel_env
+    kernel and runs it: a cell's output, a matplotlib figure, ``llm_query`` answered by the
+    server's model. A second tab shows the same episode, those cells in it, in ``/web``."""
+    (tmp_path / "demo.ipynb").write_text(json.dumps(NOTEBOOK))
+    with FakeOpenAI(lambda body: LLM_ANSWER) as llm:
+        settings = small_settings(token=TOKEN, max_sessions=4, step_timeout=60,
+                                  llm_base_url=llm.url, llm_model="fake")  # fmt: skip
+        with (
+            thread_server(settings) as url,
+            gateway_client("jupyterlab", url, TOKEN, tmp_path, own_token=LAB_TOKEN,
+                                      extra=("--LabApp.expose_app_in_browser=True",)) as lab,
+        ):  # fmt: skip
+            kernel_id = _run_all_in_jupyterlab(browser, f"{lab}/lab/tree/demo.ipynb")
+            _shot(browser, "jupyterlab.png")
+            lab_tab = browser.current_window_handle
+            browser.switch_to.new_window("tab")
+            try:
+                _shows_the_episode_in_web(browser, url, kernel_id)
+            finally:
+                browser.close()
+                browser.switch_to.window(lab_tab)
+
+
+def _run_all_in_jupyterlab(browser: Any, notebook: str) -> str:
+    """Open ``notebook``, run all its cells once its kernel is idle, wait for their outputs;
+    the kernel's id."""
+    browser.get(f"{notebook}?token={LAB_TOKEN}")
+    _, kernel_id = _until(
+        browser, lambda d: (s := d.execute_script(KERNEL_STATUS))[0] == "idle" and s, 120
+    )
+    browser.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    outputs = _until(
+        browser,
+        lambda d: (
+            (t := [o.text for o in d.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")])
+            and LLM_ANSWER in " ".join(t)
+            and t
+        ),
+        90,
+    )
+    assert "x is 42" in outputs
+    figure = browser.find_element(By.CSS_SELECTOR, ".jp-OutputArea-output img")
+    assert _until(browser, lambda d: d.execute_script("return arguments[0].naturalWidth", figure))
+    return str(kernel_id)
+
+
+def _shows_the_episode_in_web(browser: Any, url: str, kernel_id: str) -> None:
+    sessions = httpx.get(f"{url}/sessions", headers=AUTH, timeout=10).json()["sessions"]
+    [session] = [s["session_id"] for s in sessions if s["kernel_id"] == kernel_id]
+    _open(browser, url)
+    _select(browser, session)
+    cells = _until(
+        browser,
+        lambda d: (t := d.find_element(By.ID, "cells").text) and LLM_ANSWER in t and t,
+    )
+    assert "x is 42" in cells and "llm_query('hi')" in cells
+    assert browser.find_elements(By.CSS_SELECTOR, "#cells img.figure")  # the figure too
+    _shot(browser, "jupyterlab-web.png")
