@@ -737,7 +737,9 @@ class _Episodes:
                     dataset.write(episode_row(row, source.notebook(row["episode_id"], row)[1]))
                 except (KernelEnvError, ValueError) as exc:
                     skipped += 1
-                    print(f"kernel-env episodes: {row['episode_id']} skipped: {exc}", file=sys.stderr)
+                    print(
+                        f"kernel-env episodes: {row['episode_id']} skipped: {exc}", file=sys.stderr
+                    )
                 if dataset.rows and dataset.rows % 100 == 0:
                     print(f"{dataset.rows}/{len(rows)} episodes", file=sys.stderr, flush=True)
         print(f"{dataset.rows} episode(s), {skipped} skipped: {dataset.path}", file=sys.stderr)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,10 @@ from serverkit import ServeProcess, serve_process, terminate, wait_until
 
 from kernel_env import KernelEnv
 from kernel_env.archive import extract_export
-from kernel_env.notebook import cells_match, notebook_name, recorded_steps
+from kernel_env.hostcalls import LLMCall
+from kernel_env.notebook import cells_match, notebook_name, notebook_text, recorded_steps
+from kernel_env.record import AGENT, JUPYTER, EpisodeRecord, StepRecord
+from kernel_env.server.dataset import episode_row
 from kernel_env.server.index import Filters
 from kernel_env.server.retention import Keep, Stored, parse_keep, to_remove
 from kernel_env.server.settings import ServerSettings, default_episodes
@@ -146,9 +150,10 @@ def test_twenty_episodes_of_a_client_that_never_exports_are_all_kept(
     env.pop("KERNEL_ENV_EPISODES")
     default = Path(default_episodes(env))
     notebooks = {}
-    with FakeOpenAI(_doubling_model) as model, _serve(
-        None, "--llm-base-url", model.url, "--llm-model", "fake-model", env=env
-    ) as server:
+    with (
+        FakeOpenAI(_doubling_model) as model,
+        _serve(None, "--llm-base-url", model.url, "--llm-model", "fake-model", env=env) as server,
+    ):
         assert f"episodes: kept in {default}" in server.log.read_text()
         asyncio.run(_openenv_episodes(server.url, 20))
         rows = _every(server.url, limit=7)
@@ -252,6 +257,59 @@ def _cli_run(
         cwd=cwd,
         env=env,
     )
+
+
+def test_a_dataset_row_holds_the_steps_as_text_and_no_tenant() -> None:
+    """A row is built from a listing row and the notebook: the steps' code (without the
+    mark of a cell not to re-run), streams, errors, status and calls; a person's cell is
+    not an iteration; the tenant, session and store path are left out."""
+    t0 = datetime(2026, 12, 2, 1, 2, 3, tzinfo=UTC)
+
+    def step(index: int, code: str, outputs: list[dict[str, Any]], **more: Any) -> StepRecord:
+        return StepRecord(
+            index, code, outputs, index, t0, t0 + timedelta(seconds=1), 1.0, **more
+        )  # fmt: skip
+
+    record = EpisodeRecord("ep-1", "the whole task " * 200, "ctx", 5, expected_answer="3")
+    record.steps = [
+        step(
+            1, "print('a'); said = llm_query('hi')",
+            [{"output_type": "stream", "name": "stdout", "text": "a\n"},
+             {"output_type": "stream", "name": "stderr", "text": "warn\n"}],
+            status="ok", llm_calls=[LLMCall("llm_query", "hi", "hello", "m", 0.1)],
+        ),
+        step(
+            2, "1 / 0",
+            [{"output_type": "error", "ename": "ZeroDivisionError", "evalue": "division by zero",
+              "traceback": []}],
+            status="error", author=JUPYTER,
+        ),
+        step(3, "while True: pass", [], status="timeout", interrupted=True),
+    ]  # fmt: skip
+    listed = {
+        "episode_id": "ep-1", "session_id": "s", "tenant": "alice", "kernel": "python3",
+        "task": "the whole", "steps": 3, "reward": 0, "final_answer": None, "done": False,
+        "state": "interrupted", "reason": "closed", "started": 10.0, "ended": 12.5,
+        "parent": None, "relation": None, "size": 1, "key": 4, "path": "episodes/x",
+    }  # fmt: skip
+    row = episode_row(listed, notebook_text(record, "ep-1.ipynb"))
+    assert not {"tenant", "session_id", "path", "key"} & set(row)
+    assert row["task_prompt"] == record.task_prompt and row["reward"] == 0.0
+    assert (row["status"], row["reason"], row["done"], row["iterations"]) == (
+        "interrupted", "closed", False, 2,
+    )  # fmt: skip
+    assert [(s["code"], s["stdout"], s["stderr"], s["error"]) for s in row["steps"]] == [
+        ("print('a'); said = llm_query('hi')", "a\n", "warn\n", ""),
+        ("1 / 0", "", "", "ZeroDivisionError: division by zero"),
+        ("while True: pass", "", "", ""),
+    ]
+    assert [(s["status"], s["success"], s["author"]) for s in row["steps"]] == [
+        ("ok", True, AGENT), ("error", False, JUPYTER), ("timeout", False, AGENT),
+    ]  # fmt: skip
+    assert row["steps"][0]["llm_calls"] == [
+        {"op": "llm_query", "prompt": "hi", "response": "hello"}
+    ]
+    assert json.loads(json.dumps(row)) == row
 
 
 # -- a server killed mid-episode --------------------------------------------------------------
@@ -578,6 +636,11 @@ def test_a_corrupt_notebook_or_row_is_reported_and_skipped(tmp_path: Path) -> No
     assert fine in out and broken_file in out and broken_row not in out
     _cli("episodes", "export", fine, "--episodes", str(tmp_path), "-o", str(tmp_path / "x.ipynb"))
     nbformat.validate(nbformat.read(tmp_path / "x.ipynb", as_version=4))
+    done = _cli_run("episodes", "dataset", str(tmp_path / "data"), "--episodes", str(tmp_path))
+    assert done.returncode == 0 and f"{broken_file} skipped" in done.stderr, done.stderr
+    assert "2 episode(s), 1 skipped" in done.stderr
+    written = (tmp_path / "data" / "episodes.jsonl").read_text().splitlines()
+    assert [json.loads(line)["episode_id"] for line in written] == [new, fine]
 
 
 def test_an_unreadable_index_is_moved_aside_for_a_new_one(tmp_path: Path) -> None:
