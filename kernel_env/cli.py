@@ -732,7 +732,7 @@ class _Episodes:
         rows = source.list(_episode_filters(args), args.limit)
         skipped = 0
         with DatasetWriter(args.out, overwrite=args.overwrite) as dataset:
-            for row in rows:
+            for n, row in enumerate(rows, 1):
                 try:
                     dataset.write(episode_row(row, source.notebook(row["episode_id"], row)[1]))
                 except (KernelEnvError, ValueError) as exc:
@@ -740,8 +740,8 @@ class _Episodes:
                     print(
                         f"kernel-env episodes: {row['episode_id']} skipped: {exc}", file=sys.stderr
                     )
-                if dataset.rows and dataset.rows % 100 == 0:
-                    print(f"{dataset.rows}/{len(rows)} episodes", file=sys.stderr, flush=True)
+                if n % 100 == 0:
+                    print(f"{n}/{len(rows)} episodes read", file=sys.stderr, flush=True)
         print(f"{dataset.rows} episode(s), {skipped} skipped: {dataset.path}", file=sys.stderr)
         print(dataset.path)
         return 0

@@ -31,7 +31,7 @@ from kernel_env.archive import extract_export
 from kernel_env.hostcalls import LLMCall
 from kernel_env.notebook import cells_match, notebook_name, notebook_text, recorded_steps
 from kernel_env.record import AGENT, JUPYTER, EpisodeRecord, StepRecord
-from kernel_env.server.dataset import episode_row
+from kernel_env.server.dataset import CARD_NAME, DATA_NAME, DatasetWriter, episode_row
 from kernel_env.server.index import Filters
 from kernel_env.server.retention import Keep, Stored, parse_keep, to_remove
 from kernel_env.server.settings import ServerSettings, default_episodes
@@ -310,6 +310,21 @@ def test_a_dataset_row_holds_the_steps_as_text_and_no_tenant() -> None:
         {"op": "llm_query", "prompt": "hi", "response": "hello"}
     ]
     assert json.loads(json.dumps(row)) == row
+
+
+def test_a_dataset_that_fails_midway_leaves_no_file(tmp_path: Path) -> None:
+    """Rows are written to a temporary file: a failure before the end leaves no rows file and
+    no card; a dataset written whole has both, the rows a line of JSON each."""
+    with pytest.raises(KeyError), DatasetWriter(tmp_path / "out") as dataset:
+        dataset.write({"episode_id": "a"})
+        raise KeyError("the store went away")
+    assert list((tmp_path / "out").iterdir()) == []
+    with DatasetWriter(tmp_path / "out") as dataset:
+        dataset.write({"episode_id": "a"})
+        dataset.write({"episode_id": "b"})
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [CARD_NAME, DATA_NAME]
+    lines = (tmp_path / "out" / DATA_NAME).read_text().splitlines()
+    assert [json.loads(line)["episode_id"] for line in lines] == ["a", "b"]
 
 
 # -- a server killed mid-episode --------------------------------------------------------------

@@ -120,10 +120,10 @@ def episode_row(listed: Mapping[str, Any], notebook: bytes | str) -> dict[str, A
 
 class DatasetWriter:
     """Writes a dataset directory a row at a time; the rows file appears whole when the
-    writer closes without an error (a temporary file until then), and not at all otherwise.
+    writer closes without an error (a temporary file until then), and not at all otherwise::
 
-    >>> with DatasetWriter(Path("out")) as dataset:
-    ...     dataset.write(episode_row(listed, notebook))
+        with DatasetWriter(Path("out")) as dataset:
+            dataset.write(episode_row(listed, notebook))
     """
 
     def __init__(self, directory: Path, *, overwrite: bool = False) -> None:
@@ -155,14 +155,14 @@ class DatasetWriter:
     ) -> None:
         if self._file is None:
             return
+        file, self._file = self._file, None
         try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with file:
+                file.flush()
+                os.fsync(file.fileno())
+            if exc_type is None:
+                os.replace(self._temporary, self.path)
         finally:
-            self._file.close()
-            self._file = None
-        if exc_type is not None:
-            self._temporary.unlink(missing_ok=True)
-            return
-        os.replace(self._temporary, self.path)
-        (self.directory / CARD_NAME).write_text(_CARD.format(data=DATA_NAME), encoding="utf-8")
+            self._temporary.unlink(missing_ok=True)  # after a failure; gone after the rename
+        if exc_type is None:
+            (self.directory / CARD_NAME).write_text(_CARD.format(data=DATA_NAME), "utf-8")
