@@ -5,7 +5,7 @@
     kernel-env export    a served episode as .ipynb (or a notebook as HTML)
     kernel-env replay    a notebook's code cells re-run as a fresh episode, compared cell by cell
     kernel-env ps        the episodes a server is running
-    kernel-env episodes  the episodes a server kept: ls, show, export
+    kernel-env episodes  the episodes a server kept: ls, show, export, dataset
 
 Every ``serve`` flag also reads a ``KERNEL_ENV_<NAME>`` variable (e.g. ``KERNEL_ENV_POOL_SIZE``);
 a flag given on the command line wins. The bearer token is read from ``KERNEL_ENV_TOKEN`` only:
@@ -562,7 +562,7 @@ def _every_session(client: Any, url: str) -> list[dict[str, Any]]:
 def _add_episodes(commands: argparse._SubParsersAction) -> None:
     episodes = commands.add_parser(
         "episodes",
-        help="list, show and export the episodes a server kept",
+        help="list, show and export the episodes a server kept, or write them as a dataset",
         description="The episodes a kernel-env server kept (GET /episodes of --url, with the "
         "token in KERNEL_ENV_TOKEN), or those of a store directory (--episodes DIR, read "
         "directly: every tenant's).",
@@ -571,25 +571,36 @@ def _add_episodes(commands: argparse._SubParsersAction) -> None:
     ls = actions.add_parser("ls", help="a line per stored episode, newest first")
     show = actions.add_parser("show", help="one episode, with its forks and children")
     export = actions.add_parser("export", help="one episode's notebook, as a file")
-    for action in (ls, show, export):
+    dataset = actions.add_parser(
+        "dataset",
+        help="the episodes as a Hugging Face dataset (JSON Lines, a row per episode)",
+        description="Writes OUT/episodes.jsonl (a row per listed episode: its task, reward, "
+        "outcome and steps) and OUT/README.md, its dataset card; datasets.load_dataset reads "
+        "either OUT or the JSON file (docs/notebooks.md).",
+    )
+    for action in (ls, show, export, dataset):
         action.add_argument(
             "--url",
             default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
             help=f"the server (default $KERNEL_ENV_URL or {_DEFAULT_URL})",
         )
         action.add_argument("--episodes", metavar="DIR", help="a store directory instead")
-    ls.add_argument("--task", help="text in the task")
-    ls.add_argument("--reward-min", type=float, metavar="R")
-    ls.add_argument("--reward-max", type=float, metavar="R")
-    ls.add_argument("--state", choices=("running", "done", "interrupted"))
-    ls.add_argument("--kernel", metavar="NAME")
+    for action in (ls, dataset):
+        action.add_argument("--task", help="text in the task")
+        action.add_argument("--reward-min", type=float, metavar="R")
+        action.add_argument("--reward-max", type=float, metavar="R")
+        action.add_argument("--state", choices=("running", "done", "interrupted"))
+        action.add_argument("--kernel", metavar="NAME")
     ls.add_argument("--limit", type=_at_least_one, default=100, help=_d("lines at most", 100))
+    dataset.add_argument("--limit", type=_at_least_one, help="episodes at most (default: all)")
+    dataset.add_argument("out", metavar="OUT", type=Path, help="the dataset's directory")
     for action in (ls, show):
         action.add_argument("--json", action="store_true", help="print the JSON as it is")
     for action in (show, export):
         action.add_argument("episode_id", metavar="EPISODE", help="the episode's id")
     export.add_argument("-o", "--output", metavar="PATH", help="default: EPISODE.ipynb")
-    export.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    for action in (export, dataset):
+        action.add_argument("--overwrite", action="store_true", help="replace existing files")
     episodes.set_defaults(run=_episodes)
 
 
@@ -622,14 +633,23 @@ class _StoredEpisodes:
         if self.reader is not None:
             self.reader.close()
 
-    def list(self, filters: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    def list(self, filters: dict[str, Any], limit: int | None) -> list[dict[str, Any]]:
+        """The listed episodes, newest first, page after page, ``limit`` at most."""
         from kernel_env.remote import list_episodes
         from kernel_env.server.index import Filters
 
         if self.reader is None:
             found = list_episodes(self.url, token=self.token, filters=filters, limit=limit)
             return asyncio.run(found)
-        return self.reader.page(Filters(**filters), cursor=None, limit=limit).episodes
+        rows: list[dict[str, Any]] = []
+        cursor = None
+        while limit is None or len(rows) < limit:
+            size = 1000 if limit is None else min(1000, limit - len(rows))
+            page = self.reader.page(Filters(**filters), cursor=cursor, limit=size)
+            rows += page.episodes
+            if (cursor := page.next_cursor) is None:
+                break
+        return rows
 
     def show(self, episode_id: str) -> dict[str, Any]:
         if self.reader is None:
@@ -639,13 +659,14 @@ class _StoredEpisodes:
             raise ValueError(f"no stored episode has the id {episode_id!r}")
         return found
 
-    def notebook(self, episode_id: str) -> tuple[str, bytes]:
+    def notebook(self, episode_id: str, row: dict[str, Any] | None = None) -> tuple[str, bytes]:
+        """An episode's stored notebook (``row``: its row in this store's listing)."""
         from kernel_env.notebook import notebook_name
 
         if self.reader is None:
             data = self._get(f"/episodes/{_quoted(episode_id)}/notebook")
             return notebook_name(episode_id), data
-        return self.reader.notebook(self.show(episode_id)["episode"])
+        return self.reader.notebook(row or self.show(episode_id)["episode"])
 
     def _get(self, path: str) -> bytes:
         from kernel_env.remote import http_get
@@ -664,14 +685,7 @@ class _Episodes:
 
     @staticmethod
     def ls(args: argparse.Namespace, source: _StoredEpisodes) -> int:
-        filters = {
-            "task": args.task,
-            "reward_min": args.reward_min,
-            "reward_max": args.reward_max,
-            "state": args.state,
-            "kernel": args.kernel,
-        }
-        rows = source.list(filters, args.limit)
+        rows = source.list(_episode_filters(args), args.limit)
         if args.json:
             print(json.dumps({"episodes": rows}))
             return 0
@@ -710,6 +724,37 @@ class _Episodes:
         target.write_bytes(data)
         print(target)
         return 0
+
+    @staticmethod
+    def dataset(args: argparse.Namespace, source: _StoredEpisodes) -> int:
+        from kernel_env.server.dataset import DatasetWriter, episode_row
+
+        rows = source.list(_episode_filters(args), args.limit)
+        skipped = 0
+        with DatasetWriter(args.out, overwrite=args.overwrite) as dataset:
+            for n, row in enumerate(rows, 1):
+                try:
+                    dataset.write(episode_row(row, source.notebook(row["episode_id"], row)[1]))
+                except (KernelEnvError, ValueError) as exc:
+                    skipped += 1
+                    print(
+                        f"kernel-env episodes: {row['episode_id']} skipped: {exc}", file=sys.stderr
+                    )
+                if n % 100 == 0:
+                    print(f"{n}/{len(rows)} episodes read", file=sys.stderr, flush=True)
+        print(f"{dataset.rows} episode(s), {skipped} skipped: {dataset.path}", file=sys.stderr)
+        print(dataset.path)
+        return 0
+
+
+def _episode_filters(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "task": args.task,
+        "reward_min": args.reward_min,
+        "reward_max": args.reward_max,
+        "state": args.state,
+        "kernel": args.kernel,
+    }
 
 
 # -- replay ------------------------------------------------------------------------------

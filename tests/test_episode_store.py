@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,10 @@ from serverkit import ServeProcess, serve_process, terminate, wait_until
 
 from kernel_env import KernelEnv
 from kernel_env.archive import extract_export
-from kernel_env.notebook import notebook_name, recorded_steps
+from kernel_env.hostcalls import LLMCall
+from kernel_env.notebook import cells_match, notebook_name, notebook_text, recorded_steps
+from kernel_env.record import AGENT, JUPYTER, EpisodeRecord, StepRecord
+from kernel_env.server.dataset import CARD_NAME, DATA_NAME, DatasetWriter, episode_row
 from kernel_env.server.index import Filters
 from kernel_env.server.retention import Keep, Stored, parse_keep, to_remove
 from kernel_env.server.settings import ServerSettings, default_episodes
@@ -90,6 +94,21 @@ def _every(url: str, **params: Any) -> list[dict[str, Any]]:
 # -- 20 episodes of an OpenEnv client that never exports --------------------------------------
 
 
+def _steps_of(i: int) -> list[str]:
+    """The code of the ``i``th OpenEnv episode's steps: one asks the model (llm_query)."""
+    answer = "7" if i % 2 == 0 else "wrong"
+    return [
+        f"x = {i}\nprint('step one of', x)",
+        f"said = llm_query('double {i}')\nprint('the model said:', said)",
+        f"print('FINAL({answer})')",
+    ]
+
+
+def _doubling_model(body: dict[str, Any]) -> str:
+    """The model behind the OpenEnv episodes: ``double N`` is answered ``2N``."""
+    return str(2 * int(body["messages"][-1]["content"].split()[-1]))
+
+
 async def _openenv_episodes(url: str, n: int) -> None:
     """``n`` episodes through OpenEnv's own client (``/ws``): half answered right."""
     from openenv.core.generic_client import GenericEnvClient
@@ -97,41 +116,62 @@ async def _openenv_episodes(url: str, n: int) -> None:
     for i in range(n):
         async with GenericEnvClient(base_url=url) as env:
             await env.reset(context=f"ctx {i}", task_prompt=f"task number {i}", expected_answer="7")
-            await env.step({"code": f"x = {i}\nprint('step one of', x)"})
-            answer = "7" if i % 2 == 0 else "wrong"
-            final = await env.step({"code": f"print('FINAL({answer})')"})
+            *steps, last = _steps_of(i)
+            for code in steps:
+                await env.step({"code": code})
+            final = await env.step({"code": last})
             assert final.done is True
 
 
+def _rerun_offline(notebook: str) -> tuple[Any, Any]:
+    """A stored notebook, and the same executed top to bottom by nbclient in a fresh kernel
+    (its llm_query answered from the answers recorded in it)."""
+    from nbclient import NotebookClient
+
+    recorded = nbformat.reads(notebook, as_version=4)
+    rerun = nbformat.reads(notebook, as_version=4)
+    NotebookClient(rerun, timeout=60, kernel_name="python3").execute()
+    return recorded, rerun
+
+
 @pytest.mark.integration
-def test_twenty_episodes_of_a_client_that_never_exports_are_all_kept(tmp_path: Path) -> None:
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_twenty_episodes_of_a_client_that_never_exports_are_all_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The store is on by default (in the state dir): 20 episodes of OpenEnv's client, which
-    never calls an export, are all listed with their rewards, each notebook valid, and the
-    filters, pages, the client's episodes() and the CLI see the same."""
+    never calls an export, each asking the model once, are all listed with their rewards,
+    each notebook valid and re-run offline by nbclient (no model reachable) to the recorded
+    outputs; the filters, pages, the client's episodes(), the CLI and the dataset see the
+    same."""
     pytest.importorskip("openenv")
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
     env.pop("KERNEL_ENV_EPISODES")
     default = Path(default_episodes(env))
-    with _serve(None, env=env) as server:
+    notebooks = {}
+    with (
+        FakeOpenAI(_doubling_model) as model,
+        _serve(None, "--llm-base-url", model.url, "--llm-model", "fake-model", env=env) as server,
+    ):
         assert f"episodes: kept in {default}" in server.log.read_text()
         asyncio.run(_openenv_episodes(server.url, 20))
         rows = _every(server.url, limit=7)
         assert len(rows) == 20 and len({r["episode_id"] for r in rows}) == 20
         assert [r["task"] for r in rows] == [f"task number {i}" for i in reversed(range(20))]
-        assert all(r["state"] == "done" and r["done"] and r["steps"] == 2 for r in rows)
+        assert all(r["state"] == "done" and r["done"] and r["steps"] == 3 for r in rows)
         rewards = {int(r["task"].split()[-1]): r["reward"] for r in rows}
         assert rewards == {i: 1.0 if i % 2 == 0 else 0.0 for i in range(20)}
+        assert len(model.requests) == 20
         for row in rows:
             reply = httpx.get(f"{server.url}/episodes/{row['episode_id']}/notebook", timeout=30)
             assert reply.status_code == 200
             nb = nbformat.reads(reply.text, as_version=4)
             nbformat.validate(nb)
             i = int(row["task"].split()[-1])
-            assert [c.source for c in recorded_steps(nb)] == [
-                f"x = {i}\nprint('step one of', x)",
-                f"print('FINAL({'7' if i % 2 == 0 else 'wrong'})')",
-            ]
+            assert [c.source for c in recorded_steps(nb)] == _steps_of(i)
             assert nb.metadata["kernel_env"]["reward"] == row["reward"]
+            notebooks[i] = reply.text
         assert len(_listing(server.url, reward_min=1)["episodes"]) == 10
         assert [r["task"] for r in _listing(server.url, task="NUMBER 1")["episodes"]] == [
             f"task number {i}" for i in (19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 1)
@@ -139,10 +179,62 @@ def test_twenty_episodes_of_a_client_that_never_exports_are_all_kept(tmp_path: P
         with KernelEnv(base_url=server.url) as client:
             assert [r["episode_id"] for r in client.episodes()] == [r["episode_id"] for r in rows]
             assert len(client.episodes(reward_max=0.5, limit=4)) == 4
+        _cli("episodes", "dataset", str(tmp_path / "served"), "--url", server.url)
     listed = _cli("episodes", "ls", "--episodes", str(default), "--json")
     assert [r["episode_id"] for r in json.loads(listed)["episodes"]] == [
         r["episode_id"] for r in rows
     ]
+    _check_dataset(tmp_path, default, rows, monkeypatch)
+    for name in [n for n in os.environ if n.startswith("KERNEL_ENV_LLM_")]:
+        monkeypatch.delenv(name)  # the kernel answers from the recording, or fails
+    for i, notebook in sorted(notebooks.items()):
+        recorded, rerun = _rerun_offline(notebook)
+        steps = list(zip(recorded_steps(recorded), recorded_steps(rerun), strict=True))
+        assert [cells_match(old.outputs, new.outputs) for old, new in steps] == [True] * 3
+        assert [new.outputs[0].text for _, new in steps] == [
+            f"step one of {i}\n",
+            f"the model said: {2 * i}\n",
+            f"FINAL({'7' if i % 2 == 0 else 'wrong'})\n",
+        ]
+
+
+def _check_dataset(
+    tmp_path: Path, store: Path, rows: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kernel-env episodes dataset`` of the 20 episodes, from the store directory and from
+    the server (written above as ``served``), loads with ``datasets`` and filters by reward."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "dataset"
+    done = _cli_run("episodes", "dataset", str(out), "--episodes", str(store))
+    assert done.returncode == 0, done.stderr
+    assert "20 episode(s), 0 skipped" in done.stderr
+    data = out / "episodes.jsonl"
+    assert data.read_bytes() == (tmp_path / "served" / "episodes.jsonl").read_bytes()
+    refused = _cli_run("episodes", "dataset", str(out), "--episodes", str(store))
+    assert refused.returncode != 0 and "--overwrite" in refused.stderr
+    loaded = datasets.load_dataset("json", data_files=str(data), split="train")
+    assert len(loaded) == 20 and "tenant" not in loaded.column_names
+    solved = loaded.filter(lambda row: row["reward"] > 0)
+    by_task = {r["task"]: r for r in rows}
+    assert sorted(solved["episode_id"]) == sorted(
+        by_task[f"task number {i}"]["episode_id"] for i in range(0, 20, 2)
+    )
+    for row in solved:
+        i = int(row["task_prompt"].split()[-1])
+        assert (row["reward"], row["done"], row["status"], row["iterations"]) == (
+            1.0, True, "done", 3,
+        )  # fmt: skip
+        assert row["final_answer"] == "7" and row["expected_answer"] == "7"
+        assert [s["code"] for s in row["steps"]] == _steps_of(i)
+        assert [s["stdout"] for s in row["steps"]][1] == f"the model said: {2 * i}\n"
+        assert all(s["success"] and s["author"] == "agent" for s in row["steps"])
+        [call] = row["steps"][1]["llm_calls"]
+        assert (call["prompt"], call["response"]) == (f"double {i}", str(2 * i))
+        assert row["started"] <= row["ended"]
+    card = datasets.load_dataset(str(out), split="train")
+    assert card["episode_id"] == loaded["episode_id"]
 
 
 def _cli(*args: str, cwd: Path | None = None, token: str | None = None) -> str:
@@ -165,6 +257,74 @@ def _cli_run(
         cwd=cwd,
         env=env,
     )
+
+
+def test_a_dataset_row_holds_the_steps_as_text_and_no_tenant() -> None:
+    """A row is built from a listing row and the notebook: the steps' code (without the
+    mark of a cell not to re-run), streams, errors, status and calls; a person's cell is
+    not an iteration; the tenant, session and store path are left out."""
+    t0 = datetime(2026, 12, 2, 1, 2, 3, tzinfo=UTC)
+
+    def step(index: int, code: str, outputs: list[dict[str, Any]], **more: Any) -> StepRecord:
+        return StepRecord(
+            index, code, outputs, index, t0, t0 + timedelta(seconds=1), 1.0, **more
+        )  # fmt: skip
+
+    record = EpisodeRecord("ep-1", "the whole task " * 200, "ctx", 5, expected_answer="3")
+    record.steps = [
+        step(
+            1, "print('a'); said = llm_query('hi')",
+            [{"output_type": "stream", "name": "stdout", "text": "a\n"},
+             {"output_type": "stream", "name": "stderr", "text": "warn\n"}],
+            status="ok", llm_calls=[LLMCall("llm_query", "hi", "hello", "m", 0.1)],
+        ),
+        step(
+            2, "1 / 0",
+            [{"output_type": "error", "ename": "ZeroDivisionError", "evalue": "division by zero",
+              "traceback": []}],
+            status="error", author=JUPYTER,
+        ),
+        step(3, "while True: pass", [], status="timeout", interrupted=True),
+    ]  # fmt: skip
+    listed = {
+        "episode_id": "ep-1", "session_id": "s", "tenant": "alice", "kernel": "python3",
+        "task": "the whole", "steps": 3, "reward": 0, "final_answer": None, "done": False,
+        "state": "interrupted", "reason": "closed", "started": 10.0, "ended": 12.5,
+        "parent": None, "relation": None, "size": 1, "key": 4, "path": "episodes/x",
+    }  # fmt: skip
+    row = episode_row(listed, notebook_text(record, "ep-1.ipynb"))
+    assert not {"tenant", "session_id", "path", "key"} & set(row)
+    assert row["task_prompt"] == record.task_prompt and row["reward"] == 0.0
+    assert (row["status"], row["reason"], row["done"], row["iterations"]) == (
+        "interrupted", "closed", False, 2,
+    )  # fmt: skip
+    assert [(s["code"], s["stdout"], s["stderr"], s["error"]) for s in row["steps"]] == [
+        ("print('a'); said = llm_query('hi')", "a\n", "warn\n", ""),
+        ("1 / 0", "", "", "ZeroDivisionError: division by zero"),
+        ("while True: pass", "", "", ""),
+    ]
+    assert [(s["status"], s["success"], s["author"]) for s in row["steps"]] == [
+        ("ok", True, AGENT), ("error", False, JUPYTER), ("timeout", False, AGENT),
+    ]  # fmt: skip
+    assert row["steps"][0]["llm_calls"] == [
+        {"op": "llm_query", "prompt": "hi", "response": "hello"}
+    ]
+    assert json.loads(json.dumps(row)) == row
+
+
+def test_a_dataset_that_fails_midway_leaves_no_file(tmp_path: Path) -> None:
+    """Rows are written to a temporary file: a failure before the end leaves no rows file and
+    no card; a dataset written whole has both, the rows a line of JSON each."""
+    with pytest.raises(KeyError), DatasetWriter(tmp_path / "out") as dataset:
+        dataset.write({"episode_id": "a"})
+        raise KeyError("the store went away")
+    assert list((tmp_path / "out").iterdir()) == []
+    with DatasetWriter(tmp_path / "out") as dataset:
+        dataset.write({"episode_id": "a"})
+        dataset.write({"episode_id": "b"})
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [CARD_NAME, DATA_NAME]
+    lines = (tmp_path / "out" / DATA_NAME).read_text().splitlines()
+    assert [json.loads(line)["episode_id"] for line in lines] == ["a", "b"]
 
 
 # -- a server killed mid-episode --------------------------------------------------------------
@@ -491,6 +651,11 @@ def test_a_corrupt_notebook_or_row_is_reported_and_skipped(tmp_path: Path) -> No
     assert fine in out and broken_file in out and broken_row not in out
     _cli("episodes", "export", fine, "--episodes", str(tmp_path), "-o", str(tmp_path / "x.ipynb"))
     nbformat.validate(nbformat.read(tmp_path / "x.ipynb", as_version=4))
+    done = _cli_run("episodes", "dataset", str(tmp_path / "data"), "--episodes", str(tmp_path))
+    assert done.returncode == 0 and f"{broken_file} skipped" in done.stderr, done.stderr
+    assert "2 episode(s), 1 skipped" in done.stderr
+    written = (tmp_path / "data" / "episodes.jsonl").read_text().splitlines()
+    assert [json.loads(line)["episode_id"] for line in written] == [new, fine]
 
 
 def test_an_unreadable_index_is_moved_aside_for_a_new_one(tmp_path: Path) -> None:
@@ -512,7 +677,8 @@ def test_an_unreadable_index_is_moved_aside_for_a_new_one(tmp_path: Path) -> Non
 @pytest.mark.integration
 def test_no_secret_reaches_the_store(tmp_path: Path) -> None:
     """A reset's hf_token and the server's token appear in no file of the store: not the
-    journal of the running episode, not its notebook once ended, not the index."""
+    journal of the running episode, not its notebook once ended, not the index; nor in the
+    dataset of its episodes, read from the server (with its token) or the directory."""
     hf_token, server_token = "hf_StoreSecret9xQ2", "server-StoreSecret7kW"
     env = {**os.environ, "KERNEL_ENV_TOKEN": server_token}
     directory = tmp_path / "eps"
@@ -539,7 +705,12 @@ def test_no_secret_reaches_the_store(tmp_path: Path) -> None:
             return bool(rows["episodes"]) and rows["episodes"][0]["state"] != "running"
 
         assert wait_until(ended, 30)
-    kept = {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+        served = tmp_path / "served"
+        _cli("episodes", "dataset", str(served), "--url", server.url, token=server_token)
+    _cli("episodes", "dataset", str(tmp_path / "read"), "--episodes", str(directory))
+    datasets = [tmp_path / name / "episodes.jsonl" for name in ("served", "read")]
+    assert [len(path.read_text().splitlines()) for path in datasets] == [1, 1]
+    kept = {p: p.read_bytes() for p in [*directory.rglob("*"), *datasets] if p.is_file()}
     assert any(p.suffix == ".ipynb" for p in kept), sorted(kept)
     for path, data in kept.items():
         assert hf_token.encode() not in data and server_token.encode() not in data, path
