@@ -494,6 +494,7 @@ def test_a_tenant_sees_only_its_own_episodes(tenants_server: ServeProcess) -> No
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(300)  # nine CLI processes, each importing the client (seconds, loaded)
 def test_the_cli_reads_a_servers_episodes_with_a_tenants_token(
     tenants_server: ServeProcess, tmp_path: Path
 ) -> None:
