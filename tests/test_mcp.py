@@ -417,9 +417,8 @@ def test_stdio_answers_bad_lines_keeps_stdout_clean_and_ends_on_eof_or_a_signal(
         assert mcp.receive()["result"]["protocolVersion"] == "2025-06-18"
         mcp.send(INITIALIZED)
         mcp.send(b"{not json")
-        assert mcp.receive() == {"jsonrpc": "2.0", "id": None,
-                                 "error": {"code": -32700,
-                                           "message": "Parse error: the body is not JSON"}}  # fmt: skip
+        parse_error = {"code": -32700, "message": "Parse error: the body is not JSON"}
+        assert mcp.receive() == {"jsonrpc": "2.0", "id": None, "error": parse_error}
         noise = "import os, sys; os.write(1, b'fd 1\\n'); sys.__stdout__.write('stdout\\n')"
         mcp.cell(noise)
         assert mcp.cell("x = 21 * 2\nx") == "42"

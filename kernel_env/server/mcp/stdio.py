@@ -10,7 +10,8 @@ kernels from the ``serve`` settings): one episode, whose kernel this process own
 
 Nothing but JSON-RPC reaches stdout: the streams are moved to private descriptors first, and
 descriptor 1 then writes to stderr, descriptor 0 reads ``/dev/null``, so neither a stray
-``print`` nor a child (a kernel, a sandbox) can corrupt the stream or read a message. EOF on
+``print`` nor a child that inherits them (the forkserver's zygote; kernels start with
+``/dev/null``) can corrupt the stream or read a message. EOF on
 stdin ends it once the calls in flight are answered (input piped from a file gets every
 answer); SIGINT and SIGTERM cancel them. Then the session is deleted (its kernel freed) and a
 local app's lifespan closes (every kernel of its own).
