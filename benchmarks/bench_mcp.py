@@ -59,9 +59,10 @@ class RawMcp:
         return answer["result"]  # type: ignore[no-any-return]
 
     async def initialize(self) -> None:
-        episode = {"extensions": {EPISODE: {"max_iterations": ITERATIONS}}}
-        await self.post("initialize", {"protocolVersion": "2025-06-18", "capabilities": episode,
-                                       "clientInfo": {"name": "bench", "version": "0"}})  # fmt: skip
+        capabilities = {"extensions": {EPISODE: {"max_iterations": ITERATIONS}}}
+        client = {"name": "bench", "version": "0"}
+        params = {"protocolVersion": "2025-06-18", "capabilities": capabilities}
+        await self.post("initialize", {**params, "clientInfo": client})
 
     async def cell(self, code: str) -> None:
         arguments = {"name": "add_and_execute_code_cell", "arguments": {"code": code}}
