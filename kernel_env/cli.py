@@ -260,6 +260,7 @@ def _add_mcp(commands: argparse._SubParsersAction) -> None:
 def _mcp(args: argparse.Namespace) -> int:
     with _sigint_deferred():
         from kernel_env.client import TOKEN_VARIABLE
+        from kernel_env.remote import http_url
         from kernel_env.server.mcp import stdio
         from kernel_env.server.settings import ServerSettings
 
@@ -268,11 +269,12 @@ def _mcp(args: argparse.Namespace) -> int:
             explicit["pool_size"] = 0  # one session: its kernel starts at initialize
         token = os.environ.get(TOKEN_VARIABLE) or None
         try:
+            url = http_url(args.url) if args.url else None
             settings = ServerSettings.from_env(**explicit)
         except (ValueError, OSError) as exc:
             return _fail("mcp", exc)
     _guard_secrets()
-    return stdio.run(args.url, token, settings)
+    return stdio.run(url, token, settings)
 
 
 def _for_make_too(problem: str) -> str:

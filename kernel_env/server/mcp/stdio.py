@@ -111,8 +111,11 @@ class Bridge:
         self.version: str | None = None
 
     def write(self, message: dict[str, Any]) -> None:
-        self.out.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
-        self.out.flush()
+        try:
+            self.out.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+            self.out.flush()
+        except OSError as exc:  # the client stopped reading; its stdin's EOF ends this
+            log.warning("MCP: an answer could not be written to stdout: %s", exc)
 
     async def forward(self, line: bytes) -> None:
         ident = _ident(line)
