@@ -1,6 +1,7 @@
 """``kernel-env``: the command line.
 
     kernel-env serve     the OpenEnv-compatible server (HTTP + WebSocket)
+    kernel-env mcp       MCP over stdin/stdout: an episode here, or a server's (--url)
     kernel-env run       one RLM episode driven by a model, with live progress
     kernel-env export    a served episode as .ipynb (or a notebook as HTML)
     kernel-env replay    a notebook's code cells re-run as a fresh episode, compared cell by cell
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kernel-env {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(commands)
+    _add_mcp(commands)
     _add_run(commands)
     _add_export(commands)
     _add_replay(commands)
@@ -238,6 +240,41 @@ def _serve(args: argparse.Namespace) -> int:
         # normal end (with 130, `make serve` would add "make: *** Error 130").
         print("kernel-env serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _add_mcp(commands: argparse._SubParsersAction) -> None:
+    mcp = commands.add_parser(
+        "mcp",
+        help="speak MCP over stdin/stdout (for a client that spawns its server)",
+        description="MCP's stdio transport, for a desktop client to spawn: one session, its "
+        "episode in a kernel this process starts (with serve's settings flags and "
+        "KERNEL_ENV_* variables, its socket's aside), or a server's with --url (its token "
+        "from KERNEL_ENV_TOKEN). Only JSON-RPC goes to stdout; logs go to stderr. EOF on "
+        "stdin, SIGINT or SIGTERM end it and free its kernel.",
+    )
+    mcp.add_argument("--url", help="bridge to this server's /mcp instead (e.g. http://host:8000)")
+    _add_settings_flags(mcp)
+    mcp.set_defaults(run=_mcp)
+
+
+def _mcp(args: argparse.Namespace) -> int:
+    with _sigint_deferred():
+        from kernel_env.client import TOKEN_VARIABLE
+        from kernel_env.remote import http_url
+        from kernel_env.server.mcp import stdio
+        from kernel_env.server.settings import ServerSettings
+
+        explicit = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerSettings)}
+        if explicit["pool_size"] is None and "KERNEL_ENV_POOL_SIZE" not in os.environ:
+            explicit["pool_size"] = 0  # one session: its kernel starts at initialize
+        token = os.environ.get(TOKEN_VARIABLE) or None
+        try:
+            url = http_url(args.url) if args.url else None
+            settings = ServerSettings.from_env(**explicit)
+        except (ValueError, OSError) as exc:
+            return _fail("mcp", exc)
+    _guard_secrets()
+    return stdio.run(url, token, settings)
 
 
 def _for_make_too(problem: str) -> str:

@@ -1,23 +1,30 @@
 """MCP's door (``/mcp``, streamable HTTP) against a real ``kernel-env serve``, driven by the
 official ``mcp`` SDK's client: OpenEnv ``jupyter_env``'s five tools, one episode per MCP
-session, setup and verify commands and their reward, tenants, and bad input."""
+session, setup and verify commands and their reward, tenants, and bad input; and its stdio
+transport (``kernel-env mcp``, alone and bridged to a server), spawned by the SDK's stdio
+client and on bare pipes."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import procs
 import pytest
 from serverkit import ServeProcess, metrics, serve_process, wait_until
 
 httpx2 = pytest.importorskip("httpx2")
 mcp_client = pytest.importorskip("mcp.client.session")
 mcp_http = pytest.importorskip("mcp.client.streamable_http")
+mcp_stdio = pytest.importorskip("mcp.client.stdio")
 
 pytestmark = pytest.mark.integration  # a server and its kernels
 
@@ -278,3 +285,153 @@ def test_an_idle_session_is_culled(tmp_path: Path) -> None:
         wanted = {**headers, "Mcp-Session-Id": sid}
         assert wait_until(lambda: _post(served.url, listing, wanted).status_code == 404, 30, 3)
         assert metrics(served.url, OPS)["kernels_in_sessions"] == 0
+
+
+# -- stdio: `kernel-env mcp` ---------------------------------------------------------------
+
+MCP_COMMAND = [sys.executable, "-m", "kernel_env", "mcp"]
+INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+
+
+def _stdio(*args: str, token: str | None = None) -> Any:
+    """The parameters of a stdio client spawning ``kernel-env mcp ARGS``."""
+    env = {k: v for k, v in os.environ.items() if k != "KERNEL_ENV_TOKEN"}
+    if token is not None:
+        env["KERNEL_ENV_TOKEN"] = token
+    return mcp_stdio.StdioServerParameters(command=MCP_COMMAND[0], args=[*MCP_COMMAND[1:], *args],
+                                           env=env)  # fmt: skip
+
+
+def _spawned() -> set[int]:
+    """This test's `kernel-env mcp` children."""
+    return {p for p in procs.child_pids(os.getpid()) if b"kernel_env\0mcp" in procs.cmdline(p)}
+
+
+@contextlib.asynccontextmanager
+async def stdio_session(*args: str, token: str | None = None) -> AsyncIterator[Any]:
+    """An initialized SDK session with a `kernel-env mcp` it spawned."""
+    async with (
+        mcp_stdio.stdio_client(_stdio(*args, token=token)) as (read, write),
+        mcp_client.ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
+def _tree(pid: int) -> set[int]:
+    return {pid} | procs.descendants(pid)
+
+
+async def test_stdio_runs_the_tools_in_a_kernel_of_its_own_and_leaves_nothing() -> None:
+    """`kernel-env mcp` with no server: initialize, the five tools, a cell's value and state
+    kept in the kernel it started; an unknown tool is an error and the session goes on; once
+    the client closes, the process and its kernel are gone."""
+    before = _spawned()
+    async with stdio_session() as session:
+        listed = await session.list_tools()
+        assert {tool.name for tool in listed.tools} == FIVE
+        assert await call(session, "add_and_execute_code_cell", code="x = 21 * 2\nx") == (
+            "42",
+            False,
+        )
+        with pytest.raises(Exception, match="Unknown tool: no_such_tool"):
+            await call(session, "no_such_tool")
+        assert await call(session, "add_and_execute_code_cell", code="x + 1") == ("43", False)
+        (pid,) = _spawned() - before
+        tree = _tree(pid)
+        assert len(tree) > 1, "no kernel below kernel-env mcp"
+    assert wait_until(lambda: not any(procs.alive(p) for p in tree), 30)
+
+
+async def test_two_stdio_bridges_to_a_server_are_two_episodes(server: ServeProcess) -> None:
+    """`kernel-env mcp --url`: each bridge is an MCP session of the server's (the token
+    from KERNEL_ENV_TOKEN), apart from the other; each frees its kernel when it ends."""
+    before = kernels(server)
+    url, token = server.url, TOKENS["alice"]
+    async with (
+        stdio_session("--url", url, token=token) as one,
+        stdio_session("--url", url, token=token) as two,
+    ):
+        await call(one, "add_and_execute_code_cell", code="secret = 1")
+        text, _ = await call(two, "add_and_execute_code_cell", code="secret")
+        assert "NameError" in text
+        assert await call(one, "add_and_execute_code_cell", code="secret") == ("1", False)
+        assert kernels(server) == before + 2
+    assert wait_until(lambda: kernels(server) == before, 30)
+
+
+class StdioProcess:
+    """`kernel-env mcp` on pipes, spoken to line by line (a client with no SDK)."""
+
+    def __init__(self, stderr: Path) -> None:
+        with open(stderr, "wb") as sink:
+            self.process = subprocess.Popen(
+                MCP_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink
+            )
+        self.next_id = 0
+
+    def send(self, line: bytes | dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        data = line if isinstance(line, bytes) else json.dumps(line).encode()
+        self.process.stdin.write(data + b"\n")
+        self.process.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        answer: dict[str, Any] = json.loads(self.process.stdout.readline())
+        assert answer["jsonrpc"] == "2.0", answer
+        return answer
+
+    def request(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params})
+        answer = self.receive()
+        assert answer["id"] == self.next_id, answer
+        return answer
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+    def cell(self, code: str) -> str:
+        arguments = {"code": code}
+        value = self.request("tools/call", name="add_and_execute_code_cell", arguments=arguments)
+        return "\n".join(c["text"] for c in value["result"]["content"])
+
+
+@pytest.mark.parametrize("end", ["eof", "sigterm", "sigint"])
+def test_stdio_answers_bad_lines_keeps_stdout_clean_and_ends_on_eof_or_a_signal(
+    tmp_path: Path, end: str
+) -> None:
+    """A line that is not JSON is a parse error (id null) and the session goes on; a kernel
+    that writes to its descriptor 1 does not reach stdout (every line there is JSON-RPC);
+    EOF on stdin, SIGTERM or SIGINT ends the process (exit 0) and its kernel."""
+    mcp = StdioProcess(tmp_path / "stderr")
+    try:
+        body = _initialize_body()
+        mcp.send(body)
+        assert mcp.receive()["result"]["protocolVersion"] == "2025-06-18"
+        mcp.send(INITIALIZED)
+        mcp.send(b"{not json")
+        parse_error = {"code": -32700, "message": "Parse error: the body is not JSON"}
+        assert mcp.receive() == {"jsonrpc": "2.0", "id": None, "error": parse_error}
+        noise = "import os, sys; os.write(1, b'fd 1\\n'); sys.__stdout__.write('stdout\\n')"
+        mcp.cell(noise)
+        assert mcp.cell("x = 21 * 2\nx") == "42"
+        tree = _tree(mcp.process.pid)
+        assert len(tree) > 1, "no kernel below kernel-env mcp"
+        if end == "eof":
+            assert mcp.process.stdin is not None
+            mcp.process.stdin.close()
+        else:
+            mcp.process.send_signal(signal.SIGTERM if end == "sigterm" else signal.SIGINT)
+        assert mcp.process.wait(timeout=60) == 0, (tmp_path / "stderr").read_text()
+        assert mcp.process.stdout is not None
+        assert mcp.process.stdout.read() == b""  # nothing but the answers, all read
+        assert wait_until(lambda: not any(procs.alive(p) for p in tree), 30)
+    finally:
+        mcp.close()

@@ -6,7 +6,9 @@
 - :mod:`.routes`: ``POST``/``GET``/``DELETE /mcp`` as a route table, ``add_mcp(app)``, and
   the answer to a request without a token;
 - :mod:`.protocol`: MCP's JSON-RPC messages as plain data (no I/O);
-- :mod:`.failures`: exceptions -> JSON-RPC errors and ``isError`` results, in one place.
+- :mod:`.failures`: exceptions -> JSON-RPC errors and ``isError`` results, in one place;
+- :mod:`.stdio`: MCP's stdio transport (``kernel-env mcp``), a bridge to the routes, of a
+  server or of the app run in-process.
 
 docs/mcp.md is the user's guide.
 """
