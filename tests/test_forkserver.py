@@ -361,10 +361,18 @@ def tops():
             continue
         if 'rw' in options.split(',') or kind == 'tmpfs':
             yield point
+def walk(top, writable):
+    # Each writable mount alone: not down into the read-only ones under it (a tmpfs root
+    # holds /usr's binds and /proc), which took past the step timeout on a loaded machine.
+    for d, subdirs, fs in os.walk(top):
+        subdirs[:] = [s for s in subdirs if os.path.join(d, s) in writable
+                      or not os.path.ismount(os.path.join(d, s))]
+        yield d, fs
 names = ('b-was-here', 'b-work', 'a-was-here', 'a-work')
 here = os.getcwd()
+writable = set(tops())
 hits = sorted({{os.path.relpath(os.path.join(d, f), here) if d == here else os.path.join(d, f)
-               for top in set(tops()) for d, _, fs in os.walk(top) for f in fs if f in names}})
+               for top in writable for d, fs in walk(top, writable) for f in fs if f in names}})
 try:
     json.load(open({b_connection!r}))
     read = 'READ'
