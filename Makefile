@@ -80,7 +80,8 @@ system-deps:
 
 # The browser tests (the web view, /docs) drive Debian's chromium with its chromedriver; the
 # seccomp generator's check runs the system python3 with libseccomp's bindings (python3-seccomp);
-# the Jupyter door's test drives @jupyterlab/services under node (npm ci into tests/node).
+# the Jupyter door's test drives @jupyterlab/services under node (npm ci into tests/node; no
+# bin links: `openenv validate` refuses a package tree that holds a symbolic link).
 NODE_CLIENTS := tests/node
 test-deps: system-deps
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
@@ -109,7 +110,7 @@ test-deps: system-deps
 	  fi; }
 	@if command -v npm >/dev/null 2>&1 && [ ! -f $(NODE_CLIENTS)/node_modules/.installed ]; then \
 	  echo "== installing the JavaScript clients of $(NODE_CLIENTS) (npm ci, pinned by its lock)"; \
-	  npm ci --prefix $(NODE_CLIENTS) --no-audit --no-fund --loglevel=error && \
+	  npm ci --prefix $(NODE_CLIENTS) --no-audit --no-fund --no-bin-links --loglevel=error && \
 	    touch $(NODE_CLIENTS)/node_modules/.installed; fi
 
 # Episodes in other languages (kernel_name): IRkernel from Debian (as root, through apt-get;

@@ -252,7 +252,9 @@ def _add_mcp(commands: argparse._SubParsersAction) -> None:
         "from KERNEL_ENV_TOKEN). Only JSON-RPC goes to stdout; logs go to stderr. EOF on "
         "stdin, SIGINT or SIGTERM end it and free its kernel.",
     )
-    mcp.add_argument("--url", help="bridge to this server's /mcp instead (e.g. http://host:8000)")
+    mcp.add_argument(
+        "--url", help=_d("bridge to this server's /mcp instead (e.g. http://host:8000)", None)
+    )
     _add_settings_flags(mcp)
     mcp.set_defaults(run=_mcp)
 
