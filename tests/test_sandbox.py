@@ -40,7 +40,8 @@ def sandboxed(**limits) -> KernelEnv:
         await kernel.start()
         return kernel
 
-    return KernelEnv(kernel_source=source, step_timeout=5, llm_query_fn=str.upper)
+    # 30 s: a first cell that reads every /proc file took past 5 s on a loaded machine.
+    return KernelEnv(kernel_source=source, step_timeout=30, llm_query_fn=str.upper)
 
 
 async def _local() -> Kernel:

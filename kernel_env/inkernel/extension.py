@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import builtins
 import errno
+import fcntl
 import functools
 import getpass
 import json
 import random
 import reprlib
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +56,9 @@ _SNAPSHOT_MAX_VARS = 100
 _SNAPSHOT_REPR_CHARS = 500
 # A stream's flush this soon after a full one, with nothing written since, is skipped.
 _FLUSH_AGAIN = 0.005  # seconds
+# How long a cell's last flush waits for what was written to the process's descriptor to be
+# read by ipykernel's thread that watches it (a writer that never stops costs this a cell).
+_DRAIN_WAIT = 0.25  # seconds
 
 HELPER_NAMES = (
     "FINAL",
@@ -287,6 +292,30 @@ def _llm_from_environ() -> Callable[[str], str] | None:
 # -- output cap ---------------------------------------------------------------------------
 
 
+def _drain_watched_descriptor(stream: Any) -> None:
+    """Wait (at most :data:`_DRAIN_WAIT`) until the pipe behind the process's descriptor 1
+    or 2 is empty: ipykernel's thread that watches it has read what ``os.write`` or a
+    subprocess put there, and (given the interpreter a moment) written it into ``stream``.
+    Else, on a loaded machine, the thread reads it after the cell's idle, and it is lost."""
+    pipe = getattr(stream, "_fid", None)
+    if pipe is None or not getattr(stream, "_should_watch", False):
+        return
+    deadline = time.monotonic() + _DRAIN_WAIT
+    waited = False
+    unread = bytearray(4)
+    while True:
+        try:
+            fcntl.ioctl(pipe, termios.FIONREAD, unread)
+        except OSError:
+            return
+        if not int.from_bytes(unread, sys.byteorder) or time.monotonic() > deadline:
+            break
+        waited = True
+        time.sleep(0.001)
+    if waited:
+        time.sleep(0.001)  # the thread, past its read, takes the GIL to write what it read
+
+
 class _CappedStream:
     """Wraps the kernel's stdout/stderr: at most ``cap`` chars a cell cross the wire, then only
     the tail is kept and sent with a marker when the cell ends (a 1 GB print stays in the kernel).
@@ -347,6 +376,8 @@ class _CappedStream:
         # descriptor deliver what a subprocess wrote (it waits for the GIL meanwhile); the
         # second finds nothing new unless something was written since, which ipykernel marks
         # before write returns (a stream without the mark is always flushed).
+        if self._flushed == 0.0:  # the barrier: what the descriptor holds is read first
+            _drain_watched_descriptor(self._inner)
         if getattr(self._inner, "_flush_pending", True) or (
             time.monotonic() - self._flushed > _FLUSH_AGAIN
         ):
