@@ -362,8 +362,9 @@ def tops():
         if 'rw' in options.split(',') or kind == 'tmpfs':
             yield point
 def walk(top, writable):
-    # Each writable mount alone: not down into the read-only ones under it (a tmpfs root
-    # holds /usr's binds and /proc), which took past the step timeout on a loaded machine.
+    # Each writable or tmpfs mount alone, not down into the host's read-only binds under it
+    # (a tmpfs root holds /usr's, and /proc): B cannot write those, so they hold none of its
+    # files, and walking them took past the step timeout on a loaded machine.
     for d, subdirs, fs in os.walk(top):
         subdirs[:] = [s for s in subdirs if os.path.join(d, s) in writable
                       or not os.path.ismount(os.path.join(d, s))]

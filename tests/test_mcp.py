@@ -340,7 +340,38 @@ async def test_stdio_runs_the_tools_in_a_kernel_of_its_own_and_leaves_nothing() 
         (pid,) = _spawned() - before
         tree = _tree(pid)
         assert len(tree) > 1, "no kernel below kernel-env mcp"
+        # The attack: a cell reads or writes the bridge's JSON-RPC pipes (its stdin and
+        # stdout, moved to private descriptors) through a descriptor it inherited.
+        pipes = _pipes(pid)
+        assert len(pipes) >= 2, pipes  # the client's two, at least
+        held, _ = await call(session, "add_and_execute_code_cell", code=HELD_PIPES)
+        kernel_holds = set(json.loads(held))
+        assert any(t.startswith("pipe:") for t in kernel_holds)  # the probe sees pipes
+        assert pipes.isdisjoint(kernel_holds), (kernel_holds, pipes)
     assert wait_until(lambda: not any(procs.alive(p) for p in tree), 30)
+
+
+HELD_PIPES = """\
+import json, os
+held = set()
+for fd in os.listdir('/proc/self/fd'):
+    try:
+        held.add(os.readlink(f'/proc/self/fd/{fd}'))
+    except OSError:
+        pass  # the listing's own descriptor, closed by now
+print(json.dumps(sorted(held)))
+"""
+
+
+def _pipes(pid: int) -> set[str]:
+    """The pipes ``pid`` holds (``pipe:[inode]``): a pipe's inode names it in any namespace."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("pipe:"):
+                found.add(target)
+    return found
 
 
 async def test_two_stdio_bridges_to_a_server_are_two_episodes(server: ServeProcess) -> None:

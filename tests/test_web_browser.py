@@ -350,7 +350,8 @@ def test_jupyterlab_runs_a_notebook_in_a_kernel_env_kernel(tmp_path: Path, brows
             gateway_client("jupyterlab", url, TOKEN, tmp_path, own_token=LAB_TOKEN,
                                       extra=("--LabApp.expose_app_in_browser=True",)) as lab,
         ):  # fmt: skip
-            kernel_id = _run_all_in_jupyterlab(browser, f"{lab}/lab/tree/demo.ipynb")
+            kernel_id, outputs = _run_all_in_jupyterlab(browser, f"{lab}/lab/tree/demo.ipynb")
+            assert "x is 42" in outputs and LLM_ANSWER in " ".join(outputs)
             _shot(browser, "jupyterlab.png")
             lab_tab = browser.current_window_handle
             browser.switch_to.new_window("tab")
@@ -361,9 +362,9 @@ def test_jupyterlab_runs_a_notebook_in_a_kernel_env_kernel(tmp_path: Path, brows
                 browser.switch_to.window(lab_tab)
 
 
-def _run_all_in_jupyterlab(browser: Any, notebook: str) -> str:
-    """Open ``notebook``, run all its cells once its kernel is idle, wait for their outputs;
-    the kernel's id."""
+def _run_all_in_jupyterlab(browser: Any, notebook: str) -> tuple[str, list[str]]:
+    """Open ``notebook``, run all its cells once its kernel is idle, wait for their outputs
+    (the figure drawn); the kernel's id, and the outputs' text."""
     browser.get(f"{notebook}?token={LAB_TOKEN}")
     _, kernel_id = _until(
         browser, lambda d: (s := d.execute_script(KERNEL_STATUS))[0] == "idle" and s, 120
@@ -378,10 +379,9 @@ def _run_all_in_jupyterlab(browser: Any, notebook: str) -> str:
         ),
         90,
     )
-    assert "x is 42" in outputs
     figure = browser.find_element(By.CSS_SELECTOR, ".jp-OutputArea-output img")
     assert _until(browser, lambda d: d.execute_script("return arguments[0].naturalWidth", figure))
-    return str(kernel_id)
+    return str(kernel_id), outputs
 
 
 def _shows_the_episode_in_web(browser: Any, url: str, kernel_id: str) -> None:
