@@ -64,18 +64,20 @@ def _honour_sigint() -> None:
     ignored, as a job started in the background inherits it (CI, ``cmd &`` in a script):
     uvicorn honours SIGINT once it serves whatever the start said, so a SIGINT during the
     start-up, with the socket already listening, must not be lost. Python's own handler, then,
-    as for a start with SIGINT at its default: KeyboardInterrupt before uvicorn's handlers are
-    in, a graceful shutdown after."""
+    as for a start with SIGINT at its default (``serve`` puts its own once it has a server)."""
     in_main = threading.current_thread() is threading.main_thread()
     if in_main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
+def _sigint_deferred(then: Sequence[Callable[[int, Any], None]] = ()) -> Iterator[None]:
     """Ctrl-C during the block takes effect at its end, as KeyboardInterrupt. Raised inside
     the import of a compiled extension (pydantic-core, connectrpc's pyqwest), it would be
-    turned into that extension's panic: a traceback and exit 1 instead of exit 130."""
+    turned into that extension's panic: a traceback and exit 1 instead of exit 130.
+
+    ``then``: a SIGINT handler the block puts there takes over at its end, with no moment
+    under Python's own in between (see :class:`_StopOnSignal`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -84,9 +86,25 @@ def _sigint_deferred() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, then[0] if then and not caught else previous)
     if caught:
         raise KeyboardInterrupt
+
+
+class _StopOnSignal:
+    """A server's SIGINT and SIGTERM from the moment it is built: each only asks uvicorn to
+    stop (its own handler, which takes over while it serves, does the same and puts this one
+    back at its end). Never Python's KeyboardInterrupt, which a SIGINT raises wherever the
+    interpreter is, a finalizer included (``__del__``, a weakref callback), where the
+    exception is printed and dropped: the SIGINT was lost and the server served on."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.signals: list[int] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+        self.server.handle_exit(signum, frame)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -211,7 +229,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    with _sigint_deferred():
+    stop: list[_StopOnSignal] = []
+    with _sigint_deferred(then=stop):
         # Imported here: `kernel-env --help` should not pay for FastAPI and uvicorn.
         from kernel_env.server.runner import build_server, return_freed_memory
         from kernel_env.server.settings import ServerSettings
@@ -222,6 +241,9 @@ def _serve(args: argparse.Namespace) -> int:
             server, sock, settings = build_server(settings, own_logs=True)
         except (ValueError, OSError, RuntimeError) as exc:
             return _fail("serve", _for_make_too(str(exc)))
+        stop.append(_StopOnSignal(server))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop[0])
     return_freed_memory()
     # The event loop gives up the GIL in every zmq and socket call, and a worker thread (a
     # uid lease, a cgroup's removal, a fork request) may then hold it for a whole switch
@@ -233,9 +255,8 @@ def _serve(args: argparse.Namespace) -> int:
     warning = _open_to_all(settings)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
+    server.run(sockets=[sock])
+    if stop[0].signals:
         # Ctrl-C is how a server in a terminal is stopped: once it has shut down cleanly, a
         # normal end (with 130, `make serve` would add "make: *** Error 130").
         print("kernel-env serve: stopped", file=sys.stderr, flush=True)
