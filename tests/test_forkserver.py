@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from procs import child_pids, comm, descendants
+from procs import alive, child_pids, comm, descendants, running
 
 from kernel_env import AsyncKernelEnv
 from kernel_env.kernel import Kernel, versions
@@ -635,6 +635,59 @@ async def test_a_sandboxed_fork_leaves_the_next_kernel_outside_its_sandbox(
     finally:
         await plain.shutdown()
         await sandboxed.shutdown()
+
+
+class _LaunchWithAStray(LocalKernel):
+    """A kernel whose forked launch starts a process that does not end with the launch, as
+    bubblewrap's init does not when the launch is killed just after it cloned the init (before
+    the init asked to die with its parent: bubblewrap's issue 633): a shell starts a ``sleep``
+    in the background, then execs the launch's placeholder. Without a cgroup or a uid of its
+    own, as a kernel of an unprivileged server has (either would find the stray at the end)."""
+
+    STRAY = ["sleep", f"{os.getpid()}.5"]  # a command line no other process has
+
+    def _make_cgroup(self) -> None:  # type: ignore[override]
+        return None
+
+    def _lease_uid(self) -> None:
+        return None
+
+    def _launch_spec(self) -> dict[str, object]:
+        spec = super()._launch_spec()
+        stray = " ".join(self.STRAY)
+        return {**spec, "launch": ["/bin/sh", "-c", f'{stray} & exec "$@"', "sh", *spec["launch"]]}  # type: ignore[misc]
+
+
+async def test_what_a_forked_launch_started_ends_with_its_kernel(forkserver: ForkServer) -> None:
+    """A forked kernel's launch leads a process group of its own, which the kernel's end kills
+    whole: a process of the launch that outlives it (here a stray ``sleep``; in the race, a
+    sandbox's init) is gone too. bubblewrap's init is in that group."""
+    sandboxed = SandboxedKernel(forkserver=forkserver)
+    await sandboxed.start()
+    try:
+        launcher = sandboxed._km.provisioner.pid  # type: ignore[union-attr]
+        init = sandboxed._km.sandbox_init  # type: ignore[union-attr]
+        assert sandboxed.forked and init is not None
+        assert os.getpgid(launcher) == launcher and os.getpgid(init) == launcher
+    finally:
+        await sandboxed.shutdown()
+    stray = "\0".join(_LaunchWithAStray.STRAY).encode() + b"\0"
+    kernel = _LaunchWithAStray(forkserver=forkserver)
+    await kernel.start()
+    try:
+        assert kernel.forked
+        strays = running(stray)
+        assert len(strays) == 1
+    finally:
+        await kernel.shutdown()
+    for _ in range(100):
+        if not any(alive(pid) for pid in strays):
+            break
+        await asyncio.sleep(0.05)
+    left = [pid for pid in strays if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the launch's stray outlived its kernel"
 
 
 async def test_a_stuck_launch_does_not_hold_up_the_next_kernel(

@@ -83,9 +83,12 @@ class _PidfdProcess(KernelProvisionerBase):
 
     pid: int | None = None
     _pidfd: int | None = None
+    _leads_group = False  # the process leads its own process group (a launch, a copy)
 
     def _hold(self, pid: int) -> None:
         self.pid, self._pidfd = pid, os.pidfd_open(pid)
+        with contextlib.suppress(OSError):
+            self._leads_group = os.getpgid(pid) == pid
 
     @property
     def has_process(self) -> bool:
@@ -111,6 +114,15 @@ class _PidfdProcess(KernelProvisionerBase):
                 signal.pidfd_send_signal(self._pidfd, signum)
 
     async def kill(self, restart: bool = False) -> None:
+        """SIGKILL to the process and to its process group, as jupyter_client kills a kernel
+        it started: a process of the group that would outlive it dies with it (bubblewrap's
+        init, when the launch was killed before the init asked to die with its parent:
+        bubblewrap's issue 633). The group is the process's own: it led it when taken, and
+        runs still (a group's id outlives its leader only while a process is in it, and a
+        free id may be given again)."""
+        if self._leads_group and self.pid is not None and await self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
         await self.send_signal(signal.SIGKILL)
 
     async def terminate(self, restart: bool = False) -> None:

@@ -284,6 +284,9 @@ class _Launch:
 def _prepare(request: dict[str, Any], spawner: int) -> None:
     """In the launch, before its exec: what the cold launch guard and its helpers do."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # an ignored signal would survive the exec
+    # A process group of its own, which the host kills with the launch: bubblewrap's init,
+    # cloned just before its parent was killed, may not yet have asked to die with it.
+    os.setpgid(0, 0)
     join_cgroups(request.get("cgroup_join", []))
     if request.get("staged"):
         _bind_staged(request["staged"])
