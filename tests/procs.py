@@ -84,6 +84,21 @@ def comm(pid: int) -> str:
         return ""
 
 
+def parent(pid: int | str) -> int:
+    """The process's parent pid."""
+    return int(_stat_fields(pid)[1])
+
+
+def started(pid: int | str) -> int:
+    """When the process started, in clock ticks since boot (to compare with another's)."""
+    return int(_stat_fields(pid)[19])
+
+
+def pid_namespace(pid: int | str) -> str:
+    """The process's PID namespace (``pid:[inode]``)."""
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
 def environ_has(pid: int | str, entry: bytes) -> bool:
     """Whether the environment ``pid`` started with holds ``entry`` (``NAME=value``); False
     once it is gone or where it cannot be read (another uid's, for a non-root reader)."""
