@@ -326,7 +326,7 @@ async def test_stdio_runs_the_tools_in_a_kernel_of_its_own_and_leaves_nothing() 
     """`kernel-env mcp` with no server: initialize, the five tools, a cell's value and state
     kept in the kernel it started; an unknown tool is an error and the session goes on; once
     the client closes, the process and its kernel are gone."""
-    before = _spawned()
+    before, own_pipes = _spawned(), _pipes(os.getpid())
     async with stdio_session() as session:
         listed = await session.list_tools()
         assert {tool.name for tool in listed.tools} == FIVE
@@ -341,8 +341,9 @@ async def test_stdio_runs_the_tools_in_a_kernel_of_its_own_and_leaves_nothing() 
         tree = _tree(pid)
         assert len(tree) > 1, "no kernel below kernel-env mcp"
         # The attack: a cell reads or writes the bridge's JSON-RPC pipes (its stdin and
-        # stdout, moved to private descriptors) through a descriptor it inherited.
-        pipes = _pipes(pid)
+        # stdout, moved to private descriptors) through a descriptor it inherited. Their
+        # inodes are read at this end (a non-root reader may not list the bridge's).
+        pipes = _pipes(os.getpid()) - own_pipes
         assert len(pipes) >= 2, pipes  # the client's two, at least
         held, _ = await call(session, "add_and_execute_code_cell", code=HELD_PIPES)
         kernel_holds = set(json.loads(held))
