@@ -326,7 +326,7 @@ async def test_stdio_runs_the_tools_in_a_kernel_of_its_own_and_leaves_nothing() 
     """`kernel-env mcp` with no server: initialize, the five tools, a cell's value and state
     kept in the kernel it started; an unknown tool is an error and the session goes on; once
     the client closes, the process and its kernel are gone."""
-    before, own_pipes = _spawned(), _pipes(os.getpid())
+    before, own_pipes = _spawned(), _own_pipes()
     async with stdio_session() as session:
         listed = await session.list_tools()
         assert {tool.name for tool in listed.tools} == FIVE
@@ -343,7 +343,7 @@ async def test_stdio_runs_the_tools_in_a_kernel_of_its_own_and_leaves_nothing() 
         # The attack: a cell reads or writes the bridge's JSON-RPC pipes (its stdin and
         # stdout, moved to private descriptors) through a descriptor it inherited. Their
         # inodes are read at this end (a non-root reader may not list the bridge's).
-        pipes = _pipes(os.getpid()) - own_pipes
+        pipes = _own_pipes() - own_pipes
         assert len(pipes) >= 2, pipes  # the client's two, at least
         held, _ = await call(session, "add_and_execute_code_cell", code=HELD_PIPES)
         kernel_holds = set(json.loads(held))
@@ -364,12 +364,13 @@ print(json.dumps(sorted(held)))
 """
 
 
-def _pipes(pid: int) -> set[str]:
-    """The pipes ``pid`` holds (``pipe:[inode]``): a pipe's inode names it in any namespace."""
+def _own_pipes() -> set[str]:
+    """The pipes this process holds (``pipe:[inode]``): a pipe's inode names it at both ends
+    and in any namespace."""
     found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            target = os.readlink(f"/proc/self/fd/{fd}")
             if target.startswith("pipe:"):
                 found.add(target)
     return found
