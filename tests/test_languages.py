@@ -233,11 +233,19 @@ def test_an_episode_in_each_language(name: str, tmp_path: Path, secret_file: Pat
     nb.cells = [c for c in nb.cells if ".kernel-env-probe" not in c.source]
     rerun = copy.deepcopy(nb)
     NotebookClient(rerun, timeout=60, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    # A kernel that may send a cell's output after its idle (Deno's: why kernel_env waits its
+    # idle_grace) can lose it in nbclient's re-run, which stops reading at the idle: such a
+    # cell may come back empty, never different, and one at least must match.
+    late = LANGUAGES[name].idle_grace > 0
+    answered = []
     for recorded, actual in zip(recorded_steps(nb), recorded_steps(rerun), strict=True):
         if recorded.source.lstrip().startswith(LANGUAGES[name].comment + " kernel_env:"):
             continue  # the timed-out step, kept as comments
         if "llm_query" in recorded.source:  # answered offline from the recording
-            assert cells_match(recorded.outputs, actual.outputs), recorded.source
+            matched = cells_match(recorded.outputs, actual.outputs)
+            assert matched or (late and not actual.outputs), recorded.source
+            answered.append(matched)
+    assert any(answered), answered
     # ... and replays as an episode in the same language (`kernel-env replay`).
     report = replay_notebook(path, step_timeout=10)
     assert report.final_answer == "42", report.as_dict()
