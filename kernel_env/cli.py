@@ -122,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_ps(commands)
     _add_capacity(commands)
     _add_episodes(commands)
+    _add_kernelspec(commands)
     for command in commands.choices.values():
         command.set_defaults(command_parser=command)
     return parser
@@ -525,6 +526,65 @@ def _capacity_command(args: argparse.Namespace) -> int:
     found = machine_capacity(forked=not args.no_forkserver)
     print(found.kernels)
     print(f"kernel-env: {describe(found)}", file=sys.stderr)
+    return 0
+
+
+# -- kernelspec --------------------------------------------------------------------------
+
+
+def _add_kernelspec(commands: argparse._SubParsersAction) -> None:
+    kernelspec = commands.add_parser(
+        "kernelspec",
+        help="install a kernelspec: kernel_env's sandboxed kernels in JupyterLab, "
+        "jupyter execute and every jupyter_client frontend",
+        description="Install a kernelspec whose kernels kernel_env's provisioner starts: "
+        "sandboxed (no network, a uid of their own under root, limits), with llm_query & "
+        "co., answered by the model you name here or in Jupyter's environment "
+        "(KERNEL_ENV_LLM_BASE_URL, KERNEL_ENV_LLM_MODEL; the key in KERNEL_ENV_LLM_API_KEY, "
+        "read when a kernel starts and never given to it).",
+    )
+    actions = kernelspec.add_subparsers(dest="action", metavar="ACTION", required=True)
+    install = actions.add_parser("install", help="install it (see jupyter kernelspec list)")
+    where = install.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="for this user only")
+    where.add_argument(
+        "--sys-prefix", action="store_true", help=f"in this environment ({sys.prefix})"
+    )
+    where.add_argument("--prefix", help="under this prefix (as jupyter kernelspec install)")
+    install.add_argument("--name", default="kernel-env", help=_d("its name", "kernel-env"))
+    install.add_argument(
+        "--display-name",
+        default="Python 3 (kernel_env, sandboxed)",
+        help=_d("what launchers show", "Python 3 (kernel_env, sandboxed)"),
+    )
+    install.add_argument("--llm-base-url", help="the OpenAI-compatible endpoint of llm_query")
+    install.add_argument("--llm-model", help="its model")
+    install.add_argument(
+        "--memory-mb", type=_at_least_one, help=_d("memory of each kernel, in MiB", 4096)
+    )
+    install.add_argument("--cpus", type=_positive, help=_d("CPUs of each kernel", 1.0))
+    kernelspec.set_defaults(run=_kernelspec)
+
+
+def _kernelspec(args: argparse.Namespace) -> int:
+    from kernel_env.integrations.provisioner import install_kernelspec
+
+    chosen = {
+        "llm_base_url": args.llm_base_url,
+        "llm_model": args.llm_model,
+        "memory_mb": args.memory_mb,
+        "cpus": args.cpus,
+    }
+    config = {name: value for name, value in chosen.items() if value is not None}
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    try:
+        path = install_kernelspec(
+            args.name, user=args.user, prefix=prefix, display_name=args.display_name,
+            config=config,
+        )  # fmt: skip
+    except (OSError, ValueError) as exc:
+        return _fail("kernelspec install", exc)
+    print(f"installed kernelspec {args.name} in {path}")
     return 0
 
 

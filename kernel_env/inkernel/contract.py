@@ -18,9 +18,12 @@ folder of other languages' helpers, :data:`SHIMS`.
 ..., "args": {...}}``; the host (:class:`kernel_env.hostcalls.HostCalls`) answers with the
 JSON reply ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``. The host's
 readiness probe of stdin answers :data:`PROBE_REPLY`, never a reply to a request: a helper
-that reads it asks again. An episode's setup rides on an ``execute_request``'s metadata under
-:data:`SETUP_METADATA`; after each cell the host reads the episode's state through the
-request's ``user_expressions``: :data:`STATE_EXPRESSION`.
+that reads it asks again. A kernel no kernel_env host drives over stdin (one a plain Jupyter
+frontend started through kernel_env's provisioner) asks over the UNIX socket its environment
+names in :data:`CALL_SOCKET_ENV` instead: one connection a request, the same request text and
+a newline one way, the reply and a newline back. An episode's setup rides on an
+``execute_request``'s metadata under :data:`SETUP_METADATA`; after each cell the host reads
+the episode's state through the request's ``user_expressions``: :data:`STATE_EXPRESSION`.
 
 **Other languages' helpers** (the shims) use the same requests under
 :data:`LANGUAGE_REQUEST_TAG` and :data:`LANGUAGE_PROBE_REPLY`, which have no NUL (neither an
@@ -45,6 +48,7 @@ from typing import Any
 
 __all__ = [
     "BASH_KERNEL_MODULE",
+    "CALL_SOCKET_ENV",
     "DEFAULT_DISPLAY_CHARS",
     "DEFAULT_DISPLAY_COUNT",
     "DEFAULT_OUTPUT_CAP",
@@ -86,6 +90,7 @@ SHIMS = Path(__file__).with_name("shims")  # each language's helpers, sent or so
 REQUEST_TAG = "\x00kernel_env/1:"
 PROBE_REPLY = "\x00kernel_env/probe"
 SETUP_METADATA = "kernel_env.setup"
+CALL_SOCKET_ENV = "KERNEL_ENV_CALL_SOCKET"  # the socket a provisioned kernel's helpers ask on
 # The extension in the kernel, and the episode's state after every cell.
 EXTENSION = f"__import__('sys').modules[{EXTENSION_MODULE!r}]"
 STATE_EXPRESSION = f"{EXTENSION}.state()"

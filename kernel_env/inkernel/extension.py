@@ -6,9 +6,9 @@ kernel_env``. It defines the helpers an agent's code sees (``context``, ``answer
 makes ``input()`` fail at once.
 
 The kernel never holds credentials and needs no network route to the host: ``llm_query`` asks
-the host through the Jupyter stdin channel, in the requests of
-:mod:`kernel_env.inkernel.contract`, which also names the setup's metadata key and the state
-expression the host reads after each cell.
+the host through the Jupyter stdin channel (or, in a kernel a plain Jupyter frontend drives,
+on the host's call socket), in the requests of :mod:`kernel_env.inkernel.contract`, which also
+names the setup's metadata key and the state expression the host reads after each cell.
 
 This module depends on the standard library, IPython and the contract only, so that its
 source and the contract's can be sent to a remote kernel that lacks the package (it then
@@ -23,8 +23,10 @@ import fcntl
 import functools
 import getpass
 import json
+import os
 import random
 import reprlib
+import socket
 import sys
 import termios
 import threading
@@ -35,6 +37,7 @@ from typing import Any
 # ``from ... import``, never ``import kernel_env.inkernel.contract``: a gateway's kernel
 # without the package has the contract in sys.modules alone, without its parent packages.
 from kernel_env.inkernel.contract import (
+    CALL_SOCKET_ENV,
     DEFAULT_DISPLAY_CHARS,
     DEFAULT_DISPLAY_COUNT,
     DEFAULT_OUTPUT_CAP,
@@ -99,6 +102,9 @@ class _Episode:
         # True once a kernel_env host set up an episode here: only then does llm_query ask over
         # stdin (in a user's notebook that would pop an input box in the frontend).
         self.hosted = False
+        # A provisioned kernel's helpers ask on this socket instead (the contract's
+        # CALL_SOCKET_ENV); its frontend's stdin, and so input(), stays the person's.
+        self.call_socket: str | None = None
 
     # -- the host call over the stdin channel ----------------------------------------------
 
@@ -108,18 +114,31 @@ class _Episode:
             return _call_local(self.local_llm, args)
         if self.replay is not None:
             return self._replay(op, args)
-        if not self.hosted:
+        request = REQUEST_TAG + json.dumps({"op": op, "args": args})
+        if self.call_socket is not None:
+            raw = _ask_socket(self.call_socket, op, request)
+        elif self.hosted:
+            raw = self._ask_stdin(op, request)
+        else:
             raise HostCallError(
                 f"{op}: no model is configured in this notebook. Call "
                 "kernel_env.inkernel.extension.register_llm(fn), or set "
                 "KERNEL_ENV_LLM_BASE_URL and KERNEL_ENV_LLM_MODEL (and KERNEL_ENV_LLM_API_KEY) "
                 "before %load_ext kernel_env."
             )
+        try:
+            reply = json.loads(raw)
+        except ValueError as exc:
+            raise HostCallError(f"{op}: the host sent an unreadable reply") from exc
+        if not reply.get("ok"):
+            raise HostCallError(str(reply.get("error") or f"{op} failed"))
+        return reply.get("result")
+
+    def _ask_stdin(self, op: str, request: str) -> str:
         kernel = getattr(self.shell, "kernel", None)
         raw_input = getattr(kernel, "raw_input", None)
         if raw_input is None:
             raise HostCallError(f"{op}: no kernel_env host is attached to this kernel")
-        request = REQUEST_TAG + json.dumps({"op": op, "args": args})
         # Concurrent input() from several threads corrupts the stdin socket: one at a time.
         with self.host_lock:
             try:
@@ -128,13 +147,7 @@ class _Episode:
                     raw = raw_input(request)
             except Exception as exc:  # StdinNotImplementedError: frontend has no stdin
                 raise HostCallError(f"{op}: the frontend does not answer input requests") from exc
-        try:
-            reply = json.loads(raw)
-        except ValueError as exc:
-            raise HostCallError(f"{op}: the host sent an unreadable reply") from exc
-        if not reply.get("ok"):
-            raise HostCallError(str(reply.get("error") or f"{op} failed"))
-        return reply.get("result")
+        return str(raw)
 
     def _replay(self, op: str, args: dict[str, Any]) -> Any:
         if "prompts" not in args:
@@ -264,6 +277,20 @@ def _openai_compatible(base_url: str, model: str, api_key: str | None) -> Callab
     return complete
 
 
+def _ask_socket(path: str, op: str, request: str) -> str:
+    """The reply to ``request`` from the host's call socket (see the contract)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(path)
+            sock.sendall(request.encode() + b"\n")
+            chunks = []
+            while data := sock.recv(1 << 16):
+                chunks.append(data)
+    except OSError as exc:
+        raise HostCallError(f"{op}: the kernel_env host does not answer: {exc}") from exc
+    return b"".join(chunks).decode("utf-8", "replace").removesuffix("\n")
+
+
 def release_helpers(names: list[str]) -> None:
     """Stop putting these helpers back before each cell: an integration binds its own (DSPy's
     ``llm_query`` tool, for one)."""
@@ -280,8 +307,6 @@ def register_llm(fn: Callable[[str], str] | None) -> None:
 
 
 def _llm_from_environ() -> Callable[[str], str] | None:
-    import os
-
     base_url = os.environ.get("KERNEL_ENV_LLM_BASE_URL")
     model = os.environ.get("KERNEL_ENV_LLM_MODEL")
     if not (base_url and model):
@@ -657,6 +682,7 @@ def install(shell: Any) -> None:
     shell.set_custom_exc((HostCallError,), _show_host_call_error)
     # A user's own notebook may name an endpoint; episode kernels never see these variables.
     episode.local_llm = _llm_from_environ()
+    episode.call_socket = os.environ.get(CALL_SOCKET_ENV) or None
 
 
 def _take_setup_from_requests(kernel: Any) -> None:

@@ -132,6 +132,15 @@ class LocalKernel(Kernel):
         """The kernel's private directory (connection file, sockets, working directory)."""
         return self._dir
 
+    def runtime_path(self, name: str) -> str:
+        """Where ``name`` in the kernel's runtime dir is, known before the kernel starts; the
+        kernel sees it at the same path (a sandbox binds the directory, read-only)."""
+        return str(runtime_parent(self._runtime_root).path / self.kernel_id / name)
+
+    def set_env(self, name: str, value: str) -> None:
+        """One more variable of the kernel's environment, from its next launch on."""
+        self._extra_env[name] = value
+
     @property
     def workdir(self) -> Path:
         if self._dir is None:
@@ -319,13 +328,18 @@ class LocalKernel(Kernel):
     def _launch_env(self) -> dict[str, str]:
         return self._environ() | self._extra_env
 
-    async def _relaunch(self) -> None:
+    async def stop_process(self) -> None:
+        """End the kernel's process and what it started, and keep the rest (its directory,
+        key, cgroup and uid): :meth:`restart` starts it again."""
         await self._stop_client()
         km = self._km
         if km is None:
             raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
         await km.shutdown_kernel(now=True, restart=True)
         await asyncio.to_thread(self._kill_leftovers)
+
+    async def _relaunch(self) -> None:
+        await self.stop_process()
         self.copied = False  # a copy's state is gone: a kernel starts the usual way
         await self._start_process()
         self._start_client()
@@ -462,10 +476,15 @@ class LocalKernel(Kernel):
     async def is_alive(self) -> bool:
         return self._km is not None and await self._km.is_alive()
 
+    def exit_status(self) -> int | None:
+        """The exit status of the process the host holds, once it ended (negative: the
+        signal that ended it); None while it runs, or when this process did not start it."""
+        process = getattr(self._km.provisioner, "process", None) if self._km else None
+        return getattr(process, "returncode", None)
+
     def exit_reasons(self) -> list[str]:
         reasons = []
-        process = getattr(self._km.provisioner, "process", None) if self._km else None
-        status = getattr(process, "returncode", None)  # a kernel this process started
+        status = self.exit_status()  # a kernel this process started
         if status is not None and status < 0:
             reasons.append(f"killed by signal {_signal_name(-status)}")
         elif status:
@@ -488,6 +507,20 @@ class LocalKernel(Kernel):
         return str(path)
 
     # -- channels -------------------------------------------------------------------------
+
+    def frontend_connection(self) -> dict[str, Any]:
+        """jupyter_client's connection info for another client on this host (a frontend
+        that drives the kernel itself): the kernel's key, and its sockets as this host
+        reaches them."""
+        km = self._km
+        if km is None:
+            raise KernelStartError("kernel not started", kernel_id=self.kernel_id)
+        return dict(km.get_connection_info())
+
+    async def release_channels(self) -> None:
+        """Close this host's own channels: a frontend drives the kernel from now on (and
+        nothing here keeps what the kernel sends)."""
+        await self._stop_client()
 
     def _start_client(self) -> None:
         km = self._km
