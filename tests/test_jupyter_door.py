@@ -29,6 +29,7 @@ import httpx
 import pytest
 from fake_openai import FakeOpenAI
 from jupyterkit import gateway_client
+from procs import peak_growth
 from serverkit import ServeProcess, serve_process, wait_until
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
@@ -398,6 +399,34 @@ def test_a_flood_of_executes_is_bounded(server: ServeProcess, alices_kernel: str
         ran = [r for r in replies.values() if r["reply"]["status"] == "ok"]
         assert len(ran) <= MAX_QUEUED
         assert text_result(execute(ws, "n")) == str(len(ran))
+
+
+def test_a_flood_of_large_frames_does_not_grow_the_server(
+    server: ServeProcess, alices_kernel: str
+) -> None:
+    """400 frames of 120 KB (48 MB), sent while a cell runs and read as they are answered:
+    the server holds at most MAX_QUEUED of them (16 MiB) and refuses the rest at once, so its
+    peak memory grows by far less than what was sent."""
+    url = ws_url(server.url, f"/api/kernels/{alices_kernel}/channels?token={TOKENS['alice']}")
+    padding = "#" * (6 * MAX_CODE_CHARS - 100)
+    with connect(url, max_size=None) as ws, peak_growth(server.pid) as grown:
+        ws.send(json.dumps(request("execute_request", {"code": "import time; time.sleep(3)"})))
+        flood = [request("execute_request", {"code": f"n = 1 {padding}"}) for _ in range(400)]
+
+        def send() -> None:
+            for sent in flood:
+                ws.send(json.dumps(sent))
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        replies = collect_all(ws, [m["header"]["msg_id"] for m in flood], 180)
+        sender.join(timeout=60)
+    refused = [r for r in replies.values() if r["reply"].get("ename") == "QueueFull"]
+    sent_mib = sum(len(json.dumps(m)) for m in flood) / (1 << 20)
+    print(
+        f"jupyter door: {sent_mib:.0f} MiB of frames grew the server's peak by {grown[0]:.0f} MiB"
+    )
+    assert len(refused) >= 400 - MAX_QUEUED and grown[0] < sent_mib / 2, (len(refused), grown)
 
 
 def test_control_interrupts_the_running_cell(server: ServeProcess, alices_kernel: str) -> None:

@@ -19,14 +19,14 @@ from typing import Any
 
 import nbformat
 import pytest
+from fake_openai import FakeOpenAI
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
+from procs import alive, descendants, peak_growth
 
 from kernel_env.integrations.callsocket import MAX_CONNECTIONS
 from kernel_env.kernel.isolation import privilege
 from kernel_env.kernel.isolation.sandbox import sandbox_problem
-from tests.fake_openai import FakeOpenAI
-from tests.procs import alive, descendants, peak_growth
 
 pytestmark = [
     pytest.mark.integration,
