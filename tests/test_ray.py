@@ -140,7 +140,8 @@ def test_a_killed_node_fails_its_episodes_fast_while_the_rest_complete(cluster: 
     assert summary["killed_node"] in host_nodes
     assert summary["failed"] >= 1 and summary["completed"] > summary["failed"], summary
     assert set(summary["per_node"]) <= set(host_nodes) and head not in summary["per_node"]
-    assert all(kind.startswith("HostLost") for kind in summary["failures"]), summary
+    # Each failure's kind and text, whole: a long summary is cut short in the report.
+    assert all(kind.startswith("HostLost") for kind in summary["failures"]), summary["failures"]
     # Fast: the host ends with its raylet and its sockets close with it, so every episode
     # there fails at once, far inside a step's timeout (the example's steps are quick).
     assert summary["last_failure_after_end_s"] < 10.0, summary
