@@ -73,13 +73,6 @@ class CallSocket:
         if not self._loop.is_running() and not self._loop.is_closed():
             self._loop.close()
 
-    def __enter__(self) -> CallSocket:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _on_loop(self, coro: Any, timeout: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
@@ -121,9 +114,10 @@ class CallSocket:
         # One request is read at a time, and admitted while the requests being answered
         # leave room: what waits stays in the kernel's socket buffers, not here.
         async with self._reading:
-            text = await _read_request(reader)
-            if not text.startswith(REQUEST_TAG):
-                return text  # a refusal
+            try:
+                text = await _read_request(reader)
+            except _Refused as refused:
+                return _refusal(str(refused))
             await self._admit(len(text))
         try:
             reply = await self.calls.handle(text)
@@ -143,26 +137,33 @@ class CallSocket:
             self._room.notify_all()
 
 
+class _Refused(Exception):
+    """A request this socket does not answer, and why."""
+
+
 async def _read_request(reader: asyncio.StreamReader) -> str:
-    """The request line's text (without its newline), or a refusal."""
+    """The request line's text, without its newline; :class:`_Refused` if it is none."""
+    too_long = f"a request is at most {MAX_REQUEST_CHARS} characters"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + READ_TIMEOUT
     data = bytearray()
     while b"\n" not in data:
         if len(data) > MAX_REQUEST_CHARS:
-            return _refusal(f"a request is at most {MAX_REQUEST_CHARS} characters")
+            raise _Refused(too_long)
         try:
             chunk = await asyncio.wait_for(reader.read(_CHUNK), deadline - loop.time())
         except TimeoutError:
             chunk = b""
         if not chunk:
-            return _refusal("a request is one line, sent at once")
+            raise _Refused("a request is one line, sent at once")
         data += chunk
     line, _, _ = data.partition(b"\n")
     if len(line) > MAX_REQUEST_CHARS:
-        return _refusal(f"a request is at most {MAX_REQUEST_CHARS} characters")
+        raise _Refused(too_long)
     text = line.decode("utf-8", "replace")
-    return text if text.startswith(REQUEST_TAG) else _refusal("not a helper's request")
+    if not text.startswith(REQUEST_TAG):
+        raise _Refused("not a helper's request")
+    return text
 
 
 def _refusal(problem: str) -> str:

@@ -135,7 +135,7 @@ class LocalKernel(Kernel):
     def runtime_path(self, name: str) -> str:
         """Where ``name`` in the kernel's runtime dir is, known before the kernel starts; the
         kernel sees it at the same path (a sandbox binds the directory, read-only)."""
-        return str(runtime_parent(self._runtime_root).path / self.kernel_id / name)
+        return str(runtime_parent(self._runtime_root).kernel_dir(self.kernel_id) / name)
 
     def set_env(self, name: str, value: str) -> None:
         """One more variable of the kernel's environment, from its next launch on."""

@@ -43,9 +43,13 @@ class RuntimeParent:
         self._lock_fd = os.open(self.path / _LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
+    def kernel_dir(self, kernel_id: str) -> Path:
+        """Where a kernel's runtime dir is (made or not)."""
+        return self.path / kernel_id  # unique (random), in a directory only we can write
+
     def make_kernel_dir(self, kernel_id: str, gid: int | None = None) -> Path:
         """A kernel's runtime dir: 0700, or 0750 with group ``gid`` (a kernel's own uid)."""
-        path = self.path / kernel_id  # unique (random), in a directory only we can write
+        path = self.kernel_dir(kernel_id)
         path.mkdir(mode=0o700)
         if gid is not None:
             os.chown(path, -1, gid)
