@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from kernel_env.errors import ForkRefused, InvalidInput, LimitExceeded
+from kernel_env.inkernel.contract import recorded_pair
 from kernel_env.models import REPLAction, ResetOptions
 from kernel_env.notebook import cells_match
 from kernel_env.record import EpisodeRecord, StepRecord
@@ -85,9 +86,14 @@ def live_record(parent: EpisodeRecord) -> EpisodeRecord:
     )
 
 
-def recorded_answers(parent: EpisodeRecord) -> list[tuple[str, str]]:
-    """The parent's ``llm_query`` answers, in order, for its replay to be answered from."""
-    return [(c.prompt, c.response) for step in parent.steps for c in step.llm_calls if not c.error]
+def recorded_answers(parent: EpisodeRecord) -> list[Any]:
+    """The parent's ``llm_query`` answers and failures, in order, for its replay to be
+    answered from."""
+    return [
+        recorded_pair(c.prompt, c.response, error=c.error)
+        for step in parent.steps
+        for c in step.llm_calls
+    ]
 
 
 async def rerun(

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_env.errors import RequestError
-from kernel_env.inkernel.contract import LANGUAGE_REQUEST_TAG, REQUEST_TAG, take_recorded
+from kernel_env.inkernel.contract import (
+    LANGUAGE_REQUEST_TAG,
+    REQUEST_TAG,
+    failure_text,
+    recorded_failure,
+    take_recorded,
+)
 from kernel_env.llm import Budget, LLMBackend, MeteredBackend, Usage, call_off_loop
 
 __all__ = ["HostCalls", "LLMBatchFn", "LLMCall", "LLMQueryFn", "RLMRunner"]
@@ -76,8 +82,9 @@ class HostCalls:
     allowed_models: frozenset[str] | None = None
     max_prompt_chars: int = MAX_PROMPT_CHARS
     no_model_hint: str = "pass llm_query_fn or llm_backend to the environment"
-    # While a fork replays its parent's steps: (prompt, response) pairs answering every call.
-    recorded: list[tuple[str, str]] | None = None
+    # While a fork replays its parent's steps: the pairs (contract.recorded_pair) answering
+    # every call, a failed one with its failure.
+    recorded: list[Any] | None = None
     max_kept_chars: int = MAX_KEPT_CHARS
     calls: list[LLMCall] = field(default_factory=list)
     kept_chars: int = 0
@@ -192,7 +199,9 @@ class HostCalls:
         if response is None:
             message = "no recorded response for this prompt (the replay diverged)"
             return LLMCall(op, prompt, message, model, 0.0, error=True)
-        return LLMCall(op, prompt, response, model, 0.0)
+        if (failure := recorded_failure(response)) is not None:
+            return LLMCall(op, prompt, failure, model, 0.0, error=True)
+        return LLMCall(op, prompt, str(response), model, 0.0)
 
     async def _batch(self, op: str, prompts: list[str], model: str | None) -> list[str]:
         single = op.removesuffix("_batched")
@@ -207,7 +216,7 @@ class HostCalls:
                 return await self._ask(single, prompt, model)
 
         calls = await asyncio.gather(*(one(p) for p in prompts))
-        replies = [f"Error: {c.response}" if c.error else c.response for c in calls]
+        replies = [failure_text(c.response, batched=True) if c.error else c.response for c in calls]
         for call in calls:  # in prompt order, whatever order they finished in
             self._record(call)
         return replies

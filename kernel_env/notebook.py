@@ -25,7 +25,7 @@ from nbformat import NotebookNode
 from nbformat.corpus.words import generate_corpus_id
 
 from kernel_env.errors import ExportPathError
-from kernel_env.inkernel.contract import EXTENSION_MODULE, RECORDED_MAGIC
+from kernel_env.inkernel.contract import EXTENSION_MODULE, RECORDED_MAGIC, recorded_pair
 from kernel_env.languages.catalog import DEFAULT_KERNEL, language_for
 from kernel_env.record import EpisodeRecord, StepRecord
 from kernel_env.text import shorten
@@ -135,8 +135,11 @@ def _setup_source(record: EpisodeRecord, context_file: str | None) -> str:
         params["context_path"] = context_file
     else:
         params["context"] = record.context
-    pairs = [[c.prompt, c.response] for s in record.steps for c in s.llm_calls if not c.error]
-    params["replay"] = pairs
+    params["replay"] = [
+        recorded_pair(c.prompt, c.response, error=c.error)
+        for s in record.steps
+        for c in s.llm_calls
+    ]
     args = ", ".join(f"{k}={v!r}" for k, v in params.items())
     return (
         "# kernel_env: restore this episode's `context` and helpers. Recorded llm_query answers\n"

@@ -17,7 +17,12 @@ import nbformat
 
 from kernel_env.client import KernelEnv
 from kernel_env.environment import KernelSource
-from kernel_env.inkernel.contract import RECORDED_MAGIC, take_recorded
+from kernel_env.inkernel.contract import (
+    RECORDED_MAGIC,
+    recorded_failure,
+    recorded_pair,
+    take_recorded,
+)
 from kernel_env.notebook import cells_match, normalize_outputs, recorded_steps
 
 __all__ = ["CellReport", "ReplayReport", "output_diff", "read_notebook", "replay_notebook"]
@@ -56,19 +61,21 @@ class ReplayReport:
 
 
 def _recorded_llm(nb: Any) -> Callable[[str], str]:
-    """Answers prompts with the notebook's recorded responses (same prompt, first unused)."""
+    """Answers prompts with the notebook's recorded responses (same prompt, first unused);
+    a recorded failure is raised again, with its message, so the cell sees what it saw."""
     pairs = [
-        (call["prompt"], call["response"])
+        recorded_pair(call["prompt"], call["response"], error=bool(call.get("error")))
         for cell in nb.cells
         for call in cell.metadata.get("kernel_env", {}).get("llm_calls", [])
-        if not call.get("error")
     ]
 
     def answer(prompt: str) -> str:
         response = take_recorded(pairs, prompt)
-        if response is not None:
-            return response
-        raise LookupError(f"no recorded response for prompt {prompt[:80]!r}")
+        if response is None:
+            raise LookupError(f"no recorded response for prompt {prompt[:80]!r}")
+        if (failure := recorded_failure(response)) is not None:
+            raise RuntimeError(failure)
+        return str(response)
 
     return answer
 

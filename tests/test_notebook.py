@@ -129,6 +129,50 @@ def test_replay_reports_a_mismatch(tmp_path: Path) -> None:
     assert replay.returncode == 1 and "MISMATCH: 1 match, 1 mismatch" in replay.stdout
 
 
+FAILING_STEPS = [
+    "print(llm_query('good'))",
+    "try:\n    llm_query('bad one')\nexcept Exception as e:\n    print(type(e).__name__, e)",
+    "print(llm_query_batched(['good 2', 'bad 2']))",
+]
+
+
+def _failing_model(prompt: str) -> str:
+    if prompt.startswith("bad"):
+        raise ConnectionError(f"the model is down for {prompt!r}")
+    return f"ok {prompt}"
+
+
+@pytest.mark.parametrize("model", [None, _failing_model], ids=["no model", "failing model"])
+def test_a_failed_llm_query_replays_as_the_same_failure(tmp_path: Path, model: object) -> None:
+    """A recorded failed call ("no model configured", a model that raised) answers a replay
+    with the same failure, whichever way the episode is replayed: ``kernel-env replay``,
+    nbclient's offline re-run of the export, and a fork by replay."""
+    with KernelEnv(llm_query_fn=model, step_timeout=10) as env:  # type: ignore[arg-type]
+        env.reset(context="ctx")
+        for code in FAILING_STEPS:
+            env.execute(code)
+        recorded = env._async.environment.record  # type: ignore[union-attr]
+        assert [c.error for s in recorded.steps for c in s.llm_calls] == (
+            [True] * 4 if model is None else [False, True, False, True]
+        )
+        (copy,) = env.fork(method="replay")
+        with copy:
+            forked = copy._async.environment.record.forked_from  # type: ignore[union-attr]
+            assert forked["outputs_matched"] is True, forked
+        path = env.export_notebook(tmp_path / "failed.ipynb")
+    report = replay_notebook(path, step_timeout=10)
+    assert [c.verdict for c in report.cells] == ["match"] * 3, [c.diff for c in report.cells]
+
+    rerun = nbformat.read(path, as_version=4)
+    NotebookClient(rerun, timeout=60, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    steps = recorded_steps(nbformat.read(path, as_version=4))
+    for recorded_cell, actual in zip(steps, recorded_steps(rerun), strict=True):
+        assert cells_match(recorded_cell.outputs, actual.outputs), (
+            recorded_cell.outputs,
+            actual.outputs,
+        )
+
+
 def test_live_llm_in_own_notebook(tmp_path: Path) -> None:
     """%load_ext kernel_env in a plain notebook: llm_query uses a callable registered in-kernel."""
     nb = nbformat.v4.new_notebook(

@@ -70,7 +70,10 @@ __all__ = [
     "SHIMS",
     "STATE_EXPRESSION",
     "TUNING_MODULE",
+    "failure_text",
     "final_from_outputs",
+    "recorded_failure",
+    "recorded_pair",
     "take_recorded",
     "unsent_marker",
 ]
@@ -141,12 +144,32 @@ DSPY_OUTCOME_EXPRESSION = f"{DSPY_MODULE_EXPRESSION}.outcome()"
 RECORDED_MAGIC = "%%kernel_env_recorded"
 
 
-def take_recorded(pairs: list[Any], prompt: str) -> str | None:
+def take_recorded(pairs: list[Any], prompt: str) -> Any:
     """The response recorded for ``prompt``, taken out of ``pairs`` (``(prompt, response)``
     pairs, as tuples or JSON lists, in call order), or None. Matched by prompt, first unused
-    first: a batch's calls completed in any order."""
+    first: a batch's calls completed in any order. A failed call's response is its failure
+    (:func:`recorded_failure`)."""
     for i, (recorded_prompt, response) in enumerate(pairs):
         if recorded_prompt == prompt:
             del pairs[i]
             return response
     return None
+
+
+def recorded_pair(prompt: str, response: str, *, error: bool) -> list[Any]:
+    """A recorded call as a replay takes it: ``[prompt, response]``, or for a call that
+    failed ``[prompt, {"error": message}]``, so that its replay fails the same way."""
+    return [prompt, {"error": response} if error else response]
+
+
+def recorded_failure(response: Any) -> str | None:
+    """The message of a recorded failed call (see :func:`recorded_pair`), or None."""
+    if isinstance(response, dict):
+        return str(response.get("error"))
+    return None
+
+
+def failure_text(message: str, *, batched: bool) -> str:
+    """What a failed call shows the kernel: a batch's answer in the failed prompt's place,
+    or the error a single call raises (the host's ``RuntimeError``)."""
+    return f"Error: {message}" if batched else f"RuntimeError: {message}"

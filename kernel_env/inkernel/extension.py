@@ -46,6 +46,8 @@ from kernel_env.inkernel.contract import (
     RECORDED_MAGIC,
     REQUEST_TAG,
     SETUP_METADATA,
+    failure_text,
+    recorded_failure,
     take_recorded,
     unsent_marker,
 )
@@ -150,11 +152,22 @@ class _Episode:
         return str(raw)
 
     def _replay(self, op: str, args: dict[str, Any]) -> Any:
+        """A call answered from the notebook's recording; a recorded failure fails the same
+        way (a single call raises, a batch answers ``Error: ...`` in its place)."""
         if "prompts" not in args:
-            return self._replay_one(op, args["prompt"])
-        return [self._replay_one(op, p) for p in args["prompts"]]
+            answer = self._replay_one(op, args["prompt"])
+            if (failure := recorded_failure(answer)) is not None:
+                raise HostCallError(failure_text(failure, batched=False))
+            return answer
+        answers = [self._replay_one(op, p) for p in args["prompts"]]
+        return [
+            answer
+            if (failure := recorded_failure(answer)) is None
+            else failure_text(failure, batched=True)
+            for answer in answers
+        ]
 
-    def _replay_one(self, op: str, prompt: str) -> str:
+    def _replay_one(self, op: str, prompt: str) -> Any:
         response = take_recorded(self.replay or [], prompt)
         if response is not None:
             return response
