@@ -6,7 +6,7 @@
     kernel-env export    a served episode as .ipynb (or a notebook as HTML)
     kernel-env replay    a notebook's code cells re-run as a fresh episode, compared cell by cell
     kernel-env ps        the episodes a server is running
-    kernel-env episodes  the episodes a server kept: ls, show, export, dataset
+    kernel-env episodes  the episodes a server kept: ls, show, export, replay, dataset
 
 Every ``serve`` flag also reads a ``KERNEL_ENV_<NAME>`` variable (e.g. ``KERNEL_ENV_POOL_SIZE``);
 a flag given on the command line wins. The bearer token is read from ``KERNEL_ENV_TOKEN`` only:
@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import difflib
+import io
 import ipaddress
 import json
 import os
@@ -682,7 +683,7 @@ def _every_session(client: Any, url: str) -> list[dict[str, Any]]:
 def _add_episodes(commands: argparse._SubParsersAction) -> None:
     episodes = commands.add_parser(
         "episodes",
-        help="list, show and export the episodes a server kept, or write them as a dataset",
+        help="list, show, export and replay the episodes a server kept, or write them as a dataset",
         description="The episodes a kernel-env server kept (GET /episodes of --url, with the "
         "token in KERNEL_ENV_TOKEN), or those of a store directory (--episodes DIR, read "
         "directly: every tenant's).",
@@ -691,14 +692,22 @@ def _add_episodes(commands: argparse._SubParsersAction) -> None:
     ls = actions.add_parser("ls", help="a line per stored episode, newest first")
     show = actions.add_parser("show", help="one episode, with its forks and children")
     export = actions.add_parser("export", help="one episode's notebook, as a file")
+    replay = actions.add_parser(
+        "replay",
+        help="re-run one episode offline, llm_query answered from its recording",
+        description="The episode's files (its export.zip) are fetched into a temporary "
+        "directory and replayed as `kernel-env replay NOTEBOOK` replays one: exit status 0 "
+        "when every cell's outputs match, 1 when some differ, 2 when it cannot be replayed.",
+    )
     dataset = actions.add_parser(
         "dataset",
         help="the episodes as a Hugging Face dataset (JSON Lines, a row per episode)",
         description="Writes OUT/episodes.jsonl (a row per listed episode: its task, reward, "
-        "outcome and steps) and OUT/README.md, its dataset card; datasets.load_dataset reads "
-        "either OUT or the JSON file (docs/notebooks.md).",
+        "outcome, steps and the path of its notebook), OUT/notebooks/ (those notebooks) and "
+        "OUT/README.md, its dataset card; datasets.load_dataset reads either OUT or the JSON "
+        "file (docs/notebooks.md).",
     )
-    for action in (ls, show, export, dataset):
+    for action in (ls, show, export, replay, dataset):
         action.add_argument(
             "--url",
             default=os.environ.get("KERNEL_ENV_URL", _DEFAULT_URL),
@@ -716,8 +725,9 @@ def _add_episodes(commands: argparse._SubParsersAction) -> None:
     dataset.add_argument("out", metavar="OUT", type=Path, help="the dataset's directory")
     for action in (ls, show):
         action.add_argument("--json", action="store_true", help="print the JSON as it is")
-    for action in (show, export):
+    for action in (show, export, replay):
         action.add_argument("episode_id", metavar="EPISODE", help="the episode's id")
+    _add_replay_options(replay)
     export.add_argument("-o", "--output", metavar="PATH", help="default: EPISODE.ipynb")
     for action in (export, dataset):
         action.add_argument("--overwrite", action="store_true", help="replace existing files")
@@ -788,6 +798,12 @@ class _StoredEpisodes:
             return notebook_name(episode_id), data
         return self.reader.notebook(row or self.show(episode_id)["episode"])
 
+    def export_zip(self, episode_id: str) -> bytes:
+        """An episode's files, zipped: its notebook, context file and children's notebooks."""
+        if self.reader is None:
+            return self._get(f"/episodes/{_quoted(episode_id)}/export.zip")
+        return self.reader.export_zip(self.show(episode_id)["episode"])[1]
+
     def _get(self, path: str) -> bytes:
         from kernel_env.remote import http_get
 
@@ -846,6 +862,15 @@ class _Episodes:
         return 0
 
     @staticmethod
+    def replay(args: argparse.Namespace, source: _StoredEpisodes) -> int:
+        import tempfile
+
+        archive = source.export_zip(args.episode_id)
+        with tempfile.TemporaryDirectory(prefix="kernel-env-replay-") as scratch:
+            notebook = _unpacked(archive, Path(scratch))
+            return _replay_notebook(notebook, args, shown=args.episode_id)
+
+    @staticmethod
     def dataset(args: argparse.Namespace, source: _StoredEpisodes) -> int:
         from kernel_env.server.dataset import DatasetWriter, episode_row
 
@@ -854,7 +879,8 @@ class _Episodes:
         with DatasetWriter(args.out, overwrite=args.overwrite) as dataset:
             for n, row in enumerate(rows, 1):
                 try:
-                    dataset.write(episode_row(row, source.notebook(row["episode_id"], row)[1]))
+                    notebook = source.notebook(row["episode_id"], row)[1]
+                    dataset.write(episode_row(row, notebook), notebook)
                 except (KernelEnvError, ValueError) as exc:
                     skipped += 1
                     print(
@@ -865,6 +891,23 @@ class _Episodes:
         print(f"{dataset.rows} episode(s), {skipped} skipped: {dataset.path}", file=sys.stderr)
         print(dataset.path)
         return 0
+
+
+def _unpacked(archive: bytes, into: Path) -> Path:
+    """An episode's export.zip unpacked into ``into`` (its files at the top level only); the
+    path of its notebook (the one its context file is named after)."""
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(archive)) as files:
+        names = files.namelist()
+        for name in names:
+            if Path(name).name != name or name.startswith("."):
+                raise ValueError(f"the episode's archive holds an unexpected file: {name[:80]!r}")
+            (into / name).write_bytes(files.read(name))
+    notebooks = sorted(n for n in names if n.endswith(".ipynb"))
+    if not notebooks:
+        raise ValueError("the episode's archive holds no notebook")
+    return into / min(notebooks, key=len)  # children's are named after it, and longer
 
 
 def _episode_filters(args: argparse.Namespace) -> dict[str, Any]:
@@ -890,6 +933,11 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "notebook cannot be replayed.",
     )
     replay.add_argument("notebook", type=Path, help="an .ipynb file (e.g. one kernel-env exported)")
+    _add_replay_options(replay)
+    replay.set_defaults(run=_replay)
+
+
+def _add_replay_options(replay: argparse.ArgumentParser) -> None:
     replay.add_argument(
         "--step-timeout", type=_positive, default=30.0, help=_d("seconds a cell may run", 30)
     )
@@ -900,10 +948,16 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         help="run the kernel under bubblewrap (default: auto, where it works)",
     )
     replay.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    replay.set_defaults(run=_replay)
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if not args.notebook.is_file():
+        return _fail("replay", f"no such notebook: {args.notebook}")
+    return _replay_notebook(args.notebook, args, shown=str(args.notebook))
+
+
+def _replay_notebook(notebook: Path, args: argparse.Namespace, *, shown: str) -> int:
+    """Replays ``notebook`` (named ``shown`` in what is printed) and reports it cell by cell."""
     from kernel_env.kernel.factory import local_source
     from kernel_env.replay import CellReport, read_notebook, replay_notebook
 
@@ -914,26 +968,25 @@ def _replay(args: argparse.Namespace) -> int:
         if cell.diff:
             print("\n".join(f"      {line}" for line in cell.diff.splitlines()), flush=True)
 
-    if not args.notebook.is_file():
-        return _fail("replay", f"no such notebook: {args.notebook}")
     try:
-        if "kernel_env" not in read_notebook(args.notebook).metadata:
+        if "kernel_env" not in read_notebook(notebook).metadata:
             print(
-                f"kernel-env replay: warning: {args.notebook} was not exported by kernel-env: "
+                f"kernel-env replay: warning: {shown} was not exported by kernel-env: "
                 "its llm_query calls have no recorded answers, and outputs may differ",
                 file=sys.stderr,
                 flush=True,
             )
         if not args.json:
-            print(f"replaying {args.notebook}", flush=True)
+            print(f"replaying {shown}", flush=True)
         report = replay_notebook(
-            args.notebook,
+            notebook,
             step_timeout=args.step_timeout,
             kernel_source=local_source(args.sandbox),
             on_cell=show,
         )
     except (OSError, ValueError, RuntimeError, KernelEnvError) as exc:
         return _fail("replay", exc)
+    report.path = shown
     if args.json:
         print(json.dumps(report.as_dict()))
     else:

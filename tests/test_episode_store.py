@@ -31,7 +31,13 @@ from kernel_env.archive import extract_export
 from kernel_env.hostcalls import LLMCall
 from kernel_env.notebook import cells_match, notebook_name, notebook_text, recorded_steps
 from kernel_env.record import AGENT, JUPYTER, EpisodeRecord, StepRecord
-from kernel_env.server.dataset import CARD_NAME, DATA_NAME, DatasetWriter, episode_row
+from kernel_env.server.dataset import (
+    CARD_NAME,
+    DATA_NAME,
+    NOTEBOOKS_NAME,
+    DatasetWriter,
+    episode_row,
+)
 from kernel_env.server.index import Filters
 from kernel_env.server.retention import Keep, Stored, parse_keep, to_remove
 from kernel_env.server.settings import ServerSettings, default_episodes
@@ -180,10 +186,20 @@ def test_twenty_episodes_of_a_client_that_never_exports_are_all_kept(
             assert [r["episode_id"] for r in client.episodes()] == [r["episode_id"] for r in rows]
             assert len(client.episodes(reward_max=0.5, limit=4)) == 4
         _cli("episodes", "dataset", str(tmp_path / "served"), "--url", server.url)
+        replayed = _cli("episodes", "replay", rows[0]["episode_id"], "--url", server.url)
+        assert "all cells match: 3 match" in replayed and "final answer: wrong" in replayed
     listed = _cli("episodes", "ls", "--episodes", str(default), "--json")
     assert [r["episode_id"] for r in json.loads(listed)["episodes"]] == [
         r["episode_id"] for r in rows
     ]
+    # Offline, from the store directory, with no server and no model.
+    report = json.loads(
+        _cli("episodes", "replay", rows[1]["episode_id"], "--episodes", str(default), "--json")
+    )
+    assert report["all_match"] and report["counts"] == {"match": 3}
+    assert (report["path"], report["final_answer"]) == (rows[1]["episode_id"], "7")
+    unknown = _cli_run("episodes", "replay", "no-such-episode", "--episodes", str(default))
+    assert unknown.returncode == 2 and "no stored episode has the id" in unknown.stderr
     _check_dataset(tmp_path, default, rows, monkeypatch)
     for name in [n for n in os.environ if n.startswith("KERNEL_ENV_LLM_")]:
         monkeypatch.delenv(name)  # the kernel answers from the recording, or fails
@@ -233,6 +249,11 @@ def _check_dataset(
         [call] = row["steps"][1]["llm_calls"]
         assert (call["prompt"], call["response"]) == (f"double {i}", str(2 * i))
         assert row["started"] <= row["ended"]
+    for row in loaded:  # each row's notebook, beside it: the episode's own
+        nb = nbformat.read(out / row["notebook"], as_version=4)
+        nbformat.validate(nb)
+        assert nb.metadata["kernel_env"]["episode_id"] == row["episode_id"]
+    assert len(list((out / "notebooks").iterdir())) == 20
     card = datasets.load_dataset(str(out), split="train")
     assert card["episode_id"] == loaded["episode_id"]
 
@@ -313,18 +334,34 @@ def test_a_dataset_row_holds_the_steps_as_text_and_no_tenant() -> None:
 
 
 def test_a_dataset_that_fails_midway_leaves_no_file(tmp_path: Path) -> None:
-    """Rows are written to a temporary file: a failure before the end leaves no rows file and
-    no card; a dataset written whole has both, the rows a line of JSON each."""
+    """Rows and notebooks are written under temporary names: a failure before the end leaves
+    no rows file, no notebooks and no card; a dataset written whole has them all, the rows a
+    line of JSON each, each row's notebook named by the row."""
     with pytest.raises(KeyError), DatasetWriter(tmp_path / "out") as dataset:
         dataset.write({"episode_id": "a"})
         raise KeyError("the store went away")
     assert list((tmp_path / "out").iterdir()) == []
+    with pytest.raises(KeyError), DatasetWriter(tmp_path / "out") as dataset:
+        dataset.write({"episode_id": "a"}, b"{}")
+        raise KeyError("the store went away")
+    assert list((tmp_path / "out").iterdir()) == []
     with DatasetWriter(tmp_path / "out") as dataset:
-        dataset.write({"episode_id": "a"})
-        dataset.write({"episode_id": "b"})
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [CARD_NAME, DATA_NAME]
+        dataset.write({"episode_id": "a/b"}, b'{"a": 1}')
+        dataset.write({"episode_id": "a?b"}, b'{"b": 2}')  # made safe alike: another name
+        dataset.write({"episode_id": "c"})
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        CARD_NAME, DATA_NAME, NOTEBOOKS_NAME,
+    ]  # fmt: skip
     lines = (tmp_path / "out" / DATA_NAME).read_text().splitlines()
-    assert [json.loads(line)["episode_id"] for line in lines] == ["a", "b"]
+    rows = [json.loads(line) for line in lines]
+    assert [row["episode_id"] for row in rows] == ["a/b", "a?b", "c"]
+    assert [row.get("notebook") for row in rows] == [
+        "notebooks/a_b.ipynb", "notebooks/a_b-2.ipynb", None,
+    ]  # fmt: skip
+    assert (tmp_path / "out" / rows[1]["notebook"]).read_bytes() == b'{"b": 2}'
+    with DatasetWriter(tmp_path / "out", overwrite=True) as dataset:
+        dataset.write({"episode_id": "d"}, b"{}")
+    assert [p.name for p in (tmp_path / "out" / NOTEBOOKS_NAME).iterdir()] == ["d.ipynb"]
 
 
 # -- a server killed mid-episode --------------------------------------------------------------
