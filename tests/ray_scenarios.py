@@ -41,6 +41,8 @@ def hosts(driver: Any) -> dict[str, Any]:
         "llm_base_url": fake.url,
         "llm_model": "fake-model",
         "llm_api_key": API_KEY,
+        # Each node's store a directory of its own, as on machines of their own.
+        "episodes": os.path.join(os.environ["RAY_TMPDIR"], "episodes", "{node_id}"),
     }
     start_hosts(settings)
     return asyncio.run(KernelEnvCluster().load())
@@ -224,6 +226,38 @@ def host_restart(driver: Any) -> dict[str, Any]:
         after = ray.get(_host(node).endpoint.remote())["pid"]
         await asyncio.gather(back.close(), *(e.close() for e in held))
         return {"error": error, "failed_in": failed_in, "ran": ran, "pids": [before, after]}
+
+    return asyncio.run(run())
+
+
+def stored(driver: Any, episodes: int) -> dict[str, Any]:
+    """``episodes`` run to their final answer at once (so spread over the hosts), then listed
+    and fetched through the cluster client, across the hosts' stores."""
+
+    async def one(cluster: KernelEnvCluster, i: int) -> dict[str, Any]:
+        async with await cluster.episode() as env:
+            await env.reset(context="a b a", task_prompt=f"stored {i}", expected_answer="2")
+            answer = "2" if i % 2 == 0 else "3"
+            final = await env.step(REPLAction(code=f"print('episode {i}')\nFINAL({answer})"))
+            state = await env.state()
+            return {"node_id": env.node_id, "episode_id": state.episode_id, "reward": final.reward}
+
+    async def run() -> dict[str, Any]:
+        cluster = KernelEnvCluster(capacity_timeout=30)
+        ran = await asyncio.gather(*(one(cluster, i) for i in range(episodes)))
+        listed = await cluster.episodes(task="stored ")
+        solved = await cluster.episodes(task="stored ", reward_min=1)
+        notebooks = {
+            r["episode_id"]: (await cluster.notebook(r["episode_id"])).decode() for r in listed
+        }
+        try:
+            await cluster.notebook("no-such-episode")
+            unknown = None
+        except RemoteError as exc:
+            unknown = f"{type(exc).__name__}: {exc}"
+        stores = sorted(os.listdir(os.path.join(os.environ["RAY_TMPDIR"], "episodes")))
+        return {"ran": ran, "listed": listed, "solved": solved, "notebooks": notebooks,
+                "unknown": unknown, "stores": stores}  # fmt: skip
 
     return asyncio.run(run())
 

@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import nbformat
 import pytest
 from raynet import RayNetns, start_cluster
 
@@ -127,6 +128,32 @@ def test_a_host_restarted_by_ray_fails_its_episodes_then_serves_again(cluster: R
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_the_cluster_lists_and_fetches_the_episodes_each_host_kept(cluster: RayNetns) -> None:
+    """Each host keeps its episodes in its node's store; the cluster client lists them
+    across the hosts (newest first, filtered, each with its host's node) and fetches each
+    notebook from the host that keeps it; an unknown id is the unknown-episode error."""
+    got = cluster.call("stored", episodes=4, timeout=120)
+    ran = {r["episode_id"]: r for r in got["ran"]}
+    listed = got["listed"]
+    assert sorted(r["episode_id"] for r in listed) == sorted(ran)
+    assert {r["node_id"] for r in got["ran"]} == set(cluster.node_ids[1:])  # both hosts
+    assert [r["started"] for r in listed] == sorted((r["started"] for r in listed), reverse=True)
+    for row in listed:
+        assert row["node_id"] == ran[row["episode_id"]]["node_id"]
+        assert (row["state"], row["done"], row["steps"]) == ("done", True, 1)
+        assert row["reward"] == ran[row["episode_id"]]["reward"]
+        nb = nbformat.reads(got["notebooks"][row["episode_id"]], as_version=4)
+        nbformat.validate(nb)
+        assert nb.metadata["kernel_env"]["episode_id"] == row["episode_id"]
+    assert sorted(r["episode_id"] for r in got["solved"]) == sorted(
+        e for e, r in ran.items() if r["reward"] == 1.0
+    )
+    assert got["unknown"] is not None and got["unknown"].startswith("UnknownEpisode"), got
+    assert set(cluster.node_ids[1:]) <= set(got["stores"])  # a store per node
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_killed_node_fails_its_episodes_fast_while_the_rest_complete(cluster: RayNetns) -> None:
     """The example's run with one host's node ended mid-run (kept last: the node stays dead)."""
@@ -159,3 +186,19 @@ def test_placement_prefers_the_callers_node_then_the_least_loaded() -> None:
     tied = [HostLoad("a", 0, 2), HostLoad("b", 0, 2)]
     picks = {choose(tied, rng=random.Random(seed)).node_id for seed in range(20)}  # type: ignore[union-attr]
     assert picks == {"a", "b"}  # ties spread
+
+
+def test_a_hosts_store_is_its_machines_own() -> None:
+    """A host's store: the setting's {node_id} and {hostname} filled in; the default store's
+    subdirectory for this machine; any other directory as given."""
+    pytest.importorskip("ray")
+    import socket
+
+    from kernel_env.ray.host import node_store
+    from kernel_env.server.settings import default_episodes
+
+    host = socket.gethostname()
+    assert node_store("/data/{hostname}/{node_id}", "n1") == f"/data/{host}/n1"
+    default = default_episodes(os.environ)
+    assert node_store(default, "n1") == os.path.join(default, host)
+    assert node_store("/data/episodes", "n1") == "/data/episodes"

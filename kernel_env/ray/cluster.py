@@ -7,6 +7,8 @@ From any Ray driver or worker::
         await env.reset(context="a b a", expected_answer="2")
         await env.step(REPLAction(code="FINAL(context.count('a'))"))
     print(await cluster.load())                  # {node_id: {"sessions": ..., ...}}
+    rows = await cluster.episodes(reward_min=1)  # what the hosts' stores keep, newest first
+    notebook = await cluster.notebook(rows[0]["episode_id"])
 
 An episode is opened on a host with a free slot (:mod:`kernel_env.ray.placement`: the caller's
 own node first, else the least loaded) by connecting to that host's own ``/ws``, over which its
@@ -33,11 +35,11 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
 from kernel_env.client import AsyncKernelEnv
-from kernel_env.errors import CapacityReached, RemoteError, remote_error
+from kernel_env.errors import CapacityReached, RemoteError, UnknownEpisode, remote_error
 from kernel_env.ray.host import LLM
 from kernel_env.ray.hosts import host_for, kernel_nodes
 from kernel_env.ray.placement import HostLoad, choose
-from kernel_env.remote import RemoteSession
+from kernel_env.remote import RemoteSession, http_get, list_episodes
 
 __all__ = ["ClusterEpisode", "HostLost", "KernelEnvCluster"]
 
@@ -327,6 +329,56 @@ class KernelEnvCluster:
             else:
                 loads[node] = {"alive": True, **answer}
         return loads
+
+    # -- the episodes the hosts keep ------------------------------------------------------------
+
+    async def episodes(self, *, limit: int | None = 100, **filters: Any) -> list[dict[str, Any]]:
+        """The episodes the hosts' stores keep, newest first, ``limit`` at most: each host's
+        ``GET /episodes`` with ``filters`` (those of :meth:`AsyncKernelEnv.episodes`), each
+        row with the ``node_id`` of a host that keeps it. A host that does not answer is
+        left out, and logged."""
+        endpoints = await self._live_endpoints()
+        answers = await asyncio.gather(
+            *(
+                list_episodes(e["url"], token=e["token"], filters=filters, limit=limit)
+                for e in endpoints.values()
+            ),
+            return_exceptions=True,
+        )
+        rows: dict[str, dict[str, Any]] = {}
+        for node, answer in zip(endpoints, answers, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning(
+                    "kernel_env host on node %s lists no episodes: %s", node[:12], _short(answer)
+                )
+                continue
+            for row in answer:  # hosts on one machine may share its store: each row once
+                rows.setdefault(row["episode_id"], {**row, "node_id": node})
+        newest = sorted(rows.values(), key=lambda row: row["started"], reverse=True)
+        return newest if limit is None else newest[:limit]
+
+    async def notebook(self, episode_id: str) -> bytes:
+        """A stored episode's notebook (``.ipynb``), from the host that keeps it; the
+        unknown-episode error when no live host does."""
+        from urllib.parse import quote
+
+        path = f"/episodes/{quote(episode_id, safe='')}/notebook"
+        unknown: Exception | None = None
+        for node, endpoint in (await self._live_endpoints()).items():
+            try:
+                return await http_get(endpoint["url"], path, token=endpoint["token"])
+            except UnknownEpisode as exc:
+                unknown = exc
+            except (ConnectionError, RemoteError) as exc:
+                log.warning("kernel_env host on node %s: %s", node[:12], _short(exc))
+        if unknown is not None:
+            raise unknown
+        raise ConnectionError("no kernel_env host answered for the stored episode")
+
+    async def _live_endpoints(self) -> dict[str, dict[str, Any]]:
+        """Every answering host's endpoint (its URL and token), by node."""
+        await self._look(force=True)
+        return {node: self._endpoints[node] for node in self._loads if node in self._endpoints}
 
 
 async def _ref(ref: Any) -> Any:

@@ -8,6 +8,11 @@ token, its load, and the opening of a session (with the caller's own model, when
 
 The server's token is made here, per actor, and travels only in Ray's replies to callers on the
 cluster; the server keeps it from kernels, logs and exports as it does any token.
+
+Each host keeps the episodes it runs in a store of its own machine's (:func:`node_store`):
+by default ``<state dir>/kernel_env/episodes/<hostname>``, so that nodes whose home
+directory is shared (NFS) never write one SQLite index together. The cluster client lists
+and fetches them across the hosts (``KernelEnvCluster.episodes``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -32,9 +38,9 @@ from kernel_env.server.auth import DEFAULT_TENANT, Tenant
 from kernel_env.server.capacity import machine_capacity
 from kernel_env.server.runner import DrainingServer, build_server
 from kernel_env.server.runtime import Runtime
-from kernel_env.server.settings import ServerSettings
+from kernel_env.server.settings import ServerSettings, default_episodes
 
-__all__ = ["LLM", "KernelEnvHost"]
+__all__ = ["LLM", "KernelEnvHost", "node_store"]
 
 # What a caller may lend for its episode's llm_query: a backend, or fn(prompt) -> str.
 LLM = LLMBackend | Callable[[str], str] | Callable[[str], Awaitable[str]]
@@ -98,6 +104,9 @@ class KernelEnvHost:
             }
         )
         settings = self._within_capacity(settings)
+        if settings.episodes is not None:
+            episodes = node_store(settings.episodes, self.node_id)
+            settings = replace(settings, episodes=episodes)
         app = create_app(settings)
         server, sock, settings = build_server(settings, app)
         self._server, self._settings = server, settings
@@ -236,6 +245,18 @@ class KernelEnvHost:
                 gauges[1].set(runtime.pool.live, tags=tags)
                 gauges[2].set(self._rate(runtime), tags=tags)
             await asyncio.sleep(_TICK)
+
+
+def node_store(episodes: str, node_id: str) -> str:
+    """Where a host on node ``node_id`` keeps its episodes, given the ``episodes`` setting:
+    the setting's ``{node_id}`` and ``{hostname}`` filled in, if it names either; else, for
+    the default store, its ``<hostname>`` subdirectory; else the setting as it is."""
+    hostname = socket.gethostname() or "localhost"
+    if "{node_id}" in episodes or "{hostname}" in episodes:
+        return episodes.replace("{node_id}", node_id).replace("{hostname}", hostname)
+    if episodes == default_episodes(os.environ):
+        return os.path.join(episodes, hostname)
+    return episodes
 
 
 def _backend(llm: LLM) -> LLMBackend:
