@@ -364,6 +364,88 @@ def test_a_dataset_that_fails_midway_leaves_no_file(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "out" / NOTEBOOKS_NAME).iterdir()] == ["d.ipynb"]
 
 
+# -- every door ---------------------------------------------------------------------------------
+
+DOOR_TOKEN = "door-token-Ep7mW2qRt5"
+
+
+def _e2b_door(url: str) -> None:
+    e2b_ci = pytest.importorskip("e2b_code_interpreter")
+    sandbox = e2b_ci.Sandbox.create(api_url=url, sandbox_url=url, api_key=DOOR_TOKEN)
+    try:
+        assert sandbox.run_code("print('through e2b')").logs.stdout == ["through e2b\n"]
+    finally:
+        sandbox.kill()
+
+
+def _jupyter_door(url: str) -> None:
+    from websockets.sync.client import connect
+
+    auth = {"Authorization": f"token {DOOR_TOKEN}"}
+    kernel = httpx.post(f"{url}/api/kernels", json={}, headers=auth, timeout=60).json()["id"]
+    channels = url.replace("http://", "ws://", 1) + f"/api/kernels/{kernel}/channels"
+    with connect(channels, additional_headers=auth) as ws:
+        msg_id = os.urandom(8).hex()
+        header = {"msg_id": msg_id, "msg_type": "execute_request", "session": "s",
+                  "username": "u", "date": "", "version": "5.3"}  # fmt: skip
+        content = {"code": "print('through jupyter')", "silent": False, "store_history": True}
+        ws.send(json.dumps({"header": header, "parent_header": {}, "metadata": {},
+                            "content": content, "channel": "shell"}))  # fmt: skip
+        while True:
+            msg = json.loads(ws.recv(timeout=60))
+            if msg["msg_type"] == "execute_reply" and msg["parent_header"]["msg_id"] == msg_id:
+                break
+    assert httpx.delete(f"{url}/api/kernels/{kernel}", headers=auth, timeout=60).is_success
+
+
+def _mcp_door(url: str) -> None:
+    headers = {"Authorization": f"Bearer {DOOR_TOKEN}", "Accept": "application/json"}
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                       "clientInfo": {"name": "t", "version": "0"}}}  # fmt: skip
+    opened = httpx.post(f"{url}/mcp", json=init, headers=headers, timeout=60)
+    headers["Mcp-Session-Id"] = opened.headers["Mcp-Session-Id"]
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "add_and_execute_code_cell",
+                       "arguments": {"code": "print('through mcp')"}}}  # fmt: skip
+    answer = httpx.post(f"{url}/mcp", json=call, headers=headers, timeout=60).json()
+    assert "through mcp" in answer["result"]["content"][0]["text"], answer
+    assert httpx.delete(f"{url}/mcp", headers=headers, timeout=60).is_success
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_every_door_keeps_its_episodes(tmp_path: Path) -> None:
+    """An episode through E2B's SDK, the Jupyter door (kernels API and channels) and MCP is
+    kept as one through OpenEnv's protocol is: listed, ended, its cell in its notebook."""
+    env = {**os.environ, "KERNEL_ENV_TOKEN": DOOR_TOKEN}
+    with _serve(tmp_path / "store", env=env) as server:
+        doors = {"e2b": _e2b_door, "jupyter": _jupyter_door, "mcp": _mcp_door}
+        for door in doors.values():
+            door(server.url)
+        auth = {"Authorization": f"Bearer {DOOR_TOKEN}"}
+
+        def kept() -> dict[str, dict[str, Any]]:
+            rows = httpx.get(f"{server.url}/episodes", headers=auth, timeout=30).json()
+            found = {}
+            for row in rows["episodes"]:
+                path = f"{server.url}/episodes/{row['episode_id']}/notebook"
+                notebook = httpx.get(path, headers=auth, timeout=30).text
+                for name in doors:
+                    if f"print('through {name}')" in notebook:
+                        found[name] = {**row, "notebook": notebook}
+            return found
+
+        wait_until(lambda: all(r["state"] != "running" for r in kept().values()), 30)
+        found = kept()
+    assert sorted(found) == sorted(doors)
+    for name, row in found.items():
+        nb = nbformat.reads(row["notebook"], as_version=4)
+        nbformat.validate(nb)
+        assert [c.source for c in recorded_steps(nb)] == [f"print('through {name}')"], name
+        assert row["steps"] == 1 and row["state"] in ("done", "interrupted"), row
+
+
 # -- a server killed mid-episode --------------------------------------------------------------
 
 
