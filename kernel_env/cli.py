@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import difflib
-import io
 import ipaddress
 import json
 import os
@@ -865,9 +864,12 @@ class _Episodes:
     def replay(args: argparse.Namespace, source: _StoredEpisodes) -> int:
         import tempfile
 
+        from kernel_env.archive import extract_export
+
         archive = source.export_zip(args.episode_id)
         with tempfile.TemporaryDirectory(prefix="kernel-env-replay-") as scratch:
-            notebook = _unpacked(archive, Path(scratch))
+            # The archive's first notebook is the episode's; its context file is beside it.
+            notebook = extract_export(archive, scratch)[0]
             return _replay_notebook(notebook, args, shown=args.episode_id)
 
     @staticmethod
@@ -891,23 +893,6 @@ class _Episodes:
         print(f"{dataset.rows} episode(s), {skipped} skipped: {dataset.path}", file=sys.stderr)
         print(dataset.path)
         return 0
-
-
-def _unpacked(archive: bytes, into: Path) -> Path:
-    """An episode's export.zip unpacked into ``into`` (its files at the top level only); the
-    path of its notebook (the one its context file is named after)."""
-    import zipfile
-
-    with zipfile.ZipFile(io.BytesIO(archive)) as files:
-        names = files.namelist()
-        for name in names:
-            if Path(name).name != name or name.startswith("."):
-                raise ValueError(f"the episode's archive holds an unexpected file: {name[:80]!r}")
-            (into / name).write_bytes(files.read(name))
-    notebooks = sorted(n for n in names if n.endswith(".ipynb"))
-    if not notebooks:
-        raise ValueError("the episode's archive holds no notebook")
-    return into / min(notebooks, key=len)  # children's are named after it, and longer
 
 
 def _episode_filters(args: argparse.Namespace) -> dict[str, Any]:
