@@ -54,6 +54,8 @@ _OPEN_TIMEOUT = 10.0
 _WAIT_STEP = 0.2  # seconds between looks for room while the cluster is full
 _STEP_GRACE = 10.0  # past the step timeout: the timeout ladder's interrupt and restart
 _LOST = ("CONNECTION_CLOSED", "TIMEOUT")
+# GET /episodes's filters, as AsyncKernelEnv.episodes takes them
+_EPISODE_FILTERS = ("task", "reward_min", "reward_max", "done", "state", "kernel", "since", "until")
 
 
 class HostLost(RemoteError):
@@ -337,6 +339,9 @@ class KernelEnvCluster:
         ``GET /episodes`` with ``filters`` (those of :meth:`AsyncKernelEnv.episodes`), each
         row with the ``node_id`` of a host that keeps it. A host that does not answer is
         left out, and logged."""
+        unknown = set(filters) - set(_EPISODE_FILTERS)
+        if unknown:
+            raise TypeError(f"unknown episode filter(s): {', '.join(sorted(unknown))}")
         endpoints = await self._live_endpoints()
         answers = await asyncio.gather(
             *(
