@@ -89,14 +89,14 @@ def _die_with_parent() -> None:
 
 
 class Server:
-    """`python -m kernel_env serve` on a free port, with stderr in a temporary file."""
+    """`python -m kernel_env serve` on a free port, with stderr in a temporary file.
+    ``launcher``: what runs the CLI instead of ``-m kernel_env`` (``-c CODE``, say)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, launcher: tuple[str, ...] = ("-m", "kernel_env")) -> None:
         self.log = Path(tempfile.mkstemp(prefix="bench-serve-", suffix=".log")[1])
         cmd = [
             sys.executable,
-            "-m",
-            "kernel_env",
+            *launcher,
             "serve",
             "--port",
             "0",

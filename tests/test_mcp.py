@@ -19,7 +19,11 @@ from typing import Any
 import httpx
 import procs
 import pytest
+import websockets
 from serverkit import ServeProcess, metrics, serve_process, wait_until
+from venvs import cached_venv
+
+from kernel_env.remote import ws_url
 
 httpx2 = pytest.importorskip("httpx2")
 mcp_client = pytest.importorskip("mcp.client.session")
@@ -31,6 +35,7 @@ pytestmark = pytest.mark.integration  # a server and its kernels
 TOKENS = {"alice": "alice-token-7Qm2xv9LkP3w", "bob": "bob-token-Rt5nZ8cYh1Ju"}
 OPS = "ops-token-Wd4sK6gBq0Ee"
 EPISODE = "io.github.kernel-env/episode"
+OPENENV_VERSION = "0.10.0"  # the openenv release whose MCPToolClient is driven
 FIVE = {
     "add_and_execute_code_cell",
     "edit_and_execute_current_cell",
@@ -285,6 +290,172 @@ def test_an_idle_session_is_culled(tmp_path: Path) -> None:
         wanted = {**headers, "Mcp-Session-Id": sid}
         assert wait_until(lambda: _post(served.url, listing, wanted).status_code == 404, 30, 3)
         assert metrics(served.url, OPS)["kernels_in_sessions"] == 0
+
+
+# -- OpenEnv 0.10's MCPToolClient, in a venv of its own -----------------------------------
+
+CLIENT = Path(__file__).parent / "openenv_tool_client.py"
+SETUP = ["mkdir -p work && printf seed > work/input.txt"]
+VERIFY = ["test -f work/answer.txt", "grep -q seed work/input.txt", "false"]
+
+
+@pytest.fixture(scope="module")
+def openenv_python() -> Path:
+    # The venv test_openenv_validate.py uses too (one venv: the same requirement).
+    return cached_venv("openenv", [f"openenv=={OPENENV_VERSION}"])
+
+
+def _openenv_client(python: Path, url: str, who: str, plan: list[dict[str, Any]]) -> list[Any]:
+    """The outcomes of ``plan`` run by OpenEnv's MCPToolClient (tests/openenv_tool_client.py)."""
+    done = subprocess.run(
+        [str(python), str(CLIENT), url, TOKENS[who]],
+        input=json.dumps(plan),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    outcomes: list[Any] = json.loads(done.stdout)
+    return outcomes
+
+
+def _call(name: str, **kwargs: Any) -> dict[str, Any]:
+    return {"op": "call_tool", "name": name, "kwargs": kwargs}
+
+
+@pytest.mark.timeout(900)  # the first run makes the venv (~2 min)
+def test_openenv_mcp_tool_client_runs_an_episode(
+    server: ServeProcess, openenv_python: Path
+) -> None:
+    """OpenEnv 0.10's MCPToolClient as it is (its one mode: openenv/session/create, tools
+    over /mcp with the session id in the params, reset and steps over /ws?session_id=): the
+    reset's setup and verify, the five tools, a cell's value, state kept, the last cell
+    replaced, a shell command in the sandbox, final_answer's pass-rate reward; a second
+    episode on the same session scored through a /ws step; closing frees the kernel."""
+    before = kernels(server)
+    plan = [
+        {"op": "reset", "kwargs": {"setup": SETUP, "verify": VERIFY}},
+        {"op": "list_tools"},
+        _call("add_and_execute_code_cell", code="x = 21 * 2\nx"),
+        _call("add_and_execute_code_cell", code="x + 1"),
+        _call("add_and_execute_code_cell", code="y = x +\n"),
+        _call("edit_and_execute_current_cell", code="y = x + 2\ny"),
+        _call("execute_shell_command", command="ls"),
+        _call("execute_shell_command", command="id -u"),
+        _call("add_and_execute_code_cell", code="import os; os.getuid()"),
+        _call("get_notebook_state"),
+        {"op": "state"},
+        _call("add_and_execute_code_cell", code="open('work/answer.txt', 'w').write('4')"),
+        _call("final_answer", answer="4"),
+        _call("add_and_execute_code_cell", code="1"),
+        {"op": "reset", "kwargs": {"verify": ["true", "false"]}},
+        _call("add_and_execute_code_cell", code="x"),
+        {"op": "step", "name": "final_answer", "kwargs": {"answer": "a"}},
+    ]
+    (reset, listed, cell, kept, broken, edited, ls, uid, kernel_uid, summary, state, wrote,
+     answered, over, again, fresh, scored) = _openenv_client(
+        openenv_python, server.url, "alice", plan)  # fmt: skip
+    assert reset["done"] is False and reset["reward"] is None
+    assert set(listed) == FIVE and len(listed) == 5
+    assert cell == {"result": "42"}
+    assert kept == {"result": "43"}
+    assert broken["result"].startswith("ERROR:\nSyntaxError")
+    assert edited == {"result": "44"}
+    assert ls == {"result": "work"}  # the workspace the setup command wrote in
+    assert uid == kernel_uid  # the shell runs as the kernel's uid, beside it
+    assert summary["result"].splitlines()[:4] == [
+        "[Cell 1] x = 21 * 2 ↵ x",
+        "  → 42",
+        "[Cell 2] x + 1",
+        "  → 43",
+    ]
+    assert summary["result"].splitlines()[4:6] == ["[Cell 3] y = x + 2 ↵ y", "  → 44"]
+    # The kernel ran five cells (an edit runs its code as a new step); shell commands are not
+    # steps of the episode.
+    assert state["episode_id"] and state["step_count"] == 5
+    assert wrote == {"result": "1"}
+    assert answered == {
+        "result": "Answer submitted: 4\nVerification: 2/3 passed; reward=0.6666666666666666"
+    }
+    assert "episode is over" in over["error"]
+    assert again["done"] is False
+    assert "NameError" in fresh["result"]  # a new episode: a fresh kernel
+    assert scored["done"] is True and scored["reward"] == 0.5
+    assert scored["result"].endswith("Verification: 1/2 passed; reward=0.5")
+    assert wait_until(lambda: kernels(server) == before, 10)
+
+
+def _rpc(method: str, **params: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": 7, "method": method, "params": params}
+
+
+def _openenv_post(url: str, body: Any, who: str | None) -> httpx.Response:
+    headers = _bearer(who) if who else {}
+    return httpx.post(f"{url}/mcp", json=body, headers=headers, timeout=60)
+
+
+async def _ws_attach(url: str, sid: str, who: str, frame: dict[str, Any]) -> Any:
+    """The first frame a /ws?session_id= socket answers ``frame`` with, and the code the
+    server closed it with after an error frame (None: left open, closed by the client)."""
+    headers = _bearer(who)
+    async with websockets.connect(f"{ws_url(url)}?session_id={sid}",
+                                  additional_headers=headers) as ws:  # fmt: skip
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ws.send(json.dumps(frame))
+        reply = json.loads(await ws.recv())
+        if reply["type"] != "error":
+            return reply, None
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ws.recv()
+        return reply, ws.close_code
+
+
+async def test_openenv_sessions_tokens_tenants_and_limits(server: ServeProcess) -> None:
+    """OpenEnv's dialect on /mcp: no token is 401; a code call before the reset, or with a
+    non-string code, is a JSON-RPC error that says so; another tenant's session id, over HTTP
+    or as /ws?session_id=, is answered as one that never existed, and its owner's session
+    is untouched; a body over the limit is 413 before it is read; openenv/session/close
+    frees the kernel, and the id is then unknown."""
+    url, before = server.url, kernels(server)
+    assert _openenv_post(url, _rpc("openenv/session/create"), None).status_code == 401
+    created = _openenv_post(url, _rpc("openenv/session/create"), "alice")
+    assert created.status_code == 200
+    sid = created.json()["result"]["session_id"]
+    listed = _openenv_post(url, _rpc("tools/list", session_id=sid), "alice").json()
+    assert {t["name"] for t in listed["result"]["tools"]} == FIVE
+    early = _openenv_post(url, _rpc("tools/call", session_id=sid, name="get_notebook_state",
+                                    arguments={}), "alice")  # fmt: skip
+    assert early.json()["result"]["data"] == "No cells executed yet."
+    for arguments, said in [({"code": "1"}, "reset"), ({"code": 42}, "must be a string, not int")]:
+        refused = _openenv_post(url, _rpc("tools/call", session_id=sid, arguments=arguments,
+                                          name="add_and_execute_code_cell"), "alice")  # fmt: skip
+        assert refused.status_code == 200 and said in refused.json()["error"]["message"]
+    reset, _ = await _ws_attach(url, sid, "alice", {"type": "reset", "data": {}})
+    assert reset["type"] == "observation", reset
+    code = {"name": "add_and_execute_code_cell", "arguments": {"code": "secret = 7\nsecret"}}
+    mine = _openenv_post(url, _rpc("tools/call", session_id=sid, **code), "alice").json()
+    assert mine["result"]["data"] == "7" and mine["result"]["is_error"] is False
+    for method, params in [("tools/call", code), ("tools/list", {}), ("openenv/session/close", {})]:
+        theirs = _openenv_post(url, _rpc(method, session_id=sid, **params), "bob")
+        nobody = _openenv_post(url, _rpc(method, session_id="0" * 32, **params), "bob")
+        assert theirs.status_code == nobody.status_code == 200
+        assert theirs.json()["error"] == nobody.json()["error"], method
+        assert "Unknown session_id" in theirs.json()["error"]["message"]
+    refused, code_theirs = await _ws_attach(url, sid, "bob", {"type": "state"})
+    unknown, code_nobody = await _ws_attach(url, "0" * 32, "bob", {"type": "state"})
+    assert refused == unknown and refused["type"] == "error"
+    assert code_theirs == code_nobody == 1008  # policy: not the caller's to attach to
+    huge = _rpc("tools/call", session_id=sid, name="add_and_execute_code_cell",
+                arguments={"code": "x" * (64 << 20)})  # fmt: skip
+    assert _openenv_post(url, huge, "alice").status_code == 413
+    still = _openenv_post(url, _rpc("tools/call", session_id=sid, name="add_and_execute_code_cell",
+                                    arguments={"code": "secret * 6"}), "alice").json()  # fmt: skip
+    assert still["result"]["data"] == "42"
+    closed = _openenv_post(url, _rpc("openenv/session/close", session_id=sid), "alice").json()
+    assert closed["result"] == {"session_id": sid, "closed": True}
+    assert wait_until(lambda: kernels(server) == before, 10)
+    gone = _openenv_post(url, _rpc("tools/list", session_id=sid), "alice").json()
+    assert gone["error"]["message"] == "Session ended: the session was closed"
 
 
 # -- stdio: `kernel-env mcp` ---------------------------------------------------------------

@@ -555,6 +555,20 @@ class SessionManager:
         session.kind = "ws"
         return session
 
+    def share(self, session_id: str, tenant: Tenant) -> Session:
+        """An open session for a WebSocket to share with the HTTP requests that name it
+        (OpenEnv's ``/ws?session_id=``): one socket at a time, and the session outlives it
+        (:meth:`unshare`); its owner closes it, or the idle TTL does."""
+        session = self.get(session_id, tenant)
+        if session.attached:
+            raise SessionClosed("another WebSocket already holds this session")
+        session.attached = True
+        return session
+
+    def unshare(self, session: Session) -> None:
+        """The socket that :meth:`share` gave ``session`` to has gone: another may attach."""
+        session.attached = False
+
     def peek(self, session_id: str, tenant: Tenant) -> Session | None:
         """The open session with this id that ``tenant`` may see, if any, without claiming
         it (the web view watches sessions it does not use)."""

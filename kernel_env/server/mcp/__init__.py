@@ -5,6 +5,8 @@
 
 - :mod:`.routes`: ``POST``/``GET``/``DELETE /mcp`` as a route table, ``add_mcp(app)``, and
   the answer to a request without a token;
+- :mod:`.openenv_dialect`: OpenEnv's dialect of ``/mcp`` (its ``MCPToolClient``: a session
+  created by ``openenv/session/create``, named in the params, shared with ``/ws``);
 - :mod:`.protocol`: MCP's JSON-RPC messages as plain data (no I/O);
 - :mod:`.failures`: exceptions -> JSON-RPC errors and ``isError`` results, in one place;
 - :mod:`.stdio`: MCP's stdio transport (``kernel-env mcp``), a bridge to the routes, of a

@@ -8,6 +8,10 @@ session and frees its kernel; an idle one is reaped after ``--idle-ttl`` like an
 The reset's options are the settings of the client's ``io.github.kernel-env/episode``
 extension capability (:data:`~.protocol.RESET_EXTENSION`).
 
+OpenEnv's own dialect (``openenv/session/create``, then ``tools/list`` and ``tools/call``
+with the ``session_id`` in the params, shared with ``/ws?session_id=``) is served on the same
+path by :mod:`.openenv_dialect`.
+
 The token is checked as on every route (``Authorization: Bearer``). A request without one is
 answered by :func:`probe`: 401, except a body that asks for nothing (``openenv validate``
 posts ``{}``), which gets JSON-RPC's "invalid request", as before there were tools.
@@ -27,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from kernel_env.models import ResetOptions
 from kernel_env.server import tools
 from kernel_env.server.auth import tenant_of
-from kernel_env.server.mcp import protocol
+from kernel_env.server.mcp import openenv_dialect, protocol
 from kernel_env.server.mcp.failures import GONE, rpc_error_for
 from kernel_env.server.mcp.protocol import RpcError
 from kernel_env.server.runtime import Runtime
@@ -73,6 +77,8 @@ async def post(request: Request) -> Response:
         return _answer(None, exc)
     if not message.is_request:
         return Response(status_code=202)  # a notification, or a response: nothing to answer
+    if openenv_dialect.speaks_openenv(request, message):
+        return await openenv_dialect.answer(request, message)
     sid = request.headers.get(protocol.SESSION_HEADER)
     try:
         if message.method == "initialize":

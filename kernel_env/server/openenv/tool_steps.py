@@ -55,21 +55,23 @@ class ToolSteps:
                 for schema in [t["inputSchema"]]
             ]
             return tool_payload({"tools": listed}, None, False, **metadata)
-        observation = await self._call(session, action, timeout)
+        observation = await self.call(session, action.tool_name, action.arguments, timeout)
         state = session.state()  # the episode's reward and end, as the tool left them
         return tool_payload(observation, state.reward, state.done, **metadata)
 
-    async def _call(
-        self, session: Session, action: CallToolAction, timeout: float
+    async def call(
+        self, session: Session, name: str, arguments: Any, timeout: float
     ) -> dict[str, Any]:
-        name = action.tool_name
-        problem = tools.check_arguments(name, action.arguments)
+        """One tool call on ``session``'s episode, as OpenEnv's ``CallToolObservation``
+        (``tool_name``, and ``result`` or ``error``): what a ``call_tool`` step answers, and
+        the ``tools/call`` of OpenEnv's dialect of ``/mcp`` (:mod:`kernel_env.server.mcp`)."""
+        problem = tools.check_arguments(name, arguments)
         if problem is not None:
             kind = "tool_not_found" if problem.startswith("Unknown tool") else "invalid_args"
             return _called(name, error={"error_type": kind, "message": problem})
         notebook = self._notebooks.setdefault(session, tools.Notebook())
         try:
-            text, failed = await tools.call_tool(session, notebook, name, action.arguments, timeout)
+            text, failed = await tools.call_tool(session, notebook, name, arguments, timeout)
         except Exception as exc:
             said = tools.failure_text(exc)
             if said is None:

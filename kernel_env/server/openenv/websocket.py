@@ -56,31 +56,41 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     # Host, Origin and the token were checked before the handshake (guard, auth).
     runtime: Runtime = websocket.app.state.runtime
     await websocket.accept()
-    session = await _session_for(websocket, runtime)
+    session, owned = await _session_for(websocket, runtime)
     if session is None:
         return
     try:
         await _serve(websocket, session, runtime)
     finally:
-        # Shielded: if this handler is being cancelled, the kernel must still be shut down.
-        await asyncio.shield(runtime.sessions.close_soon(session))
+        if owned:
+            # Shielded: if this handler is being cancelled, the kernel must still be shut down.
+            await asyncio.shield(runtime.sessions.close_soon(session))
+        else:
+            runtime.sessions.unshare(session)
 
 
-async def _session_for(websocket: WebSocket, runtime: Runtime) -> Session | None:
-    """A new session, or with ``?session=<id>`` an existing one (a fork's, an HTTP one) that
-    this socket then owns; None when refused (the socket was told why and closed). A client
-    tenant attaches only to its own sessions: another's id is refused as an unknown one."""
+async def _session_for(websocket: WebSocket, runtime: Runtime) -> tuple[Session | None, bool]:
+    """The socket's session and whether the socket owns it: a new one; with
+    ``?session=<id>`` an existing one (a fork's, an HTTP one) that it then owns; with
+    ``?session_id=<id>`` (OpenEnv's ``MCPToolClient``) one that it shares with the
+    ``/mcp`` requests naming it, which outlives the socket. None when refused (the socket
+    was told why and closed). A client tenant attaches only to its own sessions: another's
+    id is refused as an unknown one."""
     attach = websocket.query_params.get("session")
+    shared = websocket.query_params.get("session_id")
     tenant = tenant_of(websocket)
     try:
         if attach is not None:
-            return runtime.sessions.take(attach, tenant)
-        return runtime.sessions.open("ws", tenant)
+            return runtime.sessions.take(attach, tenant), True
+        if shared is not None:
+            return runtime.sessions.share(shared, tenant), False
+        return runtime.sessions.open("ws", tenant), True
     except (CapacityReached, SessionError, UnknownSession) as exc:
         # Full; shutting down; or no such session to take.
-        frame, code = connect_refusal(exc, attaching=attach is not None)
+        attaching = attach is not None or shared is not None
+        frame, code = connect_refusal(exc, attaching=attaching)
         await _refuse(websocket, frame, code)
-    return None
+    return None, False
 
 
 async def _serve(websocket: WebSocket, session: Session, runtime: Runtime) -> None:
