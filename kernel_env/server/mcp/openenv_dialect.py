@@ -69,12 +69,7 @@ async def _answer(request: Request, message: protocol.Message) -> dict[str, Any]
         return {"session_id": session.id, "closed": True}
     if message.method == "tools/list":
         return {"tools": tools.TOOLS}
-    if message.method != "tools/call":
-        raise RpcError(protocol.METHOD_NOT_FOUND,
-                       f"Method not found: {protocol.shown(str(message.method))}")  # fmt: skip
-    name, arguments = message.params.get("name"), message.params.get("arguments", {})
-    if not isinstance(name, str):
-        raise RpcError(protocol.INVALID_PARAMS, "Invalid params: the tool name is not a string")
+    name, arguments = protocol.tool_call(message)
     steps: ToolSteps = request.app.state.openenv_tools
     async with runtime.sessions.request(session):
         called = await steps.call(session, name, arguments, runtime.settings.step_timeout)

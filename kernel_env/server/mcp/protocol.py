@@ -34,6 +34,7 @@ __all__ = [
     "parse",
     "result",
     "shown",
+    "tool_call",
 ]
 
 SESSION_HEADER = "Mcp-Session-Id"
@@ -99,6 +100,17 @@ def parse(body: bytes) -> Message:
 
 def shown(method: str) -> str:
     return method if len(method) <= _SHOWN else method[:_SHOWN] + "..."
+
+
+def tool_call(message: Message) -> tuple[str, Any]:
+    """A ``tools/call``'s tool name and arguments; RpcError for another method, or for a
+    tool name that is not a string."""
+    if message.method != "tools/call":
+        raise RpcError(METHOD_NOT_FOUND, f"Method not found: {shown(str(message.method))}")
+    name, arguments = message.params.get("name"), message.params.get("arguments", {})
+    if not isinstance(name, str):
+        raise RpcError(INVALID_PARAMS, "Invalid params: the tool name is not a string")
+    return name, arguments
 
 
 def negotiate(asked: Any) -> str:

@@ -119,12 +119,7 @@ async def _answer_in(
         return {}
     if message.method == "tools/list":
         return {"tools": tools.TOOLS}
-    if message.method != "tools/call":
-        raise RpcError(protocol.METHOD_NOT_FOUND,
-                       f"Method not found: {protocol.shown(str(message.method))}")  # fmt: skip
-    name, arguments = message.params.get("name"), message.params.get("arguments", {})
-    if not isinstance(name, str):
-        raise RpcError(protocol.INVALID_PARAMS, "Invalid params: the tool name is not a string")
+    name, arguments = protocol.tool_call(message)
     problem = tools.check_arguments(name, arguments)
     if problem is not None:
         raise RpcError(protocol.INVALID_PARAMS, problem)
