@@ -447,6 +447,26 @@ def test_r_bash_and_typescript_contexts_and_templates(opts: dict[str, Any]) -> N
         assert _texts(sandbox.run_code("sum(1:10)")) == ["[1] 55"]
 
 
+def test_the_sandboxs_envs_reach_every_languages_context(opts: dict[str, Any]) -> None:
+    """create(envs=...) sets the variables of every context's kernel, in every language, and
+    again after a restart (E2B's env_vars tests of Bash, R and JavaScript)."""
+    if OTHERS != ["bash", "deno", "ir"]:
+        pytest.skip(f"make kernels installs R, Bash and Deno; here only {OTHERS}")
+    value = 'it\'s "quoted" $HOME'
+    with e2b_ci.Sandbox.create(envs={"TEST_ENV_VAR": value}, **opts) as sandbox:
+        said = sandbox.run_code('echo "$TEST_ENV_VAR"', language="bash")
+        assert said.logs.stdout == [value + "\n"], said
+        assert _texts(sandbox.run_code("Sys.getenv('TEST_ENV_VAR')", language="r")) == [
+            '[1] "it\'s \\"quoted\\" $HOME"'
+        ]
+        js = sandbox.run_code("console.log(process.env.TEST_ENV_VAR)", language="javascript")
+        assert js.logs.stdout == [value + "\n"], js
+        context = sandbox.create_code_context(language="bash")
+        sandbox.restart_code_context(context)
+        again = sandbox.run_code('echo "$TEST_ENV_VAR"', context=context)
+        assert again.logs.stdout == [value + "\n"], again
+
+
 def _texts(execution: Any) -> list[str]:
     return [result.text for result in execution.results]
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from kernel_env.errors import SandboxError
 from kernel_env.models import MAX_ITERATIONS
 from kernel_env.server.auth import Tenant
-from kernel_env.server.e2b.kernelcalls import in_kernel
+from kernel_env.server.e2b.kernelcalls import set_envs
 from kernel_env.server.sessions import Session, SessionManager
 
 __all__ = [
@@ -193,7 +193,7 @@ class Sandboxes:
             async with self.sessions.request(session):
                 await session.reset({**UNLIMITED_EPISODE, "kernel_name": kernel_name})
                 if envs:
-                    await in_kernel(session, "set_envs", envs=envs)
+                    await set_envs(session, kernel_name, envs)
         except BaseException:
             await asyncio.shield(self.sessions.close_soon(session))
             raise
