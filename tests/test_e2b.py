@@ -663,6 +663,24 @@ def test_llm_query_notebook_and_fork(opts: dict[str, Any], server: ServeProcess)
             copy.kill()
 
 
+def test_a_forks_count_is_checked_before_its_sandbox(
+    opts: dict[str, Any], server: ServeProcess
+) -> None:
+    """fork(count=0) is refused as an invalid argument whatever the sandbox (e2b 2.51 sends
+    it unchecked; E2B's API answers 400 before it looks the sandbox up)."""
+    for count in (0, 65, "2"):
+        refused = httpx.post(
+            f"{server.url}/sandboxes/no-such-sandbox/fork",
+            json={"count": count},
+            headers={"X-API-KEY": TOKEN},
+            timeout=10,
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["code"] == 400
+    with pytest.raises(e2b.InvalidArgumentException):
+        e2b_ci.Sandbox.fork("no-such-sandbox", count=0, **opts)
+
+
 def test_out_of_scope_calls_are_refused_in_e2b_shape(
     opts: dict[str, Any], server: ServeProcess
 ) -> None:

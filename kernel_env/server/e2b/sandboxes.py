@@ -68,6 +68,17 @@ State = Literal["running", "paused"]
 OnTimeout = Literal["kill", "pause"]
 
 
+MAX_FORKS = 64  # copies one fork() makes at most
+
+
+def check_fork_count(count: object) -> None:
+    """A fork's ``count`` as E2B's API checks it, before it looks for the sandbox: 400."""
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise SandboxError(400, "count must be an integer")
+    if not 1 <= count <= MAX_FORKS:
+        raise SandboxError(400, f"count must be between 1 and {MAX_FORKS}")
+
+
 @dataclass(eq=False)
 class Sandbox:
     """One E2B sandbox: its session and what E2B says about it."""
@@ -202,8 +213,7 @@ class Sandboxes:
     async def fork(self, parent: Sandbox, count: int, timeout: float) -> list[Sandbox]:
         """``count`` copies of ``parent``, each a sandbox of its own (kernel_env's fork: live
         where the kernel can be copied, else a replay of the episode's cells)."""
-        if not 1 <= count <= 64:
-            raise SandboxError(400, "count must be between 1 and 64")
+        check_fork_count(count)
         children = await self.sessions.fork(parent.session, count, own_budget=False)
         now = time.time()
         copies = []
