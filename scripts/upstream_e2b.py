@@ -81,8 +81,8 @@ KNOWN: list[tuple[str, str, str]] = [
     (r"test_env_vars\.py::test_bash_command_scoped_env_vars", DIFF,
      "commands run as the kernel's uid, never root (no sudo)"),
     (r"test_sandbox_killed_during_run\.py::", DIFF,
-     "a sandbox killed under a command ends its stream with `unavailable` (e2b 2.51 words it as a"
-     " likely timeout)"),
+     "a sandbox killed under a command ends its stream with `unavailable` (2.35 and 2.51"
+     " word it as a likely timeout)"),
     (r"test_connect\.py::test_connect_normalizes_unset_tokens", STALE,
      "mocks the v1 connect call this SDK no longer makes, so its placeholder key is sent"),
     (r"^test_execute_timeout\.py::", STALE, "checks the httpx.Timeout a newer SDK builds"),
@@ -94,8 +94,10 @@ KNOWN: list[tuple[str, str, str]] = [
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="upstream_suites.py e2b", description=__doc__)
-    parser.add_argument("code_interpreter", type=Path, help="e2b-dev/code-interpreter's checkout")
-    parser.add_argument("e2b", type=Path, help="e2b-dev/E2B's checkout")
+    parser.add_argument(
+        "code_interpreter", type=Path, nargs="?", help="e2b-dev/code-interpreter's checkout"
+    )
+    parser.add_argument("e2b", type=Path, nargs="?", help="e2b-dev/E2B's checkout")
     parser.add_argument("--sdk-python", action="append", help="a venv's python with the SDK")
     parser.add_argument("--keep", type=Path, help="write each run's JUnit XML in this directory")
     parser.add_argument(
@@ -105,6 +107,8 @@ def main(argv: list[str]) -> int:
     if args.report:
         _report({k: v for kept in args.report for k, v in _load(kept).items()})
         return 0
+    if args.code_interpreter is None or args.e2b is None:
+        parser.error("the two checkouts are needed, but with --report")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server stops with the run
     pythons = args.sdk_python or [sys.executable]
     with tempfile.TemporaryDirectory(prefix="upstream-e2b-") as work:
@@ -236,9 +240,11 @@ def _report(results: dict[str, dict[str, dict[str, str]]]) -> None:
     print("|---" * (len(results) + 1) + "|")
     files: dict[str, dict[str, Counter[str]]] = defaultdict(lambda: defaultdict(Counter))
     for version, suites in results.items():
-        for outcomes in suites.values():
+        for suite, outcomes in suites.items():
+            project = "code-interpreter" if suite == "code-interpreter" else "E2B"
             for name, outcome in outcomes.items():
-                files[name.split("::")[0]][version][_kind(name, outcome)] += 1
+                path = f"{project} {name.split('::')[0]}"
+                files[path][version][_kind(name, outcome)] += 1
     short = {
         "passed": "pass",
         DIFF: "diff",
