@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,13 @@ SDKS = [
 NOT_INSTALLED = ("could not import 'rlm'", "could not import 'smolagents'")
 
 
+def _venv(sdk: str) -> Path:
+    return ROOT / f".venv-e2b-{sdk}"
+
+
 def _venv_python(sdk: str) -> Path:
-    python = ROOT / f".venv-e2b-{sdk}" / "bin" / "python"
-    if not (python.parent.parent / ".installed").exists():
+    python = _venv(sdk) / "bin" / "python"
+    if not (_venv(sdk) / ".installed").exists():
         message = f"no venv for e2b {sdk}: run `make e2b-sdks`"
         if os.environ.get("CI"):
             pytest.fail(message)  # make test makes them: a missing one is a failure there
@@ -47,14 +53,18 @@ def _installed(python: Path) -> list[str]:
     return done.stdout.split()
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(("sdk", "interpreter"), SDKS, ids=[f"e2b-{s}" for s, _ in SDKS])
-def test_e2b_tests_pass_under_an_older_sdk(sdk: str, interpreter: str, tmp_path: Path) -> None:
-    """Every test of tests/test_e2b.py passes with this SDK release, or is skipped for what
-    the release lacks (its reason names the version)."""
-    python = _venv_python(sdk)
-    assert _installed(python) == [sdk, interpreter]
-    junit = tmp_path / "junit.xml"
+@dataclass
+class Run:
+    process: subprocess.Popen[bytes]
+    log: Path
+    junit: Path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    """tests/test_e2b.py started in every release's venv at once: each run mostly waits on
+    its sandboxes' timeouts, so together they take about as long as one."""
+    work = tmp_path_factory.mktemp("e2b-sdks")
     # The kernelspecs `make kernels` registered in this venv (R, Bash, Deno contexts).
     specs = [str(Path(sys.prefix) / "share" / "jupyter"), os.environ.get("JUPYTER_PATH", "")]
     env = {
@@ -62,11 +72,38 @@ def test_e2b_tests_pass_under_an_older_sdk(sdk: str, interpreter: str, tmp_path:
         "KERNEL_ENV_TEST_SERVER_PYTHON": sys.executable,
         "JUPYTER_PATH": os.pathsep.join(filter(None, specs)),
     }
-    command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    command += ["--junitxml", str(junit), "tests/test_e2b.py"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    started = {}
+    for sdk, _ in SDKS:
+        python = _venv(sdk) / "bin" / "python"
+        if not (_venv(sdk) / ".installed").exists():
+            continue
+        log, junit = work / f"{sdk}.log", work / f"{sdk}.xml"
+        command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        command += ["--junitxml", str(junit), "tests/test_e2b.py"]
+        with open(log, "wb") as sink:
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=sink)
+        started[sdk] = Run(process, log, junit)
+    yield started
+    for run in started.values():
+        if run.process.poll() is None:
+            run.process.kill()
+        run.process.wait()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("sdk", "interpreter"), SDKS, ids=[f"e2b-{s}" for s, _ in SDKS])
+def test_e2b_tests_pass_under_an_older_sdk(
+    sdk: str, interpreter: str, runs: dict[str, Run]
+) -> None:
+    """Every test of tests/test_e2b.py passes with this SDK release, or is skipped for what
+    the release lacks (its reason names the version)."""
+    python = _venv_python(sdk)
+    assert _installed(python) == [sdk, interpreter]
+    run = runs[sdk]
+    returncode = run.process.wait(timeout=850)
+    said = run.log.read_text(errors="replace")
+    assert returncode == 0, said[-8000:]
+    cases = list(ET.parse(run.junit).getroot().iter("testcase"))
     skipped = {
         case.get("name"): (case.find("skipped").get("message") or "")  # type: ignore[union-attr]
         for case in cases
