@@ -5,6 +5,7 @@
 #                it installs only the test extra (make test adds the rest)
 #   make bench   run the server benchmarks (prints a table); benchmarks/README.md has the rest
 #   make kernels install the R, Bash and Deno kernels and register their kernelspecs
+#   make e2b-sdks  a venv per older E2B SDK release that tests/test_e2b.py runs under (make test)
 #   make test-lowest  the kernel tests against the lowest ipykernel and jupyter_client
 #                pyproject.toml admits, in a venv of their own (CI's second job, .ci/lowest)
 
@@ -25,7 +26,7 @@ QUICK  := -m "not integration and not slow and not soak"
 CONSTRAINTS := constraints.txt
 
 .PHONY: serve test check lint format bench install install-test install-dev system-deps \
-	test-deps clean test-lowest kernels
+	test-deps clean test-lowest kernels e2b-sdks
 
 $(BIN)/python:
 	@echo "== creating the virtualenv $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
@@ -137,11 +138,33 @@ kernels: $(VENV)/.installed-kernels
 serve: $(VENV)/.installed system-deps
 	$(BIN)/kernel-env serve --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.installed-dev test-deps kernels
+test: $(VENV)/.installed-dev test-deps kernels e2b-sdks
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 check: lint
 	$(BIN)/python -m pytest -q $(QUICK) $(PYTEST_ARGS)
+
+# E2B's SDK at the older releases tests/e2b_sdks.txt lists, each in a venv of its own,
+# .venv-e2b-<e2b version> in the checkout (where the test looks, whatever VENV is), for the
+# client side of tests/test_e2b.py, which tests/test_e2b_versions.py runs there; the server
+# runs from $(VENV), since these SDKs pin connectrpc and protobuf-py below the versions E2B's
+# door is built on. Each holds kernel_env from this checkout (the tests import it) and the
+# test runner, pinned by $(CONSTRAINTS) but for the SDK and what it pins itself. About a
+# minute each, once.
+E2B_SDKS        := tests/e2b_sdks.txt
+E2B_VENVS       := $(shell awk '!/^\#/ && NF {print ".venv-e2b-" $$1}' $(E2B_SDKS))
+E2B_UNPINNED    := e2b|e2b-code-interpreter|connectrpc|protobuf-py|protobuf-py-ext|pyqwest|wcmatch
+
+.venv-e2b-%/.installed: pyproject.toml $(CONSTRAINTS) $(E2B_SDKS)
+	@echo "== installing e2b==$* and the kernel_env checkout into .venv-e2b-$*"
+	$(PYTHON) -m venv --clear .venv-e2b-$*
+	grep -viE '^($(E2B_UNPINNED))==' $(CONSTRAINTS) > .venv-e2b-$*/constraints.txt
+	.venv-e2b-$*/bin/pip install -q --no-compile -c .venv-e2b-$*/constraints.txt \
+	  -e . pytest pytest-timeout pytest-asyncio httpx2 e2b==$* \
+	  e2b-code-interpreter==$$(awk '$$1 == "$*" {print $$2}' $(E2B_SDKS))
+	touch $@
+
+e2b-sdks: $(addsuffix /.installed,$(E2B_VENVS))
 
 # The kernel layer against the lowest releases of ipykernel and jupyter_client that
 # pyproject.toml admits (make test runs the newest, as constraints.txt pins them): every other
@@ -182,7 +205,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/bench_server.py
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) $(E2B_VENVS) .pytest_cache build dist *.egg-info
 
 # Build the Docker image with no network and run episodes in it (scripts/docker-smoke.sh);
 # exits 77 with a "SKIP:" line where Docker itself cannot run.

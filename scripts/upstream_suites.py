@@ -4,6 +4,7 @@ only because of the substitution.
     python scripts/upstream_suites.py dspy DSPY_CHECKOUT [--local-tests FILE]
     python scripts/upstream_suites.py rlm RLM_CHECKOUT
     python scripts/upstream_suites.py dspy-interpreters DSPY_INTERPRETERS_CHECKOUT
+    python scripts/upstream_suites.py e2b CODE_INTERPRETER_CHECKOUT E2B_CHECKOUT [--sdk-python PY]
 
 ``dspy``: the interpreter tests of a DSPy checkout (its ``tests/``: ``test_python_interpreter``,
 ``test_code_interpreter``, the interpreter callbacks, RLM, CodeAct, ProgramOfThought and Flex
@@ -21,9 +22,11 @@ patched clients, no network) run twice: as written, then with ``environment="ker
 ``check_rlm_execution_instructions``, ``check_flex_facade``; imported from the checkout's
 ``src/``), for DSPy's ``LocalInterpreter`` and for ``KernelInterpreter``.
 
+``e2b``: E2B's own suites against ``kernel-env serve`` (scripts/upstream_e2b.py).
+
 ``dspy`` and ``rlm`` print each run's counts and the tests that pass in the reference run and
 fail in kernel_env's. Not part of ``make test`` (minutes, and the checkouts are not in this repo);
-the counts are in docs/dspy.md and docs/rlm.md.
+the counts are in docs/dspy.md, docs/rlm.md and docs/e2b.md.
 """
 
 from __future__ import annotations
@@ -105,8 +108,12 @@ if "{mode}" == "kernel":
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["e2b"]:
+        import upstream_e2b  # scripts/, beside this file
+
+        return upstream_e2b.main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("suite", choices=["dspy", "rlm", "dspy-interpreters"])
+    parser.add_argument("suite", choices=["dspy", "rlm", "dspy-interpreters", "e2b"])
     parser.add_argument("checkout", type=Path, help="the project's checkout (its tests/)")
     parser.add_argument("--local-tests", type=Path, help="DSPy's test_local_interpreter.py")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")

@@ -94,10 +94,13 @@ class ServeProcess:
 
 @contextlib.contextmanager
 def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[ServeProcess]:
-    """``python -m kernel_env serve --port 0 ARGS`` as a subprocess, healthy; killed at exit."""
+    """``python -m kernel_env serve --port 0 ARGS`` as a subprocess, healthy; killed at exit.
+    The python is this one, or ``$KERNEL_ENV_TEST_SERVER_PYTHON`` (a client's venv that
+    cannot hold the server's dependencies, tests/test_e2b_versions.py)."""
+    python = os.environ.get("KERNEL_ENV_TEST_SERVER_PYTHON") or sys.executable
     log = Path(tempfile.mkstemp(prefix="kernel-env-serve-", suffix=".log")[1])
     try:
-        with serving([sys.executable, *serve_args(*args)], log, env=env) as served:
+        with serving([python, *serve_args(*args)], log, env=env) as served:
             yield served
     finally:
         log.unlink(missing_ok=True)

@@ -248,6 +248,23 @@ class Session:
 
         return await self._run(run, touch=activity)
 
+    async def silent_cell(self, code: str, *, timeout: float) -> None:
+        """Run ``code`` in the session's kernel between its cells, outside its episode, as
+        :meth:`kernel_call` does (nothing of it enters the record or the notebook); raises
+        :class:`KernelCallError` if it fails."""
+
+        async def run() -> None:
+            kernel = self.env.kernel
+            if kernel is None:
+                raise KernelCallError("unavailable", "the session has no kernel")
+            execution = await kernel.execute(code, silent=True, timeout=timeout)
+            if not execution.success:
+                error = execution.error or {}
+                message = f"{error.get('ename', execution.status)}: {error.get('evalue', '')}"
+                raise KernelCallError("internal", message)
+
+        await self._run(run)
+
     async def run_command(
         self, command: str, *, timeout: float, max_output: int = COMMAND_OUTPUT
     ) -> CommandRun:

@@ -23,7 +23,13 @@ from kernel_env.errors import KernelEnvError, SandboxError
 from kernel_env.server.auth import Tenant, Tenants
 from kernel_env.server.e2b.failures import control_error, error_response
 from kernel_env.server.e2b.listing import page_of
-from kernel_env.server.e2b.sandboxes import DEFAULT_TEMPLATE, MAX_TIMEOUT, Sandbox, Sandboxes
+from kernel_env.server.e2b.sandboxes import (
+    DEFAULT_TEMPLATE,
+    MAX_TIMEOUT,
+    Sandbox,
+    Sandboxes,
+    check_fork_count,
+)
 
 __all__ = ["CONTROL_PREFIXES", "ROUTES", "control_app"]
 
@@ -160,12 +166,11 @@ async def resume(request: Request, tenant: Tenant) -> Response:
 
 
 async def fork(request: Request, tenant: Tenant) -> Response:
-    sandbox = _sandbox(request, tenant)
     body = await _json(request)
     count = body.get("count", 1)
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise SandboxError(400, "count must be an integer")
+    check_fork_count(count)  # the request is checked first, as E2B's API does
     timeout = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
+    sandbox = _sandbox(request, tenant)
     copies = await _registry(request).fork(sandbox, count, timeout)
     return JSONResponse([{"sandbox": c.created()} for c in copies], status_code=201)
 

@@ -34,6 +34,7 @@ from kernel_env.errors import KernelEnvError, LanguageRefused, SessionError
 from kernel_env.models import REPLAction
 from kernel_env.server.e2b.door import sandbox_in
 from kernel_env.server.e2b.failures import refused, step_failure
+from kernel_env.server.e2b.kernelcalls import set_envs
 from kernel_env.server.e2b.sandboxes import UNLIMITED_EPISODE, Sandbox, Sandboxes
 from kernel_env.server.sessions import Session, SessionManager
 
@@ -209,7 +210,7 @@ async def _open_context(
     """A new context of ``sandbox``: a session whose episode runs ``kernel``."""
     registry, contexts = _registry(request), request.app.state.contexts
     try:
-        session = await registry.start_session(sandbox.owner, kernel)
+        session = await registry.start_session(sandbox.owner, kernel, sandbox.envs)
     except KernelEnvError as exc:  # a kernel this server does not offer, say
         raise LanguageRefused(f"language {language!r}: {exc}") from None
     contexts.of(sandbox)[session.id] = (session, language, cwd)
@@ -273,6 +274,8 @@ async def restart_context(request: Request) -> Response:
     try:
         async with manager.request(session):
             await session.reset({**UNLIMITED_EPISODE, "kernel_name": _kernel_of(language)})
+        if sandbox.envs:
+            await set_envs(session, _kernel_of(language), sandbox.envs)
     except KernelEnvError as exc:
         return refused(f"Context {context_id} could not be restarted: {exc}", 500)
     return Response(status_code=204)

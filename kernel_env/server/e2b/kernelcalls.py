@@ -8,13 +8,14 @@ notebook. A kernel without kernel_env (a gateway's) cannot serve them.
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 from kernel_env.errors import KernelCallError
 from kernel_env.inkernel.contract import ENVD_MODULE
 from kernel_env.server.sessions import Session
 
-__all__ = ["KernelCallError", "in_kernel"]
+__all__ = ["KernelCallError", "in_kernel", "set_envs"]
 
 _TIMEOUT = 30.0
 
@@ -39,3 +40,28 @@ async def in_kernel(session: Session, name: str, *, activity: bool = True, **arg
     if "error" in answer:
         raise KernelCallError(answer["error"]["code"], answer["error"]["message"])
     return answer.get("ok")
+
+
+async def set_envs(session: Session, kernel_name: str, envs: dict[str, str]) -> None:
+    """E2B's ``envs`` as variables of ``session``'s kernel (and so of what it starts): through
+    envd's call in Python, a silent cell of the kernel's language in R, Bash and Deno."""
+    if kernel_name not in _ENV_CELLS:
+        await in_kernel(session, "set_envs", envs=envs)
+        return
+    await session.silent_cell(_ENV_CELLS[kernel_name](envs), timeout=_TIMEOUT)
+
+
+def _r_cell(envs: dict[str, str]) -> str:
+    pairs = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in envs.items())
+    return f"invisible(do.call(Sys.setenv, list({pairs})))"
+
+
+def _bash_cell(envs: dict[str, str]) -> str:
+    return "\n".join(f"export {shlex.quote(f'{k}={v}')}" for k, v in envs.items())
+
+
+def _deno_cell(envs: dict[str, str]) -> str:
+    return f"for (const [k, v] of Object.entries({json.dumps(envs)})) Deno.env.set(k, v);"
+
+
+_ENV_CELLS = {"ir": _r_cell, "bash": _bash_cell, "deno": _deno_cell}

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from kernel_env.errors import SandboxError
 from kernel_env.models import MAX_ITERATIONS
 from kernel_env.server.auth import Tenant
-from kernel_env.server.e2b.kernelcalls import in_kernel
+from kernel_env.server.e2b.kernelcalls import set_envs
 from kernel_env.server.sessions import Session, SessionManager
 
 __all__ = [
@@ -66,6 +66,17 @@ UNLIMITED_EPISODE: dict[str, Any] = {"max_iterations": MAX_ITERATIONS}
 
 State = Literal["running", "paused"]
 OnTimeout = Literal["kill", "pause"]
+
+
+MAX_FORKS = 64  # copies one fork() makes at most
+
+
+def check_fork_count(count: object) -> None:
+    """A fork's ``count`` as E2B's API checks it, before it looks for the sandbox: 400."""
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise SandboxError(400, "count must be an integer")
+    if not 1 <= count <= MAX_FORKS:
+        raise SandboxError(400, f"count must be between 1 and {MAX_FORKS}")
 
 
 @dataclass(eq=False)
@@ -193,7 +204,7 @@ class Sandboxes:
             async with self.sessions.request(session):
                 await session.reset({**UNLIMITED_EPISODE, "kernel_name": kernel_name})
                 if envs:
-                    await in_kernel(session, "set_envs", envs=envs)
+                    await set_envs(session, kernel_name, envs)
         except BaseException:
             await asyncio.shield(self.sessions.close_soon(session))
             raise
@@ -202,8 +213,7 @@ class Sandboxes:
     async def fork(self, parent: Sandbox, count: int, timeout: float) -> list[Sandbox]:
         """``count`` copies of ``parent``, each a sandbox of its own (kernel_env's fork: live
         where the kernel can be copied, else a replay of the episode's cells)."""
-        if not 1 <= count <= 64:
-            raise SandboxError(400, "count must be between 1 and 64")
+        check_fork_count(count)
         children = await self.sessions.fork(parent.session, count, own_budget=False)
         now = time.time()
         copies = []
