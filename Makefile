@@ -145,21 +145,22 @@ check: lint
 	$(BIN)/python -m pytest -q $(QUICK) $(PYTEST_ARGS)
 
 # E2B's SDK at the older releases tests/e2b_sdks.txt lists, each in a venv of its own,
-# .venv-e2b-<e2b version> in the checkout (where the test looks, whatever VENV is), for the
-# client side of tests/test_e2b.py, which tests/test_e2b_versions.py runs there; the server
+# $(VENV)/e2b-sdk-<e2b version> (inside the dev venv, where the test looks: sys.prefix; not
+# beside it in the checkout, whose tree `openenv validate` hashes and which may hold no
+# symbolic link), for the client side of tests/test_e2b.py, which tests/test_e2b_versions.py runs there; the server
 # runs from $(VENV), since these SDKs pin connectrpc and protobuf-py below the versions E2B's
 # door is built on. Each holds kernel_env from this checkout (the tests import it) and the
 # test runner, pinned by $(CONSTRAINTS) but for the SDK and what it pins itself. About a
 # minute each, once.
 E2B_SDKS        := tests/e2b_sdks.txt
-E2B_VENVS       := $(shell awk '!/^\#/ && NF {print ".venv-e2b-" $$1}' $(E2B_SDKS))
+E2B_VENVS       := $(shell awk '!/^\#/ && NF {print "$(VENV)/e2b-sdk-" $$1}' $(E2B_SDKS))
 E2B_UNPINNED    := e2b|e2b-code-interpreter|connectrpc|protobuf-py|protobuf-py-ext|pyqwest|wcmatch
 
-.venv-e2b-%/.installed: pyproject.toml $(CONSTRAINTS) $(E2B_SDKS)
-	@echo "== installing e2b==$* and the kernel_env checkout into .venv-e2b-$*"
-	$(PYTHON) -m venv --clear .venv-e2b-$*
-	grep -viE '^($(E2B_UNPINNED))==' $(CONSTRAINTS) > .venv-e2b-$*/constraints.txt
-	.venv-e2b-$*/bin/pip install -q --no-compile -c .venv-e2b-$*/constraints.txt \
+$(VENV)/e2b-sdk-%/.installed: pyproject.toml $(CONSTRAINTS) $(E2B_SDKS) | $(BIN)/python
+	@echo "== installing e2b==$* and the kernel_env checkout into $(VENV)/e2b-sdk-$*"
+	$(PYTHON) -m venv --clear $(VENV)/e2b-sdk-$*
+	grep -viE '^($(E2B_UNPINNED))==' $(CONSTRAINTS) > $(VENV)/e2b-sdk-$*/constraints.txt
+	$(VENV)/e2b-sdk-$*/bin/pip install -q --no-compile -c $(VENV)/e2b-sdk-$*/constraints.txt \
 	  -e . pytest pytest-timeout pytest-asyncio httpx2 e2b==$* \
 	  e2b-code-interpreter==$$(awk '$$1 == "$*" {print $$2}' $(E2B_SDKS))
 	touch $@

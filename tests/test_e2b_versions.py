@@ -1,5 +1,5 @@
 """tests/test_e2b.py under each older E2B SDK release of tests/e2b_sdks.txt, in that release's
-own venv (``.venv-e2b-<version>``, made by ``make e2b-sdks``); this venv's pins are run by
+own venv (``.venv/e2b-sdk-<version>``, made by ``make e2b-sdks``); this venv's pins are run by
 tests/test_e2b.py itself. The tests' server runs from this venv
 (``KERNEL_ENV_TEST_SERVER_PYTHON``): the older SDKs pin connectrpc and protobuf-py below the
 versions E2B's door is built on, so the two cannot share a venv, as a client and a server
@@ -32,7 +32,7 @@ NOT_INSTALLED = ("could not import 'rlm'", "could not import 'smolagents'")
 
 
 def _venv(sdk: str) -> Path:
-    return ROOT / f".venv-e2b-{sdk}"
+    return Path(sys.prefix) / f"e2b-sdk-{sdk}"  # inside the dev venv (make e2b-sdks)
 
 
 def _venv_python(sdk: str) -> Path:
