@@ -5,6 +5,8 @@
     python benchmarks/bench_density.py --counts 16,128      # a quicker look
     python benchmarks/bench_density.py --causes             # also one kernel's pages by cause:
                                                             # fresh, after 1 step, after 10
+    python benchmarks/bench_density.py --merge-pages        # each kernel's pages offered to
+                                                            # the Linux kernel's KSM (ksmd on)
 
 Run as root: the kernels run as uids of their own, and only root reads their ``smaps``. One
 ``kernel-env serve`` subprocess (forkserver, bubblewrap) on loopback; episodes open 8 at a
@@ -17,12 +19,19 @@ episode's kernel replaced, 16 times); the server process's RSS. At the largest N
 episode is asked for its own ``mine``: each must answer its own. The hand-started kernels
 (``KernelManager``, unsandboxed, no helpers) are measured alone first, as the floor a kernel
 costs without a forkserver.
+
+``--merge-pages``: each episode's first cell opts its kernel into KSM
+(``prctl(PR_SET_MEMORY_MERGE)``, Linux 6.4+), ksmd runs for the benchmark (``run`` = 1,
+``pages_to_scan`` = 4000; the previous values restored after), and each N is measured once
+ksmd has made two full scans since its episodes opened. The ``bytearray`` is then random
+bytes, not zeros: KSM would merge zeros away, and an agent's state is not zeros.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -30,6 +39,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +53,12 @@ from serverkit import ServeProcess, serve_process
 MiB = 1 << 20
 AT_ONCE = 8  # episodes opened at a time: the 2-core machine starts kernels, it does not queue
 STEP_SAMPLES = 64
+KSM = Path("/sys/kernel/mm/ksm")
+PR_SET_MEMORY_MERGE = 67
+MERGE_CELL = (
+    "import ctypes as _c; _r = _c.CDLL(None, use_errno=True).prctl"
+    f"({PR_SET_MEMORY_MERGE}, 1, 0, 0, 0); print(_r, _c.get_errno()); del _c, _r"
+)
 RESET_SAMPLES = 16
 
 
@@ -126,19 +142,25 @@ async def step(ws: ClientConnection, code: str) -> dict[str, Any]:
     return result
 
 
-async def open_episode(url: str, i: int) -> ClientConnection:
+async def open_episode(url: str, i: int, merge: bool = False) -> ClientConnection:
     ws = await connect(url, max_size=None, open_timeout=120, ping_interval=None)
     await request(ws, {"type": "reset", "data": {"max_iterations": 100_000}})
-    await step(ws, f"mine = {i}; blob = bytearray({MiB})")
+    if merge:
+        said = (await step(ws, MERGE_CELL))["stdout"].split()
+        if said[0] != "0":
+            raise RuntimeError(f"prctl(PR_SET_MEMORY_MERGE) failed in the kernel: errno {said[1]}")
+        await step(ws, f"mine = {i}; blob = bytearray(__import__('os').urandom({MiB}))")
+    else:
+        await step(ws, f"mine = {i}; blob = bytearray({MiB})")
     return ws
 
 
-async def open_many(url: str, first: int, last: int) -> list[ClientConnection]:
+async def open_many(url: str, first: int, last: int, merge: bool = False) -> list[ClientConnection]:
     gate = asyncio.Semaphore(AT_ONCE)
 
     async def one(i: int) -> ClientConnection:
         async with gate:
-            return await open_episode(url, i)
+            return await open_episode(url, i, merge)
 
     return list(await asyncio.gather(*(one(i) for i in range(first, last))))
 
@@ -179,21 +201,56 @@ async def every_one_answers(live: list[ClientConnection]) -> int:
     return len(live)
 
 
-async def density(server: ServeProcess, counts: list[int]) -> list[dict[str, float]]:
+@contextlib.contextmanager
+def ksmd_running(pages_to_scan: int = 4000) -> Iterator[None]:
+    """ksmd on for the block (its previous settings restored after)."""
+    names = ("run", "pages_to_scan")
+    before = {name: (KSM / name).read_text().strip() for name in names}
+    (KSM / "pages_to_scan").write_text(str(pages_to_scan))
+    (KSM / "run").write_text("1")
+    try:
+        yield
+    finally:
+        for name in reversed(names):
+            (KSM / name).write_text(before[name])
+
+
+async def ksm_scanned(scans: int = 2, limit: float = 600.0) -> str:
+    """Waits for ``scans`` more full scans of ksmd (at most ``limit`` s); what it merged."""
+    first = int((KSM / "full_scans").read_text())
+    start = time.perf_counter()
+    while int((KSM / "full_scans").read_text()) < first + scans:
+        if time.perf_counter() - start > limit:
+            break
+        await asyncio.sleep(1)
+    sharing = int((KSM / "pages_sharing").read_text()) * 4096 / MiB
+    shared = int((KSM / "pages_shared").read_text()) * 4096 / MiB
+    return (
+        f"ksm: {int((KSM / 'full_scans').read_text()) - first} scans in "
+        f"{time.perf_counter() - start:.0f} s; {shared:.0f} MiB of merged pages "
+        f"stand for {sharing:.0f} MiB more"
+    )
+
+
+async def density(
+    server: ServeProcess, counts: list[int], merge: bool = False
+) -> list[dict[str, float]]:
     url = server.url.replace("http", "ws", 1) + "/ws"
     pid = server.process.pid
     live: list[ClientConnection] = []
     rows: list[dict[str, float]] = []
     try:
-        live += await open_many(url, 0, 1)
+        live += await open_many(url, 0, 1, merge)
         alone = await step_p50(live, 32)
         base_pss = tree_pss(pid)
         previous_n, previous_pss = 1, base_pss
         for n in counts:
             start = time.perf_counter()
-            live += await open_many(url, len(live), n)
+            live += await open_many(url, len(live), n, merge)
             opened = time.perf_counter() - start
             await asyncio.sleep(2)  # the pool refills
+            if merge:
+                print(await ksm_scanned(), flush=True)
             total = tree_pss(pid)
             row = {
                 "n": n,
@@ -313,17 +370,22 @@ def main() -> None:
     parser.add_argument("--counts", default="16,128,512,1000")
     parser.add_argument("--hand", type=int, default=16, help="kernels started by hand")
     parser.add_argument("--causes", action="store_true")
+    parser.add_argument("--merge-pages", action="store_true", help="KSM: see the docstring")
     args = parser.parse_args()
     counts = sorted(int(n) for n in args.counts.split(","))
     if os.geteuid() != 0:
         sys.exit("bench_density: run as root (the kernels' smaps belong to their own uids)")
     hand = by_hand(args.hand)
     print(f"by hand: {hand['kernels']} kernels, PSS {hand['pss_per_kernel_mib']:.1f} MiB each")
+    if args.merge_pages and not (KSM / "run").exists():
+        sys.exit("bench_density: --merge-pages needs KSM (/sys/kernel/mm/ksm)")
     serve = ("--pool-size", "8", "--max-sessions", str(max(counts) + 20), "--idle-ttl", "0")
-    with serve_process(*serve, "--step-timeout", "120", "--log-level", "warning") as server:
+    serve += ("--episodes", "none", "--step-timeout", "120", "--log-level", "warning")
+    with serve_process(*serve) as server:
         if args.causes:
             asyncio.run(cause_table(server))
-        asyncio.run(density(server, counts))
+        with ksmd_running() if args.merge_pages else contextlib.nullcontext():
+            asyncio.run(density(server, counts, args.merge_pages))
 
 
 if __name__ == "__main__":
