@@ -53,13 +53,13 @@ from serverkit import ServeProcess, serve_process
 MiB = 1 << 20
 AT_ONCE = 8  # episodes opened at a time: the 2-core machine starts kernels, it does not queue
 STEP_SAMPLES = 64
+RESET_SAMPLES = 16
 KSM = Path("/sys/kernel/mm/ksm")
 PR_SET_MEMORY_MERGE = 67
 MERGE_CELL = (
     "import ctypes as _c; _r = _c.CDLL(None, use_errno=True).prctl"
     f"({PR_SET_MEMORY_MERGE}, 1, 0, 0, 0); print(_r, _c.get_errno()); del _c, _r"
 )
-RESET_SAMPLES = 16
 
 
 def tree_pss(root: int) -> int:
