@@ -147,8 +147,8 @@ check: lint
 # E2B's SDK at the older releases tests/e2b_sdks.txt lists, each in a venv of its own,
 # $(VENV)/e2b-sdk-<e2b version> (inside the dev venv, where the test looks: sys.prefix; not
 # beside it in the checkout, whose tree `openenv validate` hashes and which may hold no
-# symbolic link), for the client side of tests/test_e2b.py, which tests/test_e2b_versions.py runs there; the server
-# runs from $(VENV), since these SDKs pin connectrpc and protobuf-py below the versions E2B's
+# symbolic link), for the client side of tests/test_e2b.py, which tests/test_e2b_versions.py
+# runs there; the server runs from $(VENV), since these SDKs pin connectrpc and protobuf-py below the versions E2B's
 # door is built on. Each holds kernel_env from this checkout (the tests import it) and the
 # test runner, pinned by $(CONSTRAINTS) but for the SDK and what it pins itself. About a
 # minute each, once.

@@ -215,20 +215,19 @@ def ksmd_running(pages_to_scan: int = 4000) -> Iterator[None]:
             (KSM / name).write_text(before[name])
 
 
+def ksm(name: str) -> int:
+    return int((KSM / name).read_text())
+
+
 async def ksm_scanned(scans: int = 2, limit: float = 600.0) -> str:
     """Waits for ``scans`` more full scans of ksmd (at most ``limit`` s); what it merged."""
-    first = int((KSM / "full_scans").read_text())
-    start = time.perf_counter()
-    while int((KSM / "full_scans").read_text()) < first + scans:
-        if time.perf_counter() - start > limit:
-            break
+    first, start = ksm("full_scans"), time.perf_counter()
+    while ksm("full_scans") < first + scans and time.perf_counter() - start < limit:
         await asyncio.sleep(1)
-    sharing = int((KSM / "pages_sharing").read_text()) * 4096 / MiB
-    shared = int((KSM / "pages_shared").read_text()) * 4096 / MiB
+    shared, sharing = (ksm(name) * 4096 / MiB for name in ("pages_shared", "pages_sharing"))
     return (
-        f"ksm: {int((KSM / 'full_scans').read_text()) - first} scans in "
-        f"{time.perf_counter() - start:.0f} s; {shared:.0f} MiB of merged pages "
-        f"stand for {sharing:.0f} MiB more"
+        f"ksm: {ksm('full_scans') - first} scans in {time.perf_counter() - start:.0f} s; "
+        f"{shared:.0f} MiB of merged pages stand for {sharing:.0f} MiB more"
     )
 
 
