@@ -347,10 +347,19 @@ def _status_line(settings: ServerSettings) -> str:
             f"\nkernel-env:   {name}: {value}"
             for name, value in describe_served_limits(settings).items()
         )
+        + _merging(settings)
         + f"\nkernel-env:   {_descriptors(settings)}"
         + f"\nkernel-env:   {_capacity(settings)}"
         + f"\nkernel-env: {_episodes_kept(settings)}"
     )
+
+
+def _merging(settings: ServerSettings) -> str:
+    if not settings.merge_pages:
+        return ""
+    from kernel_env.kernel.merging import describe_merging
+
+    return f"\nkernel-env:   {describe_merging()}"
 
 
 def _capacity(settings: ServerSettings) -> str:

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from procs import cmdline, comm, descendants
 from serverkit import alive, kernel_pids, serve_args, serving, small_settings, wait_until
 from websockets.sync.client import connect
 
+from kernel_env.kernel.merging import merge_problem
 from kernel_env.server.capacity import (
     DESCRIPTORS_PER_KERNEL,
     MIN_CONNECTIONS,
@@ -262,3 +264,80 @@ def test_the_open_files_limit_bounds_the_default_and_the_status_line_says_so() -
             assert "too low" not in text  # the default fits the limit it came from
     finally:
         log.unlink(missing_ok=True)
+
+
+# -- memory merging (--merge-pages) --------------------------------------------------------
+
+
+def _merge_any(pid: int) -> str:
+    """``ksm_merge_any`` of /proc/<pid>/ksm_stat: whether all the process's memory is marked
+    mergeable (``prctl(PR_SET_MEMORY_MERGE)``); "" once the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/ksm_stat").read_text()
+    except FileNotFoundError:
+        return ""
+    lines = (line.split(maxsplit=1) for line in text.splitlines())  # "name value", "name: value"
+    return {name.rstrip(":"): value for name, value in lines}.get("ksm_merge_any", "")
+
+
+def _kernel_interpreters(server: int) -> set[int]:
+    """The server's kernels' Python processes: forked ones, and cold ones (under the launch
+    wrapper and bubblewrap, whose command lines name ipykernel too)."""
+    found = set()
+    for pid in descendants(server):
+        argv = cmdline(pid).split(b"\0")
+        if comm(pid) == "ke-kernel" or (
+            Path(argv[0].decode(errors="replace")).name.startswith("python")
+            and b"ipykernel_launcher" in argv
+        ):
+            found.add(pid)
+    return found
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("flags", "marked"),
+    [
+        pytest.param(("--merge-pages", "true"), "yes", id="forked-merged"),
+        pytest.param(("--merge-pages", "true", "--forkserver", "false"), "yes", id="cold-merged"),
+        pytest.param((), "no", id="forked-by-default"),
+    ],
+)
+def test_merge_pages_marks_every_kernel_of_the_server_and_only_then(
+    flags: tuple[str, ...], marked: str
+) -> None:
+    """A server started with --merge-pages: each of its kernels, warm or an episode's, forked
+    or cold, has all its memory marked mergeable (``ksm_merge_any: yes``), says so on its
+    status line, and still runs its cells; one started without: none is (``no``)."""
+    problem = merge_problem()
+    if problem is not None:
+        pytest.skip(f"this host cannot merge pages: {problem}")
+    command = [sys.executable, *serve_args("--pool-size", "1", *flags)]
+    log = Path(f"/tmp/kernel-env-merge-{time.monotonic_ns()}.log")
+    try:
+        with serving(command, log) as server:
+            with connect(server.url.replace("http", "ws", 1) + "/ws", open_timeout=30) as ws:
+                ws.send(json.dumps({"type": "reset", "data": {}}))
+                assert json.loads(ws.recv(timeout=120))["type"] == "observation"
+                ws.send(json.dumps({"type": "step", "data": {"code": "print(6 * 7)"}}))
+                reply = json.loads(ws.recv(timeout=120))["data"]
+                assert reply["observation"]["result"]["stdout"].strip() == "42", reply
+                # The episode's kernel and the one the pool warmed in its place.
+                assert wait_until(lambda: len(_kernel_interpreters(server.pid)) >= 2, timeout=60)
+                kernels = _kernel_interpreters(server.pid)
+                states = {pid: _merge_any(pid) for pid in kernels}
+                assert set(states.values()) == {marked}, states
+            said = log.read_text(errors="replace")
+            assert ("memory merging (KSM)" in said) == (marked == "yes"), said[-2000:]
+    finally:
+        log.unlink(missing_ok=True)
+
+
+def test_merge_pages_is_for_local_kernels_and_read_from_the_environment() -> None:
+    """--merge-pages with a gateway is refused (its kernels run elsewhere); the variable
+    KERNEL_ENV_MERGE_PAGES sets it as the flag does; it is off unless asked."""
+    with pytest.raises(ValueError, match="local kernels"):
+        ServerSettings(merge_pages=True, gateway_url="http://127.0.0.1:1")
+    assert ServerSettings.from_env({"KERNEL_ENV_MERGE_PAGES": "true"}).merge_pages
+    assert not ServerSettings.from_env({}).merge_pages

@@ -63,6 +63,7 @@ __all__ = [
     "LANGUAGE_PROBE_REPLY",
     "LANGUAGE_REQUEST_TAG",
     "LIVE_FORK_MODULE",
+    "MERGE_PAGES_ENV",
     "PROBE_REPLY",
     "RECORDED_MAGIC",
     "REQUEST_TAG",
@@ -94,6 +95,9 @@ REQUEST_TAG = "\x00kernel_env/1:"
 PROBE_REPLY = "\x00kernel_env/probe"
 SETUP_METADATA = "kernel_env.setup"
 CALL_SOCKET_ENV = "KERNEL_ENV_CALL_SOCKET"  # the socket a provisioned kernel's helpers ask on
+# "1" in a kernel's environment: it offers its memory to the Linux kernel's same-page merging
+# (KSM) as it starts (kernel_env.inkernel.tuning; a server's --merge-pages).
+MERGE_PAGES_ENV = "KERNEL_ENV_MERGE_PAGES"
 # The extension in the kernel, and the episode's state after every cell.
 EXTENSION = f"__import__('sys').modules[{EXTENSION_MODULE!r}]"
 STATE_EXPRESSION = f"{EXTENSION}.state()"

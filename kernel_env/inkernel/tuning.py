@@ -11,22 +11,36 @@ does, and ``KERNEL_ENV_TUNING=off`` in the kernel's environment turns it off (fo
 kernel: ``LocalKernel(extra_env={"KERNEL_ENV_TUNING": "off"})``). An untuned kernel behaves
 the same, a little slower.
 
+It also offers the kernel's memory to the Linux kernel's same-page merging (KSM) when its
+environment asks (:data:`~kernel_env.inkernel.contract.MERGE_PAGES_ENV` = ``1``: a server's
+``--merge-pages``), whether tuned or not: :func:`merge_pages`.
+
 Standard library, IPython, ipykernel and :mod:`kernel_env.kernel.versions` (the releases
 tested; standard library alone) only: nothing of the host.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from collections.abc import Callable
 from typing import Any
 
+from kernel_env.inkernel.contract import MERGE_PAGES_ENV
 from kernel_env.kernel import versions
 
-__all__ = ["SWITCH", "after_fork", "enabled", "load_ipython_extension", "tune"]
+__all__ = [
+    "SWITCH",
+    "after_fork",
+    "enabled",
+    "load_ipython_extension",
+    "merge_pages",
+    "tune",
+]
 
 SWITCH = "KERNEL_ENV_TUNING"  # "off" in the kernel's environment: no tuning
+PR_SET_MEMORY_MERGE = 67  # prctl(2), Linux 6.4+
 
 
 def enabled() -> bool:
@@ -37,8 +51,25 @@ def enabled() -> bool:
 
 
 def load_ipython_extension(shell: Any) -> None:
-    """``--ext=kernel_env.inkernel.tuning``: tune this kernel (see :func:`tune`)."""
+    """``--ext=kernel_env.inkernel.tuning``: tune this kernel (see :func:`tune`), and offer
+    its memory for merging if asked (:func:`merge_pages`)."""
+    merge_pages()
     tune(shell)
+
+
+def merge_pages() -> bool:
+    """When the kernel's environment asks (``MERGE_PAGES_ENV`` = ``1``), mark every page of
+    this process, now and later, as one the Linux kernel's ksmd may merge with identical
+    pages of other processes (``prctl(PR_SET_MEMORY_MERGE, 1)``, Linux 6.4+; a fork inherits
+    it). Forked kernels' copies of the forkserver's pages are often byte for byte the same
+    (``benchmarks/README.md``); ksmd runs only where the host's operator turned it on. It is
+    done here, in the started kernel: done in the forkserver before its forks, every fork
+    stalled. Whether this process is marked now."""
+    if os.environ.get(MERGE_PAGES_ENV, "").strip() != "1":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    long = ctypes.c_ulong  # prctl is variadic: whole longs, as the kernel reads them
+    return libc.prctl(PR_SET_MEMORY_MERGE, long(1), long(0), long(0), long(0)) == 0
 
 
 def tune(shell: Any) -> bool:
@@ -53,7 +84,9 @@ def tune(shell: Any) -> bool:
 
 
 def after_fork(kernel: Any) -> None:
-    """In a live fork's copy: its iopub thread is a new one, to be woken the same way."""
+    """In a live fork's copy: its iopub thread is a new one, to be woken the same way (and
+    its memory offered for merging, as a copy's environment asks)."""
+    merge_pages()
     if kernel is not None and enabled():
         _wake_iopub_through_its_loop(kernel)
 

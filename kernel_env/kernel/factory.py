@@ -24,6 +24,7 @@ from kernel_env.kernel.isolation.sandbox import SandboxLimits, sandbox_problem
 from kernel_env.kernel.isolation.sandbox import describe_limits as sandbox_limits
 from kernel_env.kernel.local import LocalKernel
 from kernel_env.kernel.local import describe_isolation as unsandboxed_limits
+from kernel_env.kernel.merging import merge_environ, merge_problem
 from kernel_env.kernel.modes import SANDBOX_MODES, SandboxMode
 from kernel_env.kernel.sandboxed import SandboxedKernel
 
@@ -155,8 +156,10 @@ def kernel_source_from(
 ) -> KernelSource:
     """Local kernels (sandboxed per ``settings.sandbox``, default ``"auto"``), or gateway
     kernels when ``settings.gateway_url`` is set. Local kernels fork from ``forkserver``
-    when one is given and ready. ``username``: the ``KERNEL_USERNAME`` gateway kernels start
-    as, over the settings' own (a tenant's; local kernels ignore it).
+    when one is given and ready, and mark their memory mergeable when
+    ``settings.merge_pages`` (a RuntimeError where the host cannot merge). ``username``: the
+    ``KERNEL_USERNAME`` gateway kernels start as, over the settings' own (a tenant's; local
+    kernels ignore it).
 
     Optional attributes: ``gateway_kernel_name`` (default ``python3``), and any other
     :class:`GatewayConfig` field prefixed ``gateway_`` (``gateway_start_timeout``, ...).
@@ -169,6 +172,10 @@ def kernel_source_from(
         hidden = tuple(getattr(settings, "secret_files", ()))
         if hidden and _local_kind(sandbox) is SandboxedKernel:
             options["limits"] = SandboxLimits(hidden_paths=hidden)
+        if getattr(settings, "merge_pages", False):
+            if (problem := merge_problem()) is not None:
+                raise RuntimeError(f"--merge-pages cannot work here: {problem}")
+            options["extra_env"] = merge_environ()
         return local_source(sandbox, **options)
     from kernel_env.kernel.gateway import GatewayConfig
 

@@ -124,6 +124,15 @@ class ServerSettings:
     preload: tuple[str, ...] = _flag(
         (), "modules the forkserver imports once for every kernel", metavar="numpy,pandas"
     )
+    # Local kernels' identical pages merged by the Linux kernel (kernel_env.kernel.merging):
+    # opt-in, for its side channel between kernels (docs/security.md).
+    merge_pages: bool = _flag(
+        False,
+        "each local kernel offers its memory to the Linux kernel's same-page merging (KSM, "
+        "Linux 6.4+; ksmd must run): a few MiB less per kernel, and a timing side channel "
+        "between kernels (docs/security.md)",
+        metavar="BOOL",
+    )
     kernels: tuple[str, ...] = _flag(
         ("python3",),
         "kernel names a reset may ask for (kernel_name); each but python3 needs its kernelspec "
@@ -254,6 +263,8 @@ class ServerSettings:
         for name in ("max_kernels", "max_connections"):
             if (value := getattr(self, name)) is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.merge_pages and self.gateway_url is not None:
+            raise ValueError("merge_pages is for local kernels: a gateway's run elsewhere")
         if self.sandbox not in SANDBOX_MODES:
             raise ValueError(f"sandbox must be auto, bwrap or none, got {self.sandbox!r}")
         object.__setattr__(self, "gateway_env", tuple(self.gateway_env))  # a CLI list
