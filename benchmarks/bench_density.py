@@ -20,11 +20,12 @@ episode is asked for its own ``mine``: each must answer its own. The hand-starte
 (``KernelManager``, unsandboxed, no helpers) are measured alone first, as the floor a kernel
 costs without a forkserver.
 
-``--merge-pages``: each episode's first cell opts its kernel into KSM
-(``prctl(PR_SET_MEMORY_MERGE)``, Linux 6.4+), ksmd runs for the benchmark (``run`` = 1,
-``pages_to_scan`` = 4000; the previous values restored after), and each N is measured once
-ksmd has made two full scans since its episodes opened. The ``bytearray`` is then random
-bytes, not zeros: KSM would merge zeros away, and an agent's state is not zeros.
+``--merge-pages``: the server runs with ``--merge-pages`` (each kernel marks its memory for
+KSM as it starts; each episode's first cell checks that its own is), ksmd runs for the
+benchmark (``run`` = 1, ``pages_to_scan`` = 4000; the previous values restored after), and
+each N is measured once ksmd has made two full scans since its episodes opened. The
+``bytearray`` is then random bytes, not zeros: KSM would merge zeros away, and an agent's
+state is not zeros.
 """
 
 from __future__ import annotations
@@ -55,11 +56,8 @@ AT_ONCE = 8  # episodes opened at a time: the 2-core machine starts kernels, it 
 STEP_SAMPLES = 64
 RESET_SAMPLES = 16
 KSM = Path("/sys/kernel/mm/ksm")
-PR_SET_MEMORY_MERGE = 67
-MERGE_CELL = (
-    "import ctypes as _c; _r = _c.CDLL(None, use_errno=True).prctl"
-    f"({PR_SET_MEMORY_MERGE}, 1, 0, 0, 0); print(_r, _c.get_errno()); del _c, _r"
-)
+# A merging kernel's first cell: whether all its memory is marked (the server's --merge-pages).
+MARKED_CELL = "print(open('/proc/self/ksm_stat').read().split('ksm_merge_any:')[1].split()[0])"
 
 
 def tree_pss(root: int) -> int:
@@ -146,9 +144,9 @@ async def open_episode(url: str, i: int, merge: bool = False) -> ClientConnectio
     ws = await connect(url, max_size=None, open_timeout=120, ping_interval=None)
     await request(ws, {"type": "reset", "data": {"max_iterations": 100_000}})
     if merge:
-        said = (await step(ws, MERGE_CELL))["stdout"].split()
-        if said[0] != "0":
-            raise RuntimeError(f"prctl(PR_SET_MEMORY_MERGE) failed in the kernel: errno {said[1]}")
+        said = (await step(ws, MARKED_CELL))["stdout"].strip()
+        if said != "yes":
+            raise RuntimeError(f"episode {i}'s kernel is not marked mergeable: {said!r}")
         await step(ws, f"mine = {i}; blob = bytearray(__import__('os').urandom({MiB}))")
     else:
         await step(ws, f"mine = {i}; blob = bytearray({MiB})")
@@ -380,11 +378,15 @@ def main() -> None:
         sys.exit("bench_density: --merge-pages needs KSM (/sys/kernel/mm/ksm)")
     serve = ("--pool-size", "8", "--max-sessions", str(max(counts) + 20), "--idle-ttl", "0")
     serve += ("--episodes", "none", "--step-timeout", "120", "--log-level", "warning")
-    with serve_process(*serve) as server:
+    if args.merge_pages:
+        serve += ("--merge-pages", "true")
+    with (
+        ksmd_running() if args.merge_pages else contextlib.nullcontext(),
+        serve_process(*serve) as server,
+    ):
         if args.causes:
             asyncio.run(cause_table(server))
-        with ksmd_running() if args.merge_pages else contextlib.nullcontext():
-            asyncio.run(density(server, counts, args.merge_pages))
+        asyncio.run(density(server, counts, args.merge_pages))
 
 
 if __name__ == "__main__":
