@@ -23,9 +23,9 @@ costs without a forkserver.
 ``--merge-pages``: the server runs with ``--merge-pages`` (each kernel marks its memory for
 KSM as it starts; each episode's first cell checks that its own is), ksmd runs for the
 benchmark (``run`` = 1, ``pages_to_scan`` = 4000; the previous values restored after), and
-each N is measured once ksmd has made two full scans since its episodes opened. The
-``bytearray`` is then random bytes, not zeros: KSM would merge zeros away, and an agent's
-state is not zeros.
+each N is measured once ksmd has settled: two full scans at least since its episodes opened,
+the last adding under 1 % to the pages merged. The ``bytearray`` is then random bytes, not
+zeros: KSM would merge zeros away, and an agent's state is not zeros.
 """
 
 from __future__ import annotations
@@ -217,11 +217,20 @@ def ksm(name: str) -> int:
     return int((KSM / name).read_text())
 
 
-async def ksm_scanned(scans: int = 2, limit: float = 600.0) -> str:
-    """Waits for ``scans`` more full scans of ksmd (at most ``limit`` s); what it merged."""
+async def ksm_scanned(least: int = 2, settled: float = 0.01, limit: float = 900.0) -> str:
+    """Waits until ksmd has merged what it will: at least ``least`` more full scans, and the
+    last of them added under ``settled`` of the pages merged (a page whose merged copy is
+    shared by ``max_page_sharing`` others already pairs up again through ksmd's unstable
+    tree, which takes scans more); at most ``limit`` s. What it merged."""
     first, start = ksm("full_scans"), time.perf_counter()
-    while ksm("full_scans") < first + scans and time.perf_counter() - start < limit:
+    scans, sharing = first, ksm("pages_sharing")
+    while time.perf_counter() - start < limit:
         await asyncio.sleep(1)
+        if (now := ksm("full_scans")) == scans:
+            continue
+        before, scans, sharing = sharing, now, ksm("pages_sharing")
+        if scans - first >= least and sharing - before <= settled * sharing:
+            break
     shared, sharing = (ksm(name) * 4096 / MiB for name in ("pages_shared", "pages_sharing"))
     return (
         f"ksm: {ksm('full_scans') - first} scans in {time.perf_counter() - start:.0f} s; "
