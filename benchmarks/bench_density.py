@@ -24,8 +24,10 @@ costs without a forkserver.
 KSM as it starts; each episode's first cell checks that its own is), ksmd runs for the
 benchmark (``run`` = 1, ``pages_to_scan`` = 4000; the previous values restored after), and
 each N is measured once ksmd has settled: two full scans at least since its episodes opened,
-the last adding under 1 % to the pages merged. The ``bytearray`` is then random bytes, not
-zeros: KSM would merge zeros away, and an agent's state is not zeros.
+the last adding under 1 % to the pages merged; the step p50 is measured again with ksmd
+paused (merged pages stay merged), which tells ksmd's CPU from the rest. The ``bytearray``
+is then random bytes, not zeros: KSM would merge zeros away, and an agent's state is not
+zeros.
 """
 
 from __future__ import annotations
@@ -213,6 +215,16 @@ def ksmd_running(pages_to_scan: int = 4000) -> Iterator[None]:
             (KSM / name).write_text(before[name])
 
 
+@contextlib.contextmanager
+def ksmd_paused() -> Iterator[None]:
+    """ksmd stopped for the block (``run`` = 0 keeps merged pages merged), then on again."""
+    (KSM / "run").write_text("0")
+    try:
+        yield
+    finally:
+        (KSM / "run").write_text("1")
+
+
 def ksm(name: str) -> int:
     return int((KSM / name).read_text())
 
@@ -268,6 +280,9 @@ async def density(
                 "reset_p50_ms": await reset_p50(url, RESET_SAMPLES),
                 "server_rss_mib": rss(pid) / MiB,
             }
+            if merge:  # the same step with ksmd paused: merged pages stay merged
+                with ksmd_paused():
+                    row["step_paused_p50_ms"] = await step_p50(live, STEP_SAMPLES)
             rows.append(row)
             print(_row_text(row), flush=True)
             previous_n, previous_pss = n, total
@@ -282,12 +297,15 @@ async def density(
 
 
 def _row_text(row: dict[str, float]) -> str:
+    alone = row["step_alone_ms"]
+    paused = row.get("step_paused_p50_ms")
     return (
         f"N={row['n']:5.0f}  PSS/episode {row['pss_per_episode_mib']:5.1f} MiB  "
         f"marginal {row['marginal_mib']:5.1f} MiB  opened in {row['open_s']:6.1f} s  "
-        f"step p50 {row['step_p50_ms']:5.1f} ms ({row['step_p50_ms'] / row['step_alone_ms']:.2f}"
-        f"x alone's {row['step_alone_ms']:.1f})  reset p50 {row['reset_p50_ms']:5.1f} ms  "
-        f"server RSS {row['server_rss_mib']:5.0f} MiB"
+        f"step p50 {row['step_p50_ms']:5.1f} ms ({row['step_p50_ms'] / alone:.2f}"
+        f"x alone's {alone:.1f})"
+        + ("" if paused is None else f" ({paused:.1f} ms, {paused / alone:.2f}x, ksmd paused)")
+        + f"  reset p50 {row['reset_p50_ms']:5.1f} ms  server RSS {row['server_rss_mib']:5.0f} MiB"
     )
 
 
