@@ -43,12 +43,12 @@ POOL = 4
 HOSTS = 3  # host nodes at most on this one machine: each gets a third of what it holds
 
 
-def host_slots() -> int:
-    """Each host's slots: this machine's capacity (``kernel-env capacity``, what a node would
-    declare), shared by the hosts this run puts on it."""
+def host_slots(given: int | None = None) -> int:
+    """Each host's slots: ``given`` (``--slots``), or this machine's capacity (``kernel-env
+    capacity``, what a node would declare) shared by the hosts this run puts on it."""
     from kernel_env.server.capacity import machine_capacity
 
-    return max(1, machine_capacity().kernels // HOSTS)
+    return given or max(1, machine_capacity().kernels // HOSTS)
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -171,13 +171,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def start_serve(token: str) -> tuple[subprocess.Popen[bytes], str]:
+async def start_serve(token: str, slots: int) -> tuple[subprocess.Popen[bytes], str]:
     import httpx
 
     port = free_port()
     env = {**os.environ, "KERNEL_ENV_TOKEN": token}
     command = [sys.executable, "-m", "kernel_env", "serve", "--port", str(port)]
-    command += ["--pool-size", str(POOL), "--max-sessions", str(host_slots())]
+    command += ["--pool-size", str(POOL), "--max-sessions", str(slots)]
     command += ["--log-level", "warning"]
     proc = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -200,8 +200,9 @@ async def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     from kernel_env.ray.hosts import NAMESPACE, host_name
 
     settings = {"pool_size": POOL}
-    slots = host_slots()
-    print(f"each host's slots: {slots} (this machine's capacity / {HOSTS})", flush=True)
+    slots = host_slots(args.slots)
+    said = "--slots" if args.slots else f"this machine's capacity / {HOSTS}"
+    print(f"each host's slots: {slots} ({said})", flush=True)
     node = cluster.add_node(num_cpus=0, resources={"kernel_env": slots}).node_id
     # The one host, under the name every client looks for: it serves /ws and Ray calls alike.
     host = (
@@ -219,7 +220,7 @@ async def run(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     )
     await host.ping.remote()
     token = "bench-" + os.urandom(8).hex()
-    serve, url = await start_serve(token)
+    serve, url = await start_serve(token, slots)
     places = KernelEnvCluster(capacity_timeout=60)
     try:
         await asyncio.sleep(3)  # both pools warm
@@ -365,6 +366,9 @@ def inside(args: argparse.Namespace) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples")
+    parser.add_argument(
+        "--slots", type=int, default=None, help="each host's slots (default: the derived share)"
+    )
     args = parser.parse_args(argv)
     args.steps = 100 if args.quick else 400
     args.rounds = 1 if args.quick else 5
