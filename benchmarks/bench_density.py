@@ -13,8 +13,9 @@ Run as root: the kernels run as uids of their own, and only root reads their ``s
 time, each a WebSocket held open, and set ``mine = i`` and a 1 MiB ``bytearray``. At each N:
 the PSS of the whole server tree (the server, the forkserver and every kernel's processes)
 divided by N, and its growth since the previous N per episode added (marginal); the time to
-open the episodes added; a step's p50 (``mine`` read back by 64 episodes picked at random)
-against the same step with one episode live, measured first; a reset's p50 (a spare
+open the episodes added; a step's p50 (``mine`` read back by 64 episodes picked at random,
+each idle until then) and that of each one's next step, against the same steps with one
+episode live, measured first; a reset's p50 (a spare
 episode's kernel replaced, 16 times); the server process's RSS. At the largest N every
 episode is asked for its own ``mine``: each must answer its own. The hand-started kernels
 (``KernelManager``, unsandboxed, no helpers) are measured alone first, as the floor a kernel
@@ -175,9 +176,13 @@ async def asks_back(ws: ClientConnection, i: int) -> float:
     return took
 
 
-async def step_p50(live: list[ClientConnection], samples: int) -> float:
-    picked = random.sample(range(len(live)), min(samples, len(live)))
-    return statistics.median([await asks_back(live[i], i) for i in picked]) * 1000
+async def step_p50(live: list[ClientConnection], samples: int) -> tuple[float, float]:
+    """The p50 (ms) of a step of an idle episode, and of the same episode's next step."""
+    first, again = [], []
+    for i in random.sample(range(len(live)), min(samples, len(live))):
+        first.append(await asks_back(live[i], i))
+        again.append(await asks_back(live[i], i))
+    return statistics.median(first) * 1000, statistics.median(again) * 1000
 
 
 async def reset_p50(url: str, samples: int) -> float:
@@ -259,7 +264,7 @@ async def density(
     rows: list[dict[str, float]] = []
     try:
         live += await open_many(url, 0, 1, merge)
-        alone = await step_p50(live, 32)
+        alone, alone_again = await step_p50(live, 32)
         base_pss = tree_pss(pid)
         previous_n, previous_pss = 1, base_pss
         for n in counts:
@@ -270,19 +275,22 @@ async def density(
             if merge:
                 print(await ksm_scanned(), flush=True)
             total = tree_pss(pid)
+            step, step_again = await step_p50(live, STEP_SAMPLES)
             row = {
                 "n": n,
                 "open_s": opened,
                 "pss_per_episode_mib": total / n / MiB,
                 "marginal_mib": (total - previous_pss) / (n - previous_n) / MiB,
-                "step_p50_ms": await step_p50(live, STEP_SAMPLES),
+                "step_p50_ms": step,
                 "step_alone_ms": alone,
+                "step_again_p50_ms": step_again,
+                "step_again_alone_ms": alone_again,
                 "reset_p50_ms": await reset_p50(url, RESET_SAMPLES),
                 "server_rss_mib": rss(pid) / MiB,
             }
             if merge:  # the same step with ksmd paused: merged pages stay merged
                 with ksmd_paused():
-                    row["step_paused_p50_ms"] = await step_p50(live, STEP_SAMPLES)
+                    row["step_paused_p50_ms"] = (await step_p50(live, STEP_SAMPLES))[0]
             rows.append(row)
             print(_row_text(row), flush=True)
             previous_n, previous_pss = n, total
@@ -305,6 +313,9 @@ def _row_text(row: dict[str, float]) -> str:
         f"step p50 {row['step_p50_ms']:5.1f} ms ({row['step_p50_ms'] / alone:.2f}"
         f"x alone's {alone:.1f})"
         + ("" if paused is None else f" ({paused:.1f} ms, {paused / alone:.2f}x, ksmd paused)")
+        + f"; its next step {row['step_again_p50_ms']:5.1f} ms "
+        f"({row['step_again_p50_ms'] / row['step_again_alone_ms']:.2f}x alone's "
+        f"{row['step_again_alone_ms']:.1f})"
         + f"  reset p50 {row['reset_p50_ms']:5.1f} ms  server RSS {row['server_rss_mib']:5.0f} MiB"
     )
 
