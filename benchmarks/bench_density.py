@@ -15,7 +15,8 @@ the PSS of the whole server tree (the server, the forkserver and every kernel's 
 divided by N, and its growth since the previous N per episode added (marginal); the time to
 open the episodes added; a step's p50 (``mine`` read back by 64 episodes picked at random,
 each idle until then) and that of each one's next step, against the same steps with one
-episode live, measured first; a reset's p50 (a spare
+episode live, measured first (once the warm pool is full and, merging, ksmd has settled); a
+reset's p50 (a spare
 episode's kernel replaced, 16 times); the server process's RSS. At the largest N every
 episode is asked for its own ``mine``: each must answer its own. The hand-started kernels
 (``KernelManager``, unsandboxed, no helpers) are measured alone first, as the floor a kernel
@@ -47,6 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 from jupyter_client.manager import KernelManager
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -58,6 +60,7 @@ MiB = 1 << 20
 AT_ONCE = 8  # episodes opened at a time: the 2-core machine starts kernels, it does not queue
 STEP_SAMPLES = 64
 RESET_SAMPLES = 16
+POOL = 8  # the server's warm kernels
 KSM = Path("/sys/kernel/mm/ksm")
 # A merging kernel's first cell: whether all its memory is marked (the server's --merge-pages).
 MARKED_CELL = "print(open('/proc/self/ksm_stat').read().split('ksm_merge_any:')[1].split()[0])"
@@ -195,6 +198,16 @@ async def reset_p50(url: str, samples: int) -> float:
     return statistics.median(took) * 1000
 
 
+async def pool_warm(base_url: str, size: int, limit: float = 120.0) -> None:
+    """Waits until the server's warm pool holds ``size`` kernels (its ``/metrics``)."""
+    deadline = time.monotonic() + limit
+    async with httpx.AsyncClient(base_url=base_url, trust_env=False) as http:
+        while (await http.get("/metrics")).json()["pool_warm"] < size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the warm pool did not reach {size} kernels in {limit} s")
+            await asyncio.sleep(0.5)
+
+
 async def every_one_answers(live: list[ClientConnection]) -> int:
     gate = asyncio.Semaphore(AT_ONCE)
 
@@ -264,6 +277,9 @@ async def density(
     rows: list[dict[str, float]] = []
     try:
         live += await open_many(url, 0, 1, merge)
+        await pool_warm(server.url, POOL)  # no kernel starting beside the steps alone
+        if merge:  # and the one episode's kernel merged with the pool's, as later ones are
+            print(await ksm_scanned(), flush=True)
         alone, alone_again = await step_p50(live, 32)
         base_pss = tree_pss(pid)
         previous_n, previous_pss = 1, base_pss
@@ -414,7 +430,7 @@ def main() -> None:
     print(f"by hand: {hand['kernels']} kernels, PSS {hand['pss_per_kernel_mib']:.1f} MiB each")
     if args.merge_pages and not (KSM / "run").exists():
         sys.exit("bench_density: --merge-pages needs KSM (/sys/kernel/mm/ksm)")
-    serve = ("--pool-size", "8", "--max-sessions", str(max(counts) + 20), "--idle-ttl", "0")
+    serve = ("--pool-size", str(POOL), "--max-sessions", str(max(counts) + 20), "--idle-ttl", "0")
     serve += ("--episodes", "none", "--step-timeout", "120", "--log-level", "warning")
     if args.merge_pages:
         serve += ("--merge-pages", "true")
