@@ -325,3 +325,40 @@ def _files_holding(root: str, secrets: tuple[str, ...]) -> list[str]:
             if any(secret.encode() in data for secret in secrets):
                 found.append(path)
     return found
+
+
+def priority(driver: Any) -> dict[str, Any]:
+    """With an episode on each host: the niceness of each host's threads, of every process
+    under it (forkserver, kernels) and of its raylet; and that of a plain Ray task's worker."""
+    from procs import comm, descendants, parent
+
+    from kernel_env.ray.hosts import kernel_nodes
+
+    def niceness(pid: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+
+    def look() -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for node in kernel_nodes():
+            pid = int(ray.get(_host(node).endpoint.remote(), timeout=60)["pid"])
+            threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            below = descendants(pid)
+            found[node] = {
+                "threads": sorted({niceness(t) for t in threads}),
+                "below": sorted({niceness(p) for p in below}),
+                "kernels": sum(comm(p) == "ke-kernel" for p in below),
+                "raylet": niceness(parent(pid)),
+            }
+        return found
+
+    async def run() -> dict[str, Any]:
+        cluster = KernelEnvCluster(capacity_timeout=30)
+        envs = await asyncio.gather(*(cluster.episode() for _ in kernel_nodes()))
+        try:
+            await asyncio.gather(*(env.reset() for env in envs))
+            return look()
+        finally:
+            await asyncio.gather(*(env.close() for env in envs), return_exceptions=True)
+
+    task = ray.remote(num_cpus=1)(lambda: os.getpriority(os.PRIO_PROCESS, 0))
+    return {"hosts": asyncio.run(run()), "task": ray.get(task.remote(), timeout=60)}

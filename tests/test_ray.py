@@ -99,6 +99,23 @@ def test_an_episode_does_what_a_kernel_env_episode_does(cluster: RayNetns, tmp_p
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
+def test_a_host_and_its_kernels_run_at_the_raylets_priority_not_rays_workers(
+    cluster: RayNetns,
+) -> None:
+    """Ray starts its workers at niceness 15; a host takes its raylet's back, for every thread
+    and everything it starts (its forkserver and kernels), so that its kernels do not get the
+    node's CPU last on a busy node."""
+    got = cluster.call("priority")
+    assert got["task"] == 15  # what Ray gives a worker (its worker_niceness)
+    assert sorted(got["hosts"]) == sorted(cluster.node_ids[1:])
+    for node, seen in got["hosts"].items():
+        assert seen["raylet"] == 0, (node, seen)
+        assert seen["threads"] == [0], (node, seen)
+        assert seen["kernels"] >= 2 and seen["below"] == [0], (node, seen)  # forkserver, kernel
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
 def test_the_capacity_bound_holds_and_an_episode_waits_for_room(cluster: RayNetns) -> None:
     """Six slots held: two more episodes wait 2 s, then fail as a full server does; no host
     goes past its slots; an episode asked while full gets in when a slot frees; one placed on

@@ -90,6 +90,7 @@ class KernelEnvHost:
         return self._runtime
 
     async def _start(self) -> None:
+        _take_the_nodes_priority(self._raylet)  # before any thread or process of the server
         pool = int(self._overrides.pop("pool_size", min(4, self.slots)))
         settings = ServerSettings.from_env(
             **{
@@ -245,6 +246,34 @@ class KernelEnvHost:
                 gauges[1].set(runtime.pool.live, tags=tags)
                 gauges[2].set(self._rate(runtime), tags=tags)
             await asyncio.sleep(_TICK)
+
+
+def _take_the_nodes_priority(raylet: int) -> None:
+    """Ray starts its workers at niceness 15 (its ``worker_niceness``), and a host's server,
+    forkserver and kernels would inherit it: on a busy node every other process (the
+    trainer's, the raylet's) then takes the CPU first, and a host's steps were several times a
+    server's beside it (``benchmarks/README.md``). Every thread of this process takes the
+    raylet's niceness instead (what it forks later inherits it), where this process may lower
+    its own (root, or ``CAP_SYS_NICE``); elsewhere it says how to start the node instead."""
+    try:
+        wanted, now = os.getpriority(os.PRIO_PROCESS, raylet), os.getpriority(os.PRIO_PROCESS, 0)
+    except OSError:  # the raylet gone: _end_with_the_node ends this host
+        return
+    if now <= wanted:
+        return
+    try:
+        for thread in os.listdir("/proc/self/task"):  # Linux: a niceness is a thread's
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, int(thread), wanted)
+    except PermissionError:
+        log.warning(
+            "this kernel_env host runs at Ray's worker niceness %d, below the raylet's %d: on "
+            "a busy node its kernels get the CPU last; start the node with "
+            "RAY_worker_niceness=%d in its environment (or run it as root)",
+            now,
+            wanted,
+            wanted,
+        )
 
 
 def node_store(episodes: str, node_id: str) -> str:
