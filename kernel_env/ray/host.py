@@ -267,8 +267,8 @@ def _take_the_nodes_priority(raylet: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, int(thread), wanted)
     except PermissionError:
         log.warning(
-            "this kernel_env host runs at Ray's worker niceness %d, below the raylet's %d: on "
-            "a busy node its kernels get the CPU last; start the node with "
+            "this kernel_env host runs at niceness %d (Ray's worker niceness), its raylet at "
+            "%d: on a busy node its kernels get the CPU last; start the node with "
             "RAY_worker_niceness=%d in its environment (or run it as root)",
             now,
             wanted,
