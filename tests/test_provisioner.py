@@ -274,8 +274,16 @@ async def test_the_call_socket_is_bounded_and_answers_only_requests(
         out, _ = await _run(kc, flood)
         assert "closed unanswered: True" in out, out
         assert km.provisioner.call_socket.refused >= MAX_CONNECTIONS  # type: ignore[union-attr]
-        await _run(kc, "for s in held: s.close()\ndel held")
-        assert await _run(kc, "print(llm_query('still'))") == ("pong: still\n", None)
+        # A call made while the kernel still holds every connection the host serves waits
+        # for room (the host sees closes late on a busy machine), and is answered once the
+        # kernel closes them.
+        free_later = (
+            "import threading\nthreading.Timer(0.5, lambda: [s.close() for s in held]).start()\n"
+        )
+        said = await _run(kc, free_later + "print(llm_query('still'))")
+        assert said == ("pong: still\n", None), said
+        await _run(kc, "del held")
+        assert await _run(kc, "print(llm_query('again'))") == ("pong: again\n", None)
     finally:
         kc.stop_channels()
         await km.shutdown_kernel()

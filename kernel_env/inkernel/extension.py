@@ -290,8 +290,28 @@ def _openai_compatible(base_url: str, model: str, api_key: str | None) -> Callab
     return complete
 
 
+_ROOM_PATIENCE = 5.0  # seconds a call waits for room on the host's call socket
+
+
 def _ask_socket(path: str, op: str, request: str) -> str:
-    """The reply to ``request`` from the host's call socket (see the contract)."""
+    """The reply to ``request`` from the host's call socket (see the contract). A connection
+    closed unanswered is the host's refusal for room (as many connections as it serves at
+    once are open: this kernel's own, or ones it has closed that the host has not seen close
+    yet): asked again, for a few seconds."""
+    deadline, pause = time.monotonic() + _ROOM_PATIENCE, 0.002
+    while not (reply := _ask_socket_once(path, op, request)):
+        if time.monotonic() > deadline:
+            raise HostCallError(
+                f"{op}: the kernel_env host had no room for this call for {_ROOM_PATIENCE:g} s "
+                "(too many connections to its call socket are open)"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+    return reply
+
+
+def _ask_socket_once(path: str, op: str, request: str) -> str:
+    """The reply, or "" when the host closed the connection unanswered."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(path)
@@ -299,6 +319,8 @@ def _ask_socket(path: str, op: str, request: str) -> str:
             chunks = []
             while data := sock.recv(1 << 16):
                 chunks.append(data)
+    except (BrokenPipeError, ConnectionResetError):  # closed before it read the request
+        return ""
     except OSError as exc:
         raise HostCallError(f"{op}: the kernel_env host does not answer: {exc}") from exc
     return b"".join(chunks).decode("utf-8", "replace").removesuffix("\n")
