@@ -323,7 +323,14 @@ def test_merge_pages_marks_every_kernel_of_the_server_and_only_then(
                 ws.send(json.dumps({"type": "step", "data": {"code": "print(6 * 7)"}}))
                 reply = json.loads(ws.recv(timeout=120))["data"]
                 assert reply["observation"]["result"]["stdout"].strip() == "42", reply
-                # The episode's kernel and the one the pool warmed in its place.
+
+                # The episode's kernel and the one the pool warmed in its place (a warm kernel
+                # has loaded its extensions: a cold one still starting has not, yet).
+                def warm() -> bool:
+                    metrics = httpx.get(f"{server.url}/metrics", timeout=10).json()
+                    return metrics["pool_warm"] >= 1
+
+                assert wait_until(warm, timeout=120)
                 assert wait_until(lambda: len(_kernel_interpreters(server.pid)) >= 2, timeout=60)
                 kernels = _kernel_interpreters(server.pid)
                 states = {pid: _merge_any(pid) for pid in kernels}
