@@ -111,7 +111,7 @@ def test_a_host_and_its_kernels_run_at_the_raylets_priority_not_rays_workers(
     for node, seen in got["hosts"].items():
         assert seen["raylet"] == 0, (node, seen)
         assert seen["threads"] == [0], (node, seen)
-        assert seen["kernels"] >= 2 and seen["below"] == [0], (node, seen)  # forkserver, kernel
+        assert seen["kernels"] >= 1 and seen["below"] == [0], (node, seen)  # forkserver, kernels
 
 
 @pytest.mark.integration
